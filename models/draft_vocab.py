@@ -1,0 +1,41 @@
+"""Draft vocabulary: the Vd most frequent target tokens among loss-masked training tokens.
+
+`d2t[i]` (int64 [Vd]) is the offset with target_id = i + d2t[i]; ids are sorted ascending so
+the offsets are non-decreasing. `t2d` (bool [V]) marks the chosen target ids.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def count_tokens(input_ids_rows, loss_mask_rows, vocab_size: int) -> np.ndarray:
+    """[V] int64 counts of tokens at loss-masked positions."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for ids, mask in zip(input_ids_rows, loss_mask_rows):
+        ids, mask = np.asarray(ids), np.asarray(mask, dtype=bool)
+        counts += np.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def build_draft_vocab(counts, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [Vd] int64, t2d [V] bool). Ties and unseen tokens are broken by lower target id,
+    so the result is deterministic."""
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    V = counts.numel()
+    if not 0 < draft_vocab_size <= V:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{V}")
+    # stable sort on -count keeps lower ids first among equal counts
+    order = torch.sort(-counts, stable=True).indices
+    chosen = torch.sort(order[:draft_vocab_size]).values
+    d2t = chosen - torch.arange(draft_vocab_size)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[chosen] = True
+    return d2t, t2d
+
+
+def coverage(counts, t2d: torch.Tensor) -> float:
+    """Fraction of loss-masked training tokens inside the draft vocabulary."""
+    counts = torch.as_tensor(counts, dtype=torch.long)
+    total = counts.sum().item()
+    return counts[t2d].sum().item() / total if total else 0.0

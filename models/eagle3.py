@@ -1,0 +1,232 @@
+"""EAGLE-3 drafter: one decoder layer over [embedding; fused multi-layer target feature].
+
+Shapes: B batch, T positions, H drafter hidden (= target hidden Ht here), V target vocab,
+Vd draft vocab, n number of aux layers.
+
+Alignment (the EAGLE convention): the target feature at position t (computed after reading
+token x_t) is paired with token x_{t+1}, and the drafter predicts x_{t+2}. A draft chain
+from position t feeds its own output hidden state back, with its own drafted token, at
+positions t+1, t+2, ... (training-time test, TTT, unrolls exactly this).
+
+Parameter names follow vLLM's speculators layout, so the state dict exports without
+renaming (see FORMATS.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """Low, middle and high layers as output-of-layer ids: [1, L//2 - 1, L - 4] (clamped into
+    range for the tiny test targets)."""
+    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+
+
+@dataclass
+class Eagle3Config:
+    vocab_size: int  # V: the target's vocabulary
+    draft_vocab_size: int  # Vd: rows of the draft head
+    hidden_size: int  # H
+    target_hidden_size: int  # Ht
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    aux_layer_ids: list[int]  # output-of-layer ids (hidden_states[i + 1] in transformers)
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    # True: the residual around attention is the normed feature; False (EAGLE's original and
+    # the only form SGLang's layout can carry): the residual is the pre-norm feature.
+    norm_before_residual: bool = False
+    # RMSNorm over the concatenated aux features before fc (speculators `input_norm`).
+    norm_before_fc: bool = False
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        for i in self.aux_layer_ids:
+            if not 0 <= i < self.target_num_layers:
+                raise ValueError(f"aux layer id {i} is out of range for a {self.target_num_layers}-layer target (0..{self.target_num_layers - 1})")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        if self.hidden_size != self.target_hidden_size:
+            raise ValueError("EAGLE-3 here shares the target's embedding and head rows, so hidden_size must equal the target's")
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int] | None = None, **options) -> "Eagle3Config":
+        theta, scaling = rope_config(hf_config)
+        n = hf_config.num_hidden_layers
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            hidden_size=hf_config.hidden_size,
+            target_hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n),
+            target_num_layers=n,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            **options,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle3Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown EAGLE-3 config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = 2 * cfg.hidden_size  # [embedding; feature]
+        self.q_proj = nn.Linear(width, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, kv_steps: list, mask):
+        """x [B,T,2H]; kv_steps: (k, v) of earlier TTT steps, each [B,nh,T,d], appended to.
+
+        mask [T, (s+1)T] bool: step 0 keys causal, keys of step j>0 only at the same index.
+        """
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:  # expand KV heads here: the fused masked SDPA kernels want equal heads
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        kv_steps.append((k, v))
+        if len(kv_steps) == 1:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keys = torch.cat([kk for kk, _ in kv_steps], dim=2)
+            values = torch.cat([vv for _, vv in kv_steps], dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds, hidden, cos, sin, kv_steps, mask):
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
+        h = residual + self.self_attn(x, cos, sin, kv_steps, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def ttt_mask(T: int, steps_so_far: int, device) -> torch.Tensor:
+    """[T, steps_so_far*T] bool: query t sees step-0 keys <= t and key t of each later step."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * (steps_so_far - 1), dim=1)
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t + n], padding the end with `fill`."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        n_aux = len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # frozen copy of the target's
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(n_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(cfg)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    # ------------------------------------------------------------------ initialisation
+    @torch.no_grad()
+    def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
+        """Embedding (frozen) and head rows from the target; draft vocab maps installed."""
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        head = target_model.get_output_embeddings().weight  # [V, H]
+        self.lm_head.weight.copy_(head[self.draft_ids()])
+        self.norm.weight.copy_(target_model.model.norm.weight)
+
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] target id of each draft-vocab row."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    # ------------------------------------------------------------------ forward pieces
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [B,T,n*Ht] (low, mid, high concatenated) → fused feature [B,T,H]."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        return self.fc(aux)
+
+    def step(self, tokens, hidden, positions, kv_steps: list, mask):
+        """One draft step. tokens [B,T], hidden [B,T,H], positions [B,T] → new hidden [B,T,H]."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        return self.layers[0](self.embed_tokens(tokens).to(hidden.dtype), hidden, cos, sin, kv_steps, mask)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B,T,H] → [B,T,Vd] over the draft vocabulary."""
+        return self.lm_head(self.norm(hidden))
+
+    def unroll(self, input_ids, aux, steps: int, position_ids=None, greedy: bool = False):
+        """Training-time test: `steps` chained draft steps at every position at once.
+
+        Step s at index t drafts token t+2+s. Its input token is x_{t+1+s} (teacher forcing,
+        training) or the step s-1 draft at t (greedy: exactly the chain a runtime drafts).
+        Returns a list of `steps` logits tensors [B,T,Vd].
+        """
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.fuse(aux)
+        kv_steps: list = []
+        out = []
+        tokens = shift_left(input_ids, 1)
+        for s in range(steps):
+            if s > 0:
+                tokens = self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
+            mask = ttt_mask(T, s + 1, input_ids.device) if s > 0 else None
+            hidden = self.step(tokens, hidden, position_ids + s, kv_steps, mask)
+            out.append(self.logits(hidden))
+        return out

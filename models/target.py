@@ -1,0 +1,124 @@
+"""The target model wrapper used in training.
+
+Returns the hidden states of chosen layers (layer id i = output of decoder layer i, which is
+`hidden_states[i + 1]` of transformers' `output_hidden_states` for i < L-1; for i = L-1 we
+return the pre-norm output, transformers returns it normed), the final normed hidden state,
+and, chunk-wise from the target's own head, teacher probabilities over the draft vocabulary
+and the greedy token over the full vocabulary. No [B, T, V] float32 tensor is ever built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class TargetOutput:
+    aux: torch.Tensor  # [B, T, n*Ht]: aux layers concatenated, in the order asked
+    last_hidden: torch.Tensor  # [B, T, Ht]: after the final norm
+
+
+class Target(nn.Module):
+    def __init__(self, model, aux_layer_ids: list[int]):
+        super().__init__()
+        self.model = model
+        L = self.num_layers
+        for i in aux_layer_ids:
+            if not 0 <= i < L:
+                raise ValueError(f"layer id {i} is out of range for this {L}-layer target (0..{L - 1})")
+        self.aux_layer_ids = list(aux_layer_ids)
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in set(aux_layer_ids):
+            self.decoder.layers[i].register_forward_hook(self._capture(i))
+
+    def _capture(self, i):
+        def hook(_module, _inputs, output):
+            self._captured[i] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @classmethod
+    def load(cls, spec: str, aux_layer_ids: list[int], dtype=torch.float32, device=None) -> "Target":
+        from transformers import AutoModelForCausalLM
+
+        from models.zoo import resolve_target
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_target(spec), dtype=dtype)
+        if device is not None:
+            model.to(device)
+        return cls(model.eval(), aux_layer_ids)
+
+    # ------------------------------------------------------------------ shape facts
+    @property
+    def decoder(self):
+        return self.model.model
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight  # [V, Ht]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> TargetOutput:
+        self._captured.clear()
+        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
+        self._captured.clear()
+        return TargetOutput(aux=aux, last_hidden=out.last_hidden_state)
+
+    @torch.no_grad()
+    def head_outputs(self, last_hidden, draft_ids=None, chunk_rows: int = 2048):
+        """Chunk-wise head: (teacher probs [B,T,Vd] over the draft vocab or None, greedy [B,T]).
+
+        Teacher probs are the target's softmax restricted (renormalised) to the draft vocab;
+        greedy is the argmax over the full vocabulary (what acceptance is judged against).
+        """
+        B, T, H = last_hidden.shape
+        flat = last_hidden.reshape(-1, H)
+        W = self.head_weight
+        greedy = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
+        probs = None if draft_ids is None else torch.empty(flat.shape[0], draft_ids.numel(), dtype=last_hidden.dtype, device=flat.device)
+        for start in range(0, flat.shape[0], chunk_rows):
+            logits = F.linear(flat[start : start + chunk_rows], W)  # [rows, V]
+            greedy[start : start + chunk_rows] = logits.argmax(-1)
+            if probs is not None:
+                probs[start : start + chunk_rows] = torch.softmax(logits[:, draft_ids].float(), -1).to(probs.dtype)
+        return (None if probs is None else probs.view(B, T, -1)), greedy.view(B, T)
+
+    @torch.no_grad()
+    def greedy_after_chains(self, input_ids, anchors, chains):
+        """Target's greedy choice after each token of draft chains grafted onto one sequence.
+
+        input_ids [T] (one unpadded sequence); anchors [m]: chain i continues the context
+        x_0..x_{a_i + 1}; chains [m, c]: drafted tokens at positions a_i+2 .. a_i+1+c.
+        Returns [m, c]: the target's greedy next token after each chain token, from one
+        forward over [sequence; all chains] with a mask that keeps every chain to its own
+        context (a tree-attention verify of all anchors at once).
+        """
+        T = input_ids.shape[0]
+        m, c = chains.shape
+        dev = input_ids.device
+        n = T + m * c
+        ids = torch.cat([input_ids, chains.reshape(-1)])[None]
+        chain_pos = anchors[:, None] + 2 + torch.arange(c, device=dev)  # [m, c]
+        positions = torch.cat([torch.arange(T, device=dev), chain_pos.reshape(-1)])[None]
+        mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
+        mask[:T, :T] = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        rows = T + torch.arange(m * c, device=dev).view(m, c)
+        ctx = torch.arange(T, device=dev)[None, :] <= (anchors[:, None] + 1)  # [m, T]
+        mask[rows.reshape(-1)] = torch.cat([ctx.repeat_interleave(c, 0), torch.zeros(m * c, m * c, dtype=torch.bool, device=dev)], 1)
+        own = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
+        mask[T:, T:] = torch.block_diag(*([own] * m))  # each chain sees its own earlier tokens
+        out = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=False)
+        self._captured.clear()
+        _, greedy = self.head_outputs(out.last_hidden_state[:, T:])
+        return greedy.view(m, c)

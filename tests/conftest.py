@@ -1,0 +1,77 @@
+"""Shared fixtures: a tiny random Llama with the real tokenizer, and small chat files."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import warnings
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run on the CPU through the interpreter where there is no GPU (CI); this must
+# be set before triton is first imported.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> str:
+    from models.zoo import resolve_target
+
+    return resolve_target("tiny-random-llama")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target)
+
+
+WORDS = ("the model drafts tokens and the target verifies them in one pass so decoding gets faster "
+         "when the drafts agree with what the target would have said anyway").split()
+
+
+def make_conversations(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        msgs = []
+        for turn in range(rng.randint(1, 3)):
+            msgs.append({"role": "user", "content": f"question {i}.{turn}: " + " ".join(rng.choices(WORDS, k=rng.randint(3, 12)))})
+            msgs.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=rng.randint(5, 40)))})
+        rows.append({"messages": msgs})
+    return rows
+
+
+@pytest.fixture()
+def chat_file(tmp_path) -> str:
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dataset_cache(tmp_path_factory, monkeypatch):
+    """Datasets tokenized by tests go to a per-session folder; the zoo cache is shared."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
+
+
+def tiny_overrides(chat_file: str, out_dir, **extra) -> list[str]:
+    base = {
+        "target": "tiny-random-llama", "data.dataset": chat_file, "data.max_length": 96,
+        "data.batch_size": 4, "data.num_workers": 0, "data.heldout_fraction": 0.1,
+        "drafter.draft_vocab_size": 256, "objective.ttt_steps": 3, "eval.k": 3,
+        "eval.num_sequences": 4, "eval.anchors_per_sequence": 8, "eval.every_n_steps": 4,
+        "checkpoint_every_n_steps": 3, "trainer.max_steps": 6, "trainer.accelerator": "cpu",
+        "trainer.enable_progress_bar": False, "trainer.logger": False, "out_dir": str(out_dir),
+    }
+    base.update(extra)
+    return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]

@@ -1,0 +1,55 @@
+"""Every bad-config case is one clear line naming the key, exit code 2, before any model loads."""
+import subprocess
+import sys
+
+import pytest
+
+from train.config import ConfigError, load_config
+
+CASES = [
+    (["data.batchsize=3"], "unknown key 'data.batchsize' (did you mean data.batch_size?)"),
+    (["bogus=1"], "unknown key 'bogus'"),
+    (["trainer.max_stepz=3"], "unknown key 'trainer.max_stepz' (did you mean trainer.max_steps?)"),
+    (["data.batch_size=abc"], "data.batch_size: expected an integer, got 'abc'"),
+    (["drafter.norm_before_residual=maybe"], "drafter.norm_before_residual: expected true or false"),
+    (["optim.lr=fast"], "optim.lr: expected a number"),
+    (["drafter.aux_layer_ids=[1,2,30]"], "drafter.aux_layer_ids[2]: layer 30 is out of range for the 30-layer target (0..29)"),
+    (["data.dataset=/no/such/file.jsonl"], "data.dataset: '/no/such/file.jsonl' is not a zoo data set or an existing file"),
+    (["target=/no/such/folder"], "target: '/no/such/folder' is not a zoo target"),
+    (["data.batch_size=0"], "data.batch_size: must be positive"),
+    (["drafter.method=medusa9"], "drafter.method: 'medusa9' is not available"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CASES)
+def test_bad_config_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/quickstart.yaml", overrides)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["data.batchsize=3"], "unknown key 'data.batchsize'"),
+    (["--config", "configs/nope.yaml"], "--config: file configs/nope.yaml does not exist"),
+    (["--resume", "/no/such.ckpt"], "--resume: checkpoint /no/such.ckpt does not exist"),
+    (["--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["drafter.aux_layer_ids=[40]"], "layer 40 is out of range"),
+])
+def test_cli_prints_one_line_and_exits_2(argv, message):
+    res = subprocess.run([sys.executable, "-m", "train", *argv], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_print_config_shows_resolved_values():
+    res = subprocess.run([sys.executable, "-m", "train", "--print-config", "data.batch_size=7"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "batch_size: 7" in res.stdout and "target: smollm2-135m-instruct" in res.stdout
+
+
+def test_recipes_parse():
+    for name in ("quickstart", "eagle3"):
+        cfg = load_config(f"configs/{name}.yaml", [])
+        assert cfg.drafter.method == "eagle3"

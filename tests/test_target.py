@@ -1,0 +1,60 @@
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.target import Target
+
+
+def _target(path, layers):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return Target(model, layers)
+
+
+def test_layer_ids_match_output_hidden_states(tiny_target):
+    target = _target(tiny_target, [0, 1])
+    L = target.num_layers
+    ids = torch.randint(0, 1000, (2, 17))
+    with torch.no_grad():
+        out = target(ids)
+        ref = target.model(ids, output_hidden_states=True).hidden_states
+    H = target.config.hidden_size
+    # layer id i is hidden_states[i + 1]; transformers norms the last one, we return it pre-norm
+    for slot, i in enumerate([0, 1]):
+        got = out.aux[..., slot * H : (slot + 1) * H]
+        expect = ref[i + 1] if i < L - 1 else None
+        if expect is not None:
+            torch.testing.assert_close(got, expect, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(target.decoder.norm(got), ref[L], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.last_hidden, ref[L], rtol=0, atol=0)
+
+
+def test_layer_id_out_of_range_is_an_error(tiny_target):
+    import pytest
+
+    with pytest.raises(ValueError, match="layer id 2 is out of range"):
+        _target(tiny_target, [0, 2])
+
+
+def test_head_outputs_are_chunked_restricted_softmax_and_full_argmax(tiny_target):
+    target = _target(tiny_target, [0])
+    h = torch.randn(2, 9, target.config.hidden_size)
+    draft_ids = torch.tensor([3, 17, 100, 2000, 40000])
+    probs, greedy = target.head_outputs(h, draft_ids, chunk_rows=4)
+    logits = h @ target.head_weight.T
+    torch.testing.assert_close(probs, torch.softmax(logits[..., draft_ids], -1))
+    assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_greedy_after_chains_equals_one_forward_per_chain(tiny_target):
+    target = _target(tiny_target, [0])
+    torch.manual_seed(0)
+    T, c = 20, 3
+    ids = torch.randint(0, 5000, (T,))
+    anchors = torch.tensor([0, 5, 11, 17])
+    chains = torch.randint(0, 5000, (len(anchors), c))
+    got = target.greedy_after_chains(ids, anchors, chains)
+    for i, a in enumerate(anchors.tolist()):
+        seq = torch.cat([ids[: a + 2], chains[i]])[None]
+        with torch.no_grad():
+            logits = target.model(seq).logits[0]
+        assert torch.equal(got[i], logits[a + 2 :].argmax(-1)), f"anchor {a}"

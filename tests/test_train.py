@@ -1,0 +1,101 @@
+"""End to end on the tiny target: CLI, checkpoints, resume, export, predicted acceptance."""
+import json
+import subprocess
+import sys
+
+import lightning as L
+import pytest
+import torch
+
+from tests.conftest import tiny_overrides
+from train.config import load_config
+from train.run import run
+
+
+def _final_weights(out_dir):
+    ckpt = torch.load(out_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return ckpt["state_dict"], ckpt["global_step"]
+
+
+def test_cli_fast_dev_run(chat_file, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "train", *tiny_overrides(chat_file, tmp_path / "run"),
+                          "trainer.fast_dev_run=true"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
+    out = tmp_path / "run"
+    summary = run(load_config(None, tiny_overrides(chat_file, out)))
+    pred = json.loads((out / "predicted.json").read_text())
+    assert pred["predicted"]["k"] == 3 and len(pred["predicted"]["a"]) == 3
+    assert 1.0 <= pred["predicted"]["tau"] <= 4.0 and pred["predicted"]["num_chains"] > 0
+    assert summary["train_steps"] == 6
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["architectures"] == ["Eagle3DraftModel"]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "export" / "draftsmith.json").read_text())["drafter_config"]["aux_layer_ids"]]
+
+    # the export reloads strictly and computes what the trained module computes
+    from export.speculators import load_speculators
+
+    reloaded = load_speculators(out / "export", dtype=torch.float32)
+    state, _ = _final_weights(out)
+    from models.eagle3 import Eagle3Drafter
+
+    trained = Eagle3Drafter(reloaded.config)
+    trained.load_state_dict({k[len("drafter."):]: v for k, v in state.items()})
+    ids = torch.randint(0, 1000, (1, 12))
+    aux = torch.randn(1, 12, 3 * reloaded.config.target_hidden_size)
+    a = reloaded.unroll(ids, aux, 3, greedy=True)
+    b = trained.unroll(ids, aux, 3, greedy=True)
+    for x, y in zip(a, b):  # export is bf16: same drafts, close logits
+        assert torch.allclose(x, y, atol=0.1, rtol=0.05)
+
+
+class _StopAt(L.Callback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_train_batch_start(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_resume_is_bit_for_bit(chat_file, tmp_path, monkeypatch):
+    import train.run as run_mod
+
+    full = tmp_path / "full"
+    run(load_config(None, tiny_overrides(chat_file, full)))
+    expect, step = _final_weights(full)
+    assert step == 6
+
+    part = tmp_path / "part"
+    real_build = run_mod.build_trainer
+
+    def interrupted(cfg, out_dir):
+        trainer = real_build(cfg, out_dir)
+        trainer.callbacks.insert(0, _StopAt(3))
+        return trainer
+
+    monkeypatch.setattr(run_mod, "build_trainer", interrupted)
+    with pytest.raises(SystemExit):  # Lightning shuts down gracefully, then exits
+        run(load_config(None, tiny_overrides(chat_file, part)))
+    _, step = _final_weights(part)
+    assert step == 3
+    monkeypatch.setattr(run_mod, "build_trainer", real_build)
+    run(load_config(None, tiny_overrides(chat_file, part)), resume=str(part / "checkpoints" / "last.ckpt"))
+    got, step = _final_weights(part)
+    assert step == 6
+    assert got.keys() == expect.keys()
+    for k in expect:
+        assert torch.equal(got[k], expect[k]), k
+
+
+def test_checkpoint_holds_drafter_only_and_loads_strictly(chat_file, tmp_path):
+    out = tmp_path / "run"
+    run(load_config(None, tiny_overrides(chat_file, out, **{"trainer.max_steps": 3})))
+    state, _ = _final_weights(out)
+    assert all(k.startswith("drafter.") for k in state)
+    from train.module import DrafterModule
+
+    with pytest.raises(KeyError, match="outside the drafter"):
+        DrafterModule.load_state_dict(object.__new__(DrafterModule), {"target.x": torch.zeros(1)})

@@ -1,0 +1,263 @@
+"""Run configuration: typed dataclasses, YAML recipes mirroring them, dotted overrides.
+
+Everything is validated before any model loads: an unknown key, a wrong type, a missing file
+or a layer id beyond the target's depth raises ConfigError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class DrafterConfig:
+    method: str = "eagle3"
+    """Drafter family. Only `eagle3` exists so far."""
+    aux_layer_ids: list[int] | None = None
+    """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
+    draft_vocab_size: int = 16384
+    """Vd: most frequent assistant tokens of the training data; equal to V to keep all."""
+    norm_before_residual: bool = False
+    """Residual around the drafter's attention is the normed feature (True) or pre-norm (False)."""
+    norm_before_fc: bool = False
+    """RMSNorm over the concatenated aux features before fc."""
+
+
+@dataclass
+class DataConfig:
+    dataset: str = "sharegpt"
+    """Zoo name, ShareGPT-style JSON, JSONL with `messages`, or an HF dataset."""
+    max_length: int = 2048
+    """Tokens per conversation after the chat template; longer ones are truncated."""
+    limit: int | None = None
+    """Use only the first N usable conversations."""
+    heldout_fraction: float = 0.02
+    """Share of conversations held out (chosen by content hash, so stable)."""
+    batch_size: int = 4
+    num_workers: int = 2
+    num_proc: int | None = None
+    """Processes for tokenization (default: up to 8)."""
+
+
+@dataclass
+class ObjectiveConfig:
+    ttt_steps: int = 7
+    """Training-time-test unroll length."""
+    ttt_decay: float = 0.8
+    """Loss weight of unroll step s is decay**s."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr * min_lr_ratio at trainer.max_steps."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+
+
+@dataclass
+class EvalConfig:
+    k: int = 7
+    """Chain length for predicted acceptance."""
+    num_sequences: int = 32
+    """Held-out conversations used by each validation."""
+    anchors_per_sequence: int = 64
+    """Draft chains started per held-out conversation (evenly spaced over assistant tokens)."""
+    max_length: int = 1024
+    every_n_steps: int = 200
+    """Validation (loss, accuracy, predicted acceptance) every N training steps."""
+
+
+@dataclass
+class RunConfig:
+    target: str = "smollm2-135m-instruct"
+    """Zoo name, HF folder, GGUF file or hub id."""
+    target_dtype: str = "auto"
+    """auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16 or float16."""
+    out_dir: str = "runs/quickstart"
+    seed: int = 0
+    checkpoint_every_n_steps: int = 100
+    export_format: str = "speculators"
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    trainer: dict = field(default_factory=dict)
+    """Keyword arguments of lightning.Trainer (max_steps, precision, devices, ...)."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------ parsing
+def _check_type(value, hint, key: str):
+    """Return value coerced to `hint` or raise ConfigError naming `key`."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _check_type(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is list:
+        (inner,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check_type(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported type {hint}")
+
+
+def _unknown(key: str, known) -> ConfigError:
+    close = difflib.get_close_matches(key.split(".")[-1], list(known), n=1)
+    hint = f" (did you mean {'.'.join(key.split('.')[:-1] + [close[0]])}?)" if close else ""
+    return ConfigError(f"unknown key {key!r}{hint}")
+
+
+def _trainer_keys() -> set[str]:
+    import lightning
+
+    return set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+
+
+def _build(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}{key}"
+        if key not in names:
+            raise _unknown(full, names)
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _build(hint, value or {}, full + ".")
+        elif key == "trainer":
+            value = value or {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"trainer: expected a mapping, got {value!r}")
+            allowed = _trainer_keys()
+            for tk in value:
+                if tk not in allowed:
+                    raise _unknown(f"trainer.{tk}", allowed)
+            kwargs[key] = dict(value)
+        else:
+            kwargs[key] = _check_type(value, hint, full)
+    return cls(**kwargs)
+
+
+def set_dotted(tree: dict, dotted: str, value):
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        value = raw
+    return key.strip(), value
+
+
+def load_config(path: str | None, overrides: list[str]) -> RunConfig:
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file {path} does not exist")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig):
+    """Checks that need the file system or the target's shape, but no model weights."""
+    from models import zoo
+
+    if cfg.drafter.method != "eagle3":
+        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available (eagle3)")
+    if cfg.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
+    if not zoo.target_exists(cfg.target):
+        raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
+    ds = cfg.data.dataset
+    if ds not in zoo.ASSETS and not Path(ds).expanduser().exists() and ("/" not in ds or ds.startswith((".", "/"))):
+        raise ConfigError(f"data.dataset: {ds!r} is not a zoo data set or an existing file")
+    positive = {"data.batch_size": cfg.data.batch_size, "data.max_length": cfg.data.max_length,
+                "eval.k": cfg.eval.k, "objective.ttt_steps": cfg.objective.ttt_steps,
+                "drafter.draft_vocab_size": cfg.drafter.draft_vocab_size,
+                "checkpoint_every_n_steps": cfg.checkpoint_every_n_steps, "eval.every_n_steps": cfg.eval.every_n_steps}
+    for key, v in positive.items():
+        if v <= 0:
+            raise ConfigError(f"{key}: must be positive, got {v}")
+    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
+        raise ConfigError(f"data.heldout_fraction: must be in [0, 1), got {cfg.data.heldout_fraction}")
+    if cfg.export_format != "speculators":
+        raise ConfigError(f"export_format: {cfg.export_format!r} is not available here (speculators)")
+    layers = zoo.target_num_layers(cfg.target)
+    if layers is not None and cfg.drafter.aux_layer_ids is not None:
+        for i, layer in enumerate(cfg.drafter.aux_layer_ids):
+            if not 0 <= layer < layers:
+                raise ConfigError(f"drafter.aux_layer_ids[{i}]: layer {layer} is out of range for the {layers}-layer target (0..{layers - 1})")
+    if "max_steps" not in cfg.trainer and not cfg.trainer.get("fast_dev_run"):
+        raise ConfigError("trainer.max_steps: required (training length is counted in optimizer steps)")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

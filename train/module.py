@@ -1,0 +1,147 @@
+"""One LightningModule: frozen target + drafter + TTT objective + predicted acceptance."""
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+
+from inference.acceptance import acceptance_from_histogram, accepted_lengths, length_histogram
+from models.eagle3 import Eagle3Drafter
+from models.target import Target
+from train.config import EvalConfig, ObjectiveConfig, OptimConfig
+from train.losses import soft_kl, ttt_slices, ttt_step_weights
+
+
+class DrafterModule(L.LightningModule):
+    def __init__(self, target: Target, drafter: Eagle3Drafter, objective: ObjectiveConfig,
+                 optim: OptimConfig, evaluation: EvalConfig, max_steps: int):
+        super().__init__()
+        self.target = target.requires_grad_(False)
+        self.drafter = drafter
+        self.objective, self.optim, self.evaluation = objective, optim, evaluation
+        self.max_steps = max_steps
+        self.step_weights = ttt_step_weights(objective.ttt_steps, objective.ttt_decay)
+        self.predicted: dict | None = None
+        self._val_hist = None
+
+    # ----------------------------------------------------------------- checkpoint contents
+    # The frozen target is rebuilt from its source, so checkpoints hold the drafter only; the
+    # load is strict on exactly those keys.
+    def state_dict(self, *args, **kwargs):
+        return {f"drafter.{k}": v for k, v in self.drafter.state_dict().items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        prefix = "drafter."
+        foreign = [k for k in state_dict if not k.startswith(prefix)]
+        if foreign:
+            raise KeyError(f"checkpoint has keys outside the drafter: {foreign[:5]}")
+        return self.drafter.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items()}, strict=True, assign=assign)
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.target.eval()  # the frozen target never switches to training behaviour
+        return self
+
+    # ----------------------------------------------------------------- shared computation
+    def _target_pass(self, ids):
+        with torch.no_grad():
+            out = self.target(ids)
+            teacher, greedy = self.target.head_outputs(out.last_hidden, self.drafter.draft_ids())
+        return out, teacher, greedy
+
+    def _ttt_losses(self, logits_per_step, teacher, greedy, loss_mask):
+        """Per-step KL and accuracy (draft argmax == target's full-vocab argmax)."""
+        T = loss_mask.shape[1]
+        losses, accs = [], []
+        draft_ids = self.drafter.draft_ids()
+        for s, logits in enumerate(logits_per_step):
+            d, t, y = ttt_slices(T, s)
+            mask = loss_mask[:, y].bool()
+            losses.append(soft_kl(logits[:, d], teacher[:, t], mask))
+            with torch.no_grad():
+                hit = (draft_ids[logits[:, d].argmax(-1)] == greedy[:, t]) & mask
+                accs.append(hit.sum().float() / mask.sum().clamp_min(1))
+        total = sum(w * l for w, l in zip(self.step_weights, losses))
+        return total, losses, accs
+
+    def training_step(self, batch, batch_idx):
+        ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        out, teacher, greedy = self._target_pass(ids)
+        logits = self.drafter.unroll(ids, out.aux, self.objective.ttt_steps)
+        total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
+        self.log("train/loss", total, prog_bar=True)
+        self.log("train/acc0", accs[0], prog_bar=True)
+        for s, (l, a) in enumerate(zip(losses, accs)):
+            self.log(f"train/loss_{s}", l)
+            self.log(f"train/acc_{s}", a)
+        self.log("train/tokens", float(batch["lengths"].sum()), reduce_fx="sum")
+        return total
+
+    # ----------------------------------------------------------------- held-out validation
+    def on_validation_epoch_start(self):
+        self._val_hist = torch.zeros(self.evaluation.k + 1, dtype=torch.long)
+
+    def validation_step(self, batch, batch_idx):
+        ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
+        out, teacher, greedy = self._target_pass(ids)
+        logits = self.drafter.unroll(ids, out.aux, self.objective.ttt_steps)
+        total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
+        self.log("val/loss", total, prog_bar=True, batch_size=ids.shape[0])
+        for s, (l, a) in enumerate(zip(losses, accs)):
+            self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
+            self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
+        self._val_hist += self.predicted_histogram(ids, loss_mask, lengths, out.aux, greedy)
+
+    @torch.no_grad()
+    def predicted_histogram(self, ids, loss_mask, lengths, aux, greedy) -> torch.Tensor:
+        """Accepted-length histogram of greedy k-chains drafted exactly as a runtime drafts.
+
+        Chains start at anchors a whose bonus token x_{a+1} is assistant text; draft i is
+        judged against the target's full-vocab argmax given x_0..x_{a+1} and drafts 1..i-1.
+        """
+        k = self.evaluation.k
+        draft_ids = self.drafter.draft_ids()
+        steps = self.drafter.unroll(ids, aux, k, greedy=True)  # k x [B,T,Vd]
+        drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
+        hist = torch.zeros(k + 1, dtype=torch.long)
+        for b in range(ids.shape[0]):
+            n = int(lengths[b])
+            candidates = torch.nonzero(loss_mask[b, 1:n]).flatten()  # a with x_{a+1} assistant
+            if candidates.numel() == 0:
+                continue
+            m = min(self.evaluation.anchors_per_sequence, candidates.numel())
+            pick = torch.linspace(0, candidates.numel() - 1, m, device=ids.device).round().long()
+            anchors = candidates[pick]
+            chain = drafts[b, anchors]  # [m, k]
+            choice = torch.empty_like(chain)
+            choice[:, 0] = greedy[b, anchors + 1]
+            if k > 1:
+                choice[:, 1:] = self.target.greedy_after_chains(ids[b, :n], anchors, chain[:, : k - 1])
+            hist += length_histogram(accepted_lengths(chain, choice), k)
+        return hist
+
+    def on_validation_epoch_end(self):
+        hist = self._val_hist.to(self.device)
+        if self.trainer.world_size > 1:
+            hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
+        stats = acceptance_from_histogram(hist.cpu())
+        self.predicted = {**stats, "k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
+        self.log("val/tau", stats["tau"], prog_bar=True, sync_dist=False)
+        for i, a in enumerate(stats["a"], 1):
+            self.log(f"val/a_{i}", a, sync_dist=False)
+
+    # ----------------------------------------------------------------- optimisation
+    def configure_optimizers(self):
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas))
+        warmup, total, floor = self.optim.warmup_steps, max(self.max_steps, 1), self.optim.min_lr_ratio
+
+        def schedule(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -1,0 +1,191 @@
+"""The training job: config → data + target → drafter → Lightning fit → predicted.json + export."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from train.config import ConfigError, RunConfig, to_yaml
+
+log = logging.getLogger("draftsmith")
+
+
+def _dtype(cfg: RunConfig, accelerator_is_gpu: bool) -> torch.dtype:
+    if cfg.target_dtype == "auto":
+        return torch.bfloat16 if accelerator_is_gpu else torch.float32
+    return getattr(torch, cfg.target_dtype)
+
+
+class AtomicCheckpointIO:
+    """Lightning CheckpointIO that writes to a temporary file and renames it into place."""
+
+    @staticmethod
+    def make():
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        class _Atomic(TorchCheckpointIO):
+            def save_checkpoint(self, checkpoint, path, storage_options=None):
+                path = Path(path)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+                torch.save(checkpoint, tmp)
+                os.replace(tmp, path)
+
+        return _Atomic()
+
+
+def build_trainer(cfg: RunConfig, out_dir: Path):
+    import lightning as L
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    from train.callbacks import Throughput
+
+    loggers = [CSVLogger(out_dir, name="logs", version=""), TensorBoardLogger(out_dir, name="tb", version="")]
+    try:
+        import wandb  # noqa: F401
+        from lightning.pytorch.loggers import WandbLogger
+
+        offline = not os.environ.get("WANDB_API_KEY")
+        loggers.append(WandbLogger(save_dir=str(out_dir), project="draftsmith", offline=offline))
+    except ImportError:
+        pass
+    checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
+                                  save_last=True, save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
+    callbacks = [checkpoints, Throughput()]
+    if cfg.trainer.get("logger", True) is not False:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    kwargs = dict(
+        default_root_dir=str(out_dir),
+        logger=loggers,
+        callbacks=callbacks,
+        plugins=[AtomicCheckpointIO.make()],
+        val_check_interval=cfg.eval.every_n_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
+        enable_model_summary=False,
+        gradient_clip_val=1.0,
+    )
+    kwargs.update(cfg.trainer)
+    try:
+        return L.Trainer(**kwargs)
+    except (TypeError, ValueError, MisconfigurationException) as e:
+        raise ConfigError(f"trainer: {str(e).splitlines()[0]}") from None
+
+
+def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
+    """Tokenized train/held-out sets and the draft vocabulary (both cached)."""
+    from data.chat import build_datasets, dataset_key
+    from models.draft_vocab import build_draft_vocab, count_tokens, coverage
+    from models.zoo import cache_dir
+
+    train, heldout = build_datasets(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit,
+                                    cfg.data.heldout_fraction, cfg.data.num_proc)
+    key = dataset_key(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit, cfg.data.heldout_fraction)
+    counts_path = cache_dir() / "datasets" / key / "token_counts.pt"
+    if counts_path.exists():
+        counts = torch.load(counts_path)
+    else:
+        counts = torch.as_tensor(count_tokens(train["input_ids"], train["loss_mask"], vocab_size))
+        torch.save(counts, counts_path)
+    vd = min(cfg.drafter.draft_vocab_size, vocab_size)
+    d2t, t2d = build_draft_vocab(counts, vd)
+    log.info("data: %d training / %d held-out conversations, %d assistant tokens; draft vocab %d covers %.1f%% of them",
+             len(train), len(heldout), int(counts.sum()), vd, 100 * coverage(counts, t2d))
+    return train, heldout, d2t, t2d
+
+
+def run(cfg: RunConfig, resume: str | None = None) -> dict:
+    import lightning as L
+    from transformers import AutoTokenizer
+
+    from data.module import ChatDataModule
+    from export.speculators import export_speculators
+    from export.io import atomic_write_json
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.target import Target
+    from models.zoo import resolve_target
+    from train.callbacks import Throughput
+    from train.module import DrafterModule
+
+    out_dir = Path(cfg.out_dir)
+    L.seed_everything(cfg.seed, workers=True)
+    trainer = build_trainer(cfg, out_dir)  # Trainer errors (bad arguments) come before any load
+    if trainer.is_global_zero:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.yaml").write_text(to_yaml(cfg))
+
+    target_path = resolve_target(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    on_gpu = trainer.accelerator.__class__.__name__.startswith("CUDA")
+    dtype = _dtype(cfg, on_gpu)
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(target_path)
+    train, heldout, d2t, t2d = prepare_data(cfg, tokenizer, hf_config.vocab_size)
+
+    dcfg = Eagle3Config.from_target(hf_config, d2t.numel(), cfg.drafter.aux_layer_ids,
+                                    norm_before_residual=cfg.drafter.norm_before_residual,
+                                    norm_before_fc=cfg.drafter.norm_before_fc)
+    target = Target.load(cfg.target, dcfg.aux_layer_ids, dtype=dtype)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.init_from_target(target.model, d2t, t2d)
+
+    fast = bool(cfg.trainer.get("fast_dev_run"))
+    max_steps = cfg.trainer.get("max_steps", 1) if not fast else int(cfg.trainer["fast_dev_run"])
+    module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, max_steps)
+    datamodule = ChatDataModule(train, heldout, pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
+                                max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
+                                eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
+    t0 = time.time()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    fit_seconds = time.time() - t0
+    if trainer.interrupted:
+        log.warning("training interrupted; resume with --resume (last checkpoint in %s)", out_dir / "checkpoints")
+        return {}
+
+    # Final predicted acceptance on held-out data, drafting exactly as the runtime drafts.
+    if module.predicted is None or module.predicted["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    predicted = dict(module.predicted or {})
+    summary = {
+        "predicted": predicted,
+        "dataset": cfg.data.dataset,
+        "heldout_conversations": min(cfg.eval.num_sequences, len(heldout)),
+        "train_steps": int(trainer.global_step),
+        "fit_seconds": round(fit_seconds, 1),
+        "throughput": next(c for c in trainer.callbacks if isinstance(c, Throughput)).summary(),
+    }
+    if trainer.is_global_zero:
+        atomic_write_json(out_dir / "predicted.json", summary)
+        export_dir = out_dir / "export"
+        export_speculators(module.drafter, export_dir, target_name=cfg.target,
+                           target_arch=list(hf_config.architectures or []), k=cfg.eval.k,
+                           provenance={"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
+                                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted})
+        print(f"predicted acceptance on held-out {cfg.data.dataset} (k={cfg.eval.k}, T=0): "
+              f"tau = {predicted.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in predicted.get('a', [])]}")
+        print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
+    return summary
+
+
+def _weights_hash(target_path: str) -> str | None:
+    import hashlib
+
+    files = sorted(Path(target_path).glob("*.safetensors")) if Path(target_path).is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))  # size + first MiB: cheap and stable
+    return h.hexdigest()
