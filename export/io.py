@@ -19,6 +19,7 @@ def atomic_folder(dest: str | Path):
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; exports are for sharing
     try:
         yield tmp
         old = None
@@ -43,4 +44,11 @@ def atomic_write_json(path: str | Path, obj) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(json.dumps(obj, indent=2) + "\n")
+    os.chmod(tmp, 0o666 & ~_umask())
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -3,7 +3,7 @@
 # $OUT. Usage (on the device machine): bash scripts/device_eagle3.sh [MINUTES] [overrides...]
 set -euo pipefail
 source scripts/device_setup.sh
-minutes=${1:-7}; shift || true
+minutes=${1:-8}; shift || true
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, lightning, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'lightning', lightning.__version__, 'datasets', datasets.__version__)" | tee -a "$OUT/gpu.txt"
 set -o pipefail

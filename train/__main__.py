@@ -25,6 +25,8 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", nargs="?", const="last", default=None,
                         help="continue from a checkpoint: a path, or the run's last checkpoint when none is given")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--prepare-only", action="store_true",
+                        help="fetch and convert the target, tokenize the data and build the draft vocab, then exit")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. trainer.max_steps=100")
     args = parser.parse_args(argv)
 
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
     from train.run import run
 
     try:
-        run(cfg, resume=resume)
+        run(cfg, resume=resume, prepare_only=args.prepare_only)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -101,7 +101,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     return train, heldout, d2t, t2d
 
 
-def run(cfg: RunConfig, resume: str | None = None) -> dict:
+def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -> dict:
     import lightning as L
     from transformers import AutoTokenizer
 
@@ -130,6 +130,9 @@ def run(cfg: RunConfig, resume: str | None = None) -> dict:
 
     hf_config = AutoConfig.from_pretrained(target_path)
     train, heldout, d2t, t2d = prepare_data(cfg, tokenizer, hf_config.vocab_size)
+    if prepare_only:
+        print(f"prepared: target {target_path}, {len(train)} training / {len(heldout)} held-out conversations")
+        return {}
 
     dcfg = Eagle3Config.from_target(hf_config, d2t.numel(), cfg.drafter.aux_layer_ids,
                                     norm_before_residual=cfg.drafter.norm_before_residual,
