@@ -57,6 +57,8 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         pass
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
                                   save_last=True, save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
+    accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
+    total_batches = int(cfg.trainer.get("max_steps", 1)) * accumulate
     callbacks = [checkpoints, Throughput()]
     if cfg.trainer.get("logger", True) is not False:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -65,7 +67,8 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         logger=loggers,
         callbacks=callbacks,
         plugins=[AtomicCheckpointIO.make()],
-        val_check_interval=cfg.eval.every_n_steps,
+        # validation every N optimizer steps, counted in batches; at least once, at the end
+        val_check_interval=min(cfg.eval.every_n_steps * accumulate, max(total_batches, 1)),
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
