@@ -17,10 +17,10 @@ import dataclasses
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from models.ttt_attention import ttt_attention
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -105,10 +105,10 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, kv_steps: list, mask):
+    def forward(self, x, cos, sin, kv_steps: list):
         """x [B,T,2H]; kv_steps: (k, v) of earlier TTT steps, each [B,nh,T,d], appended to.
 
-        mask [T, (s+1)T] bool: step 0 keys causal, keys of step j>0 only at the same index.
+        Step-0 keys are attended causally, keys of step j>0 only at the same index.
         """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
@@ -119,12 +119,7 @@ class Eagle3Attention(nn.Module):
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         kv_steps.append((k, v))
-        if len(kv_steps) == 1:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            keys = torch.cat([kk for kk, _ in kv_steps], dim=2)
-            values = torch.cat([vv for _, vv in kv_steps], dim=2)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        out = ttt_attention(q, [kk for kk, _ in kv_steps], [vv for _, vv in kv_steps])
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
@@ -138,19 +133,12 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, embeds, hidden, cos, sin, kv_steps, mask):
+    def forward(self, embeds, hidden, cos, sin, kv_steps):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
-        h = residual + self.self_attn(x, cos, sin, kv_steps, mask)
+        h = residual + self.self_attn(x, cos, sin, kv_steps)
         return h + self.mlp(self.post_attention_layernorm(h))
-
-
-def ttt_mask(T: int, steps_so_far: int, device) -> torch.Tensor:
-    """[T, steps_so_far*T] bool: query t sees step-0 keys <= t and key t of each later step."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * (steps_so_far - 1), dim=1)
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -200,10 +188,10 @@ class Eagle3Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step(self, tokens, hidden, positions, kv_steps: list, mask):
+    def step(self, tokens, hidden, positions, kv_steps: list):
         """One draft step. tokens [B,T], hidden [B,T,H], positions [B,T] → new hidden [B,T,H]."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        return self.layers[0](self.embed_tokens(tokens).to(hidden.dtype), hidden, cos, sin, kv_steps, mask)
+        return self.layers[0](self.embed_tokens(tokens).to(hidden.dtype), hidden, cos, sin, kv_steps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B,T,H] → [B,T,Vd] over the draft vocabulary."""
@@ -226,7 +214,6 @@ class Eagle3Drafter(nn.Module):
         for s in range(steps):
             if s > 0:
                 tokens = self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
-            mask = ttt_mask(T, s + 1, input_ids.device) if s > 0 else None
-            hidden = self.step(tokens, hidden, position_ids + s, kv_steps, mask)
+            hidden = self.step(tokens, hidden, position_ids + s, kv_steps)
             out.append(self.logits(hidden))
         return out

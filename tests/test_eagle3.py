@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids, ttt_mask
+from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+from models.ttt_attention import ttt_attention, ttt_attention_reference, ttt_mask
 from train.losses import soft_kl, ttt_slices
 
 
@@ -75,7 +76,7 @@ def test_ttt_inputs_are_shifted_tokens_and_fed_back_hidden(monkeypatch):
     d = tiny_drafter()
     seen = []
     real_step = d.step
-    monkeypatch.setattr(d, "step", lambda tokens, hidden, positions, kv, mask: (seen.append((tokens.clone(), positions.clone())), real_step(tokens, hidden, positions, kv, mask))[1])
+    monkeypatch.setattr(d, "step", lambda tokens, hidden, positions, kv: (seen.append((tokens.clone(), positions.clone())), real_step(tokens, hidden, positions, kv))[1])
     ids = torch.arange(10)[None] + 100
     d.unroll(ids, torch.randn(1, 10, 96), steps=3)
     for s, (tokens, positions) in enumerate(seen):
@@ -120,3 +121,18 @@ def test_soft_kl_matches_direct_computation():
     expect = (kl * mask).sum() / mask.sum()
     torch.testing.assert_close(soft_kl(logits, p, mask), expect)
     assert soft_kl(torch.log(p), p, mask).abs() < 1e-6
+
+
+@pytest.mark.parametrize("steps", [1, 2, 5])
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_ttt_attention_matches_dense_mask_reference_with_gradients(steps, T):
+    torch.manual_seed(steps * 100 + T)
+    B, h, d = 2, 3, 16
+    q = torch.randn(B, h, T, d, requires_grad=True)
+    ks = [torch.randn(B, h, T, d, requires_grad=True) for _ in range(steps)]
+    vs = [torch.randn(B, h, T, d, requires_grad=True) for _ in range(steps)]
+    out, ref = ttt_attention(q, ks, vs), ttt_attention_reference(q, ks, vs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [q, *ks, *vs], g), torch.autograd.grad(ref, [q, *ks, *vs], g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
