@@ -60,8 +60,9 @@ class ResumableBatchSampler(Sampler[list[int]]):
                 i += 1
 
 
-def collate(rows: list[dict], pad_id: int, multiple: int = 8) -> dict:
-    """Right-pad to the longest row (rounded up to `multiple`): input_ids, loss_mask [B,T],
+def collate(rows: list[dict], pad_id: int, multiple: int = 128) -> dict:
+    """Right-pad to the longest row, rounded up to `multiple` (few distinct shapes, so the GPU
+    attention and matmul plans are built once each): input_ids, loss_mask [B,T],
     lengths [B]."""
     T = max(len(r["input_ids"]) for r in rows)
     T = -(-T // multiple) * multiple
