@@ -120,3 +120,9 @@ def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = No
         shutil.rmtree(root)
     os.replace(tmp, root)
     return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation rendered with the chat template and the generation prompt."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
