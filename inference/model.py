@@ -167,8 +167,11 @@ class RuntimeModel(nn.Module):
         p = self.embed_tokens.weight
         return KVCache(self.config, batch, max_len, p.dtype, p.device)
 
-    def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = ()):
+    def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None):
         """input_ids, positions [B,q] → (logits [B,q,V], aux [B,q,n*H] in aux_layers order or None).
+
+        logits_at [B] (optional): compute the head only at this query index of each row
+        (prefill needs one row of logits, not q of them); logits are then [B,1,V].
 
         Rows of a ragged step may carry padding tokens: they are written at positions beyond
         the row's real tokens, never attended by real queries, and overwritten later.
@@ -184,5 +187,7 @@ class RuntimeModel(nn.Module):
             x = layer(x, cos, sin, positions, cache.k[i], cache.v[i], mask)
             if i in aux_layers:
                 captured[i] = x
+        if logits_at is not None:
+            x = x[torch.arange(B, device=x.device), logits_at][:, None]
         logits = self.lm_head(self.norm(x))
         return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)

@@ -1,0 +1,121 @@
+"""Speculative decoding loop over the runtime model: prefill, then draft → verify → accept.
+
+Greedy verification is lossless: every emitted token is the target's argmax given the tokens
+before it, so the output equals plain greedy decoding (exactly, in float32).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.acceptance import acceptance_from_histogram
+from inference.model import RuntimeModel
+from inference.verify import NO_DRAFT, greedy_verify
+
+
+@dataclass
+class GenerationStats:
+    k: int
+    steps: int = 0  # target forwards after prefill
+    new_tokens: int = 0
+    histogram: list[int] = field(default_factory=list)  # accepted-length counts 0..k per drafted row-step
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+
+    def summary(self) -> dict:
+        out = {"k": self.k, "steps": self.steps, "new_tokens": self.new_tokens,
+               "tokens_per_s": self.new_tokens / self.total_seconds if self.total_seconds else None,
+               "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
+               "other_seconds": round(self.total_seconds - self.draft_seconds - self.verify_seconds, 4)}
+        if self.k:
+            out["acceptance"] = acceptance_from_histogram(self.histogram)
+        return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 0,
+             eos_ids: tuple[int, ...] = (), max_len: int | None = None) -> tuple[list[list[int]], GenerationStats]:
+    """Greedy decoding of a ragged batch; with a proposer, k drafts per row and step."""
+    if proposer is None:
+        k = 0
+    device = model.embed_tokens.weight.device
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    need = max(lengths) + max_new_tokens + k + 1
+    max_len = max_len or need
+    if need > max_len:
+        raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
+    stats = GenerationStats(k=k, histogram=[0] * (k + 1))
+    t_start = time.perf_counter()
+    cache = model.new_cache(B, max_len)
+
+    # prefill, right-padded; each row's next token comes from its last real position
+    T = max(lengths)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = torch.as_tensor(p, device=device)
+    last = torch.as_tensor(lengths, device=device) - 1
+    logits, _ = model(ids, torch.arange(T, device=device).expand(B, T), cache, logits_at=last)
+    nxt = logits[:, 0].argmax(-1).tolist()
+    tokens = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for b in range(B):
+        _emit(b, [nxt[b]], tokens, outputs, done, eos_ids, max_new_tokens)
+
+    while not all(done):
+        t0 = time.perf_counter()
+        drafts = [[NO_DRAFT] * k for _ in range(B)]
+        if k:
+            for b in range(B):
+                if not done[b]:
+                    d = proposer.propose(tokens[b])[:k]
+                    drafts[b][: len(d)] = d
+        _sync(device)
+        t1 = time.perf_counter()
+        # each row feeds its last token followed by its drafts, at its own positions
+        pos0 = torch.as_tensor([len(t) - 1 for t in tokens], device=device)
+        draft_t = torch.as_tensor(drafts, dtype=torch.long, device=device).view(B, k)
+        step = torch.cat([torch.as_tensor([t[-1] for t in tokens], device=device)[:, None], draft_t.clamp_min(0)], 1)
+        positions = pos0[:, None] + torch.arange(k + 1, device=device)
+        logits, _ = model(step, positions, cache)
+        accepted, bonus = greedy_verify(draft_t, logits)
+        accepted, bonus = accepted.tolist(), bonus.tolist()
+        t2 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.steps += 1
+        for b in range(B):
+            if done[b]:
+                continue
+            if k:
+                stats.histogram[accepted[b]] += 1
+            _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
+    _sync(device)
+    stats.total_seconds = time.perf_counter() - t_start
+    stats.new_tokens = sum(len(o) for o in outputs)
+    return outputs, stats
+
+
+def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):
+    """Append accepted tokens to row b, stopping at end-of-sequence or the token budget.
+
+    A finished row's cache positions are never advanced again, so its later (ignored) steps
+    write only beyond its end."""
+    for t in new:
+        if len(outputs[b]) >= max_new_tokens:
+            break
+        outputs[b].append(t)
+        tokens[b].append(t)
+        if t in eos_ids:
+            break
+    if len(outputs[b]) >= max_new_tokens or (outputs[b] and outputs[b][-1] in eos_ids):
+        done[b] = True

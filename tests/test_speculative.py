@@ -1,0 +1,103 @@
+import random
+
+import pytest
+import torch
+
+from inference.engine import generate
+from inference.model import RuntimeModel
+from inference.proposers import NgramProposer, longest_suffix_match
+from inference.verify import NO_DRAFT, greedy_verify
+
+
+def _logits_choosing(tokens, V=11):
+    """Stub target: logits whose argmax at each slot is the given token."""
+    tokens = torch.as_tensor(tokens)
+    out = torch.zeros(*tokens.shape, V)
+    out.scatter_(-1, tokens[..., None], 1.0)
+    return out
+
+
+def test_greedy_verify_never_always_sometimes():
+    drafts = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 9, 3], [NO_DRAFT, NO_DRAFT, NO_DRAFT]])
+    target = _logits_choosing([[5, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]])
+    accepted, bonus = greedy_verify(drafts, target)
+    assert accepted.tolist() == [0, 3, 1, 0]
+    assert bonus.tolist() == [5, 4, 2, 1]
+
+
+def _naive_match(tokens, min_n, max_n):
+    L = len(tokens)
+    for m in range(min(max_n, L - 1), min_n - 1, -1):
+        suffix = tokens[L - m :]
+        for start in range(L - m - 1, -1, -1):  # most recent earlier occurrence first
+            if tokens[start : start + m] == suffix:
+                return m, start + m
+    return 0, -1
+
+
+def test_longest_suffix_match_equals_brute_force():
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 30))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        assert longest_suffix_match(tokens, lo, hi) == _naive_match(tokens, lo, hi), tokens
+
+
+def test_ngram_proposer_continues_the_earlier_occurrence():
+    p = NgramProposer(k=3, min_n=2, max_n=3)
+    assert p.propose([1, 2, 3, 9, 8, 7, 1, 2, 3]) == [9, 8, 7]
+    assert p.propose([4, 5, 6]) == []
+
+
+def _real_prompts(tokenizer, n_mt=10, n_share=10):
+    from data.chat import encode_prompt
+    from data.sources import load_conversations, load_prompts
+
+    prompts = [encode_prompt(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in load_prompts("mt-bench")[:n_mt]]
+    for conv in load_conversations("sharegpt", limit=40)[:n_share]:
+        first_user = next(m for m in conv if m["role"] == "user")
+        prompts.append(encode_prompt(tokenizer, [{"role": "user", "content": first_user["content"][:600]}]))
+    return prompts
+
+
+@pytest.mark.slow
+def test_lossless_greedy_on_real_prompts_with_ragged_batches(tokenizer):
+    """float32, zoo target: speculative output == plain greedy output, token for token."""
+    from models.zoo import resolve_target
+
+    model = RuntimeModel.from_pretrained(resolve_target("smollm2-135m-instruct"), dtype=torch.float32)
+    prompts = _real_prompts(tokenizer)
+    assert len(prompts) >= 20
+    eos = (tokenizer.eos_token_id,)
+    plain = []
+    for i in range(0, len(prompts), 5):  # plain greedy, batches of 5 ragged prompts
+        plain.extend(generate(model, prompts[i : i + 5], 20, eos_ids=eos)[0])
+    for batch, k in ((1, 4), (4, 4), (7, 1)):
+        got, accepted = [], 0
+        for i in range(0, len(prompts), batch):
+            out, stats = generate(model, prompts[i : i + batch], 20, proposer=NgramProposer(k=k, max_n=3), k=k, eos_ids=eos)
+            got.extend(out)
+            accepted += sum(n * c for n, c in enumerate(stats.histogram))
+        assert got == plain, f"batch {batch}, k {k}"
+        assert accepted > 0, "the n-gram proposer had drafts accepted, so verification was exercised"
+    assert sum(len(o) for o in plain) > 20 * 5
+
+
+def test_plain_runtime_greedy_equals_transformers_generate(tiny_target):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (3, 11, 7)]
+    ours, _ = generate(rt, prompts, 12)
+    for p, o in zip(prompts, ours):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert ref[0, len(p):].tolist() == o
+
+
+def test_prompt_longer_than_cache_is_a_clear_error(tiny_target):
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    with pytest.raises(ValueError, match="exceeds the cache"):
+        generate(rt, [[1] * 50], 10, max_len=32)
