@@ -80,14 +80,24 @@ def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = No
     """
     import datasets
 
-    from data.sources import load_conversations
-    from models.zoo import cache_dir
+    from models.zoo import cache_dir, file_lock
 
     key = dataset_key(spec, tokenizer, max_length, limit, heldout_fraction)
     root = cache_dir() / "datasets" / key
-    if (root / "train").exists() and (root / "heldout").exists():
-        log.info("loading tokenized data from cache %s", root)
-        return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
+    with file_lock(f"dataset-{key}"):  # several ranks (DDP) tokenize once
+        if not ((root / "train").exists() and (root / "heldout").exists()):
+            _tokenize_to(root, spec, tokenizer, max_length, limit, heldout_fraction, num_proc)
+        else:
+            log.info("loading tokenized data from cache %s", root)
+    return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
+
+
+def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fraction, num_proc):
+    import datasets
+
+    from data.sources import load_conversations
+
+    key = root.name
 
     conversations = load_conversations(spec, limit)
     heldout_flags = [_is_heldout(c, heldout_fraction) for c in conversations]
@@ -119,7 +129,6 @@ def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = No
     if root.exists():
         shutil.rmtree(root)
     os.replace(tmp, root)
-    return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
 
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:

@@ -102,7 +102,9 @@ class ChatDataModule(L.LightningDataModule):
         n = min(self.eval_sequences, len(self.heldout_set))
         if n == 0:
             raise ValueError("no held-out conversations: raise data.heldout_fraction or data.limit")
-        heldout = self.heldout_set.select(range(n)).with_format(columns=["input_ids", "loss_mask"])
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        # each rank validates its own share; the acceptance histograms are summed across ranks
+        heldout = self.heldout_set.select(range(rank, n, world)).with_format(columns=["input_ids", "loss_mask"])
         cut = self.eval_max_length
 
         def truncate(rows):

