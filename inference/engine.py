@@ -41,15 +41,18 @@ def _sync(device):
 
 
 @torch.no_grad()
-def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None, k: int = 0,
+def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None,
              eos_ids: tuple[int, ...] = (), max_len: int | None = None) -> tuple[list[list[int]], GenerationStats]:
-    """Greedy decoding of a ragged batch; with a proposer, k drafts per row and step."""
-    if proposer is None:
-        k = 0
+    """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
+
+    `max_len` is the KV cache size; proposers that keep their own cache must be built with
+    the same size (`cache_size` gives it)."""
+    k = proposer.k if proposer is not None else 0
+    aux_layers = tuple(getattr(proposer, "aux_layers", ()))
     device = model.embed_tokens.weight.device
     B = len(prompts)
     lengths = [len(p) for p in prompts]
-    need = max(lengths) + max_new_tokens + k + 1
+    need = cache_size(prompts, max_new_tokens, k)
     max_len = max_len or need
     if need > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
@@ -63,8 +66,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.as_tensor(p, device=device)
     last = torch.as_tensor(lengths, device=device) - 1
-    logits, _ = model(ids, torch.arange(T, device=device).expand(B, T), cache, logits_at=last)
+    logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last)
     nxt = logits[:, 0].argmax(-1).tolist()
+    if proposer is not None:
+        proposer.begin(prompts, aux, nxt)
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -75,10 +80,9 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         t0 = time.perf_counter()
         drafts = [[NO_DRAFT] * k for _ in range(B)]
         if k:
-            for b in range(B):
+            for b, d in enumerate(proposer.propose(tokens)):
                 if not done[b]:
-                    d = proposer.propose(tokens[b])[:k]
-                    drafts[b][: len(d)] = d
+                    drafts[b][: min(len(d), k)] = d[:k]
         _sync(device)
         t1 = time.perf_counter()
         # each row feeds its last token followed by its drafts, at its own positions
@@ -86,9 +90,11 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         draft_t = torch.as_tensor(drafts, dtype=torch.long, device=device).view(B, k)
         step = torch.cat([torch.as_tensor([t[-1] for t in tokens], device=device)[:, None], draft_t.clamp_min(0)], 1)
         positions = pos0[:, None] + torch.arange(k + 1, device=device)
-        logits, _ = model(step, positions, cache)
+        logits, aux = model(step, positions, cache, aux_layers)
         accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()
+        if k:
+            proposer.accepted(step, aux, list(zip(accepted, bonus)), [not d for d in done])
         t2 = time.perf_counter()
         stats.draft_seconds += t1 - t0
         stats.verify_seconds += t2 - t1
@@ -119,3 +125,8 @@ def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):
             break
     if len(outputs[b]) >= max_new_tokens or (outputs[b] and outputs[b][-1] in eos_ids):
         done[b] = True
+
+
+def cache_size(prompts: list[list[int]], max_new_tokens: int, k: int) -> int:
+    """KV positions a generation needs: longest prompt + new tokens + one verify window."""
+    return max(len(p) for p in prompts) + max_new_tokens + k + 1

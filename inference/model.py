@@ -76,6 +76,25 @@ class KVCache(nn.Module):
         return self.k.shape[3]
 
 
+def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B,1,q,S] bool: a query at position p sees the cache keys at positions <= p."""
+    key_pos = torch.arange(max_len, device=positions.device)
+    return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+
+
+def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
+    """Write k, v [B,nkv,q,d] at `positions` [B,q] into the caches [B,nkv,S,d], then attend.
+
+    q [B,nh,q,d] (nh a multiple of nkv); mask from `cache_mask`. Returns [B,nh,q,d].
+    """
+    B, nkv, n, d = k.shape
+    index = positions[:, None, :, None].expand(B, nkv, n, d)
+    k_cache.scatter_(2, index, k.to(k_cache.dtype))
+    v_cache.scatter_(2, index, v.to(v_cache.dtype))
+    return F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != nkv)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
@@ -99,12 +118,7 @@ class Attention(nn.Module):
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
-        # write this step's keys/values at their positions: [B,nkv,q,d] into [B,nkv,S,d]
-        index = positions[:, None, :, None].expand(B, self.nkv, q, self.d)
-        k_cache.scatter_(2, index, xk.to(k_cache.dtype))
-        v_cache.scatter_(2, index, xv.to(v_cache.dtype))
-        out = F.scaled_dot_product_attention(xq, k_cache.to(xq.dtype), v_cache.to(xq.dtype), attn_mask=mask,
-                                             enable_gqa=self.nkv != self.nh)
+        out = cached_attention(xq, xk, xv, k_cache, v_cache, positions, mask)
         return self.o_proj(out.transpose(1, 2).reshape(B, q, self.nh * self.d))
 
 
@@ -177,9 +191,7 @@ class RuntimeModel(nn.Module):
         the row's real tokens, never attended by real queries, and overwritten later.
         """
         B, q = input_ids.shape
-        S = cache.max_len
-        key_pos = torch.arange(S, device=input_ids.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [B,1,q,S]
+        mask = cache_mask(positions, cache.max_len)
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         captured = {}

@@ -1,6 +1,24 @@
-"""Draft proposers behind one small interface: `propose(context) -> list[int]` of at most k
-target token ids for one row, given that row's tokens so far (prompt + output)."""
+"""Draft proposers behind one small interface.
+
+    aux_layers                    target layers whose outputs the proposer needs (may be ())
+    begin(prompts, aux, first)    after prefill: prompt tokens, their aux features [B,T,n*Ht],
+                                  the first generated token of each row
+    propose(tokens) -> drafts     per row, at most k target token ids (tokens: prompt + output)
+    accepted(fed, aux, counts, active)
+                                  after verification: the k+1 tokens each row fed [B,k+1],
+                                  their aux features [B,k+1,n*Ht], (accepted, bonus) per row,
+                                  and which rows are still generating
+
+Positions are 0-based. A row holding tokens t_0..t_{N-1} feeds t_{N-1} and its drafts at
+positions N-1.. in the verify step.
+"""
 from __future__ import annotations
+
+import torch
+
+from inference.model import cache_mask, cached_attention
+from models.eagle3 import Eagle3Drafter
+from models.layers import rope_cos_sin
 
 
 def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
@@ -33,13 +51,109 @@ def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int
 class NgramProposer:
     """Prompt-lookup drafting: continue the longest earlier match of the context's suffix."""
 
+    aux_layers: tuple = ()
+
     def __init__(self, k: int, min_n: int = 1, max_n: int = 4):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.k, self.min_n, self.max_n = k, min_n, max_n
 
-    def propose(self, tokens: list[int]) -> list[int]:
+    def propose_row(self, tokens: list[int]) -> list[int]:
         m, start = longest_suffix_match(tokens, self.min_n, self.max_n)
-        if m == 0:
-            return []
-        return tokens[start : start + self.k]
+        return tokens[start : start + self.k] if m else []
+
+    def begin(self, prompts, aux, first):
+        pass
+
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        return [self.propose_row(t) for t in tokens]
+
+    def accepted(self, fed, aux, counts, active):
+        pass
+
+
+class Eagle3Proposer:
+    """EAGLE-3 drafting with its own KV cache, exactly as the TTT unroll trains it.
+
+    The drafter's cache holds, at position t, the entry computed from (token t_{t+1}, target
+    feature g_t) (the "step 0" of training). A chain from the last such position t0 feeds
+    its own hidden state and drafted token at positions t0+1, t0+2, ...; those entries are
+    overwritten by step-0 entries once the target has verified the tokens.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, k: int, batch: int, max_len: int, target_config=None):
+        cfg = drafter.config
+        if target_config is not None:
+            problems = []
+            if cfg.vocab_size != target_config.vocab_size:
+                problems.append(f"vocab {cfg.vocab_size} vs the target's {target_config.vocab_size}")
+            if cfg.target_hidden_size != target_config.hidden_size:
+                problems.append(f"target hidden size {cfg.target_hidden_size} vs {target_config.hidden_size}")
+            if max(cfg.aux_layer_ids) >= target_config.num_layers:
+                problems.append(f"aux layer {max(cfg.aux_layer_ids)} of a {target_config.num_layers}-layer target")
+            if problems:
+                raise ValueError("this EAGLE-3 drafter was trained for another target: " + "; ".join(problems))
+        self.drafter, self.k = drafter.eval(), k
+        self.aux_layers = tuple(cfg.aux_layer_ids)
+        p = drafter.fc.weight
+        shape = (batch, cfg.num_attention_heads, max_len, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # t0 per row
+        self.hidden = None  # [B,H]: drafter output at t0
+
+    def _run(self, tokens, hidden, positions):
+        """tokens [B,q], hidden [B,q,H], positions [B,q] → output hidden [B,q,H], caching K/V."""
+        mask = cache_mask(positions, self.k_cache.shape[2])
+
+        def attend(q, k, v):
+            return cached_attention(q, k, v, self.k_cache, self.v_cache, positions, mask)
+
+        return self.drafter.step(tokens, hidden, positions, attend)
+
+    def _step0(self, tokens, aux, positions, last_index):
+        fused = self.drafter.fuse(aux.to(self.drafter.fc.weight.dtype))
+        out = self._run(tokens, fused, positions)
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        self.hidden = out[rows, last_index]
+        self.last = positions[rows, last_index]
+
+    @torch.no_grad()
+    def begin(self, prompts, aux, first):
+        B, T = aux.shape[:2]
+        dev = self.last.device
+        tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        for b, p in enumerate(prompts):  # entry t pairs token t_{t+1} with feature g_t
+            tokens[b, : len(p)] = torch.as_tensor(list(p[1:]) + [first[b]], device=dev)
+        last_index = torch.as_tensor([len(p) - 1 for p in prompts], device=dev)
+        self._step0(tokens, aux, torch.arange(T, device=dev).expand(B, T), last_index)
+
+    @torch.no_grad()
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        draft_ids = self.drafter.draft_ids()
+        hidden = self.hidden[:, None]
+        drafts = []
+        for s in range(self.k):
+            d = draft_ids[self.drafter.logits(hidden)[:, -1].argmax(-1)]  # [B]
+            drafts.append(d)
+            if s + 1 < self.k:
+                hidden = self._run(d[:, None], hidden, (self.last + 1 + s)[:, None])
+        return torch.stack(drafts, 1).tolist()
+
+    @torch.no_grad()
+    def accepted(self, fed, aux, counts, active):
+        # fed [B,k+1] = [t_{N-1}, d_1..d_k]; after n accepted the next tokens are d_1..d_n, bonus.
+        # Entries t = N-1 .. N-1+n pair (next token, feature of the fed token at t).
+        fed = torch.as_tensor(fed, device=self.last.device)
+        B, q = fed.shape
+        counts_t = torch.as_tensor([c for c, _ in counts], device=fed.device)
+        nxt = fed[:, 1:].clone()
+        nxt = torch.cat([nxt, torch.zeros(B, 1, dtype=torch.long, device=fed.device)], 1)  # [B,k+1]
+        nxt[torch.arange(B, device=fed.device), counts_t] = torch.as_tensor([b for _, b in counts], device=fed.device)
+        positions = (self.last + 1)[:, None] + torch.arange(q, device=fed.device)
+        last, hidden = self.last, self.hidden
+        self._step0(nxt, aux, positions, counts_t)
+        # finished rows keep their place, so their (ignored) entries never run past the cache
+        keep = ~torch.as_tensor(active, device=fed.device)
+        self.last = torch.where(keep, last, self.last)
+        self.hidden = torch.where(keep[:, None], hidden, self.hidden)

@@ -105,22 +105,27 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, kv_steps: list):
-        """x [B,T,2H]; kv_steps: (k, v) of earlier TTT steps, each [B,nh,T,d], appended to.
-
-        Step-0 keys are attended causally, keys of step j>0 only at the same index.
-        """
+    def forward(self, x, cos, sin, attend):
+        """x [B,T,2H] → [B,T,H]. `attend(q, k, v)` ([B,nh,T,d] each, KV heads already
+        expanded) decides what each query sees: the TTT unroll or a runtime KV cache."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:  # expand KV heads here: the fused masked SDPA kernels want equal heads
+        if self.nkv != self.nh:  # expand KV heads here: the fused attention kernels want equal heads
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        kv_steps.append((k, v))
-        out = ttt_attention(q, [kk for kk, _ in kv_steps], [vv for _, vv in kv_steps])
+        out = attend(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+def ttt_attend(kv_steps: list):
+    """Attention of one TTT step: step-0 keys causally, later steps' keys at the same index."""
+    def attend(q, k, v):
+        kv_steps.append((k, v))
+        return ttt_attention(q, [kk for kk, _ in kv_steps], [vv for _, vv in kv_steps])
+    return attend
 
 
 class Eagle3Layer(nn.Module):
@@ -133,11 +138,11 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, embeds, hidden, cos, sin, kv_steps):
+    def forward(self, embeds, hidden, cos, sin, attend):
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding first
-        h = residual + self.self_attn(x, cos, sin, kv_steps)
+        h = residual + self.self_attn(x, cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -188,10 +193,10 @@ class Eagle3Drafter(nn.Module):
             aux = self.input_norm(aux)
         return self.fc(aux)
 
-    def step(self, tokens, hidden, positions, kv_steps: list):
+    def step(self, tokens, hidden, positions, attend):
         """One draft step. tokens [B,T], hidden [B,T,H], positions [B,T] → new hidden [B,T,H]."""
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
-        return self.layers[0](self.embed_tokens(tokens).to(hidden.dtype), hidden, cos, sin, kv_steps)
+        return self.layers[0](self.embed_tokens(tokens).to(hidden.dtype), hidden, cos, sin, attend)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B,T,H] → [B,T,Vd] over the draft vocabulary."""
@@ -208,12 +213,12 @@ class Eagle3Drafter(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden = self.fuse(aux)
-        kv_steps: list = []
+        attend = ttt_attend([])
         out = []
         tokens = shift_left(input_ids, 1)
         for s in range(steps):
             if s > 0:
                 tokens = self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
-            hidden = self.step(tokens, hidden, position_ids + s, kv_steps)
+            hidden = self.step(tokens, hidden, position_ids + s, attend)
             out.append(self.logits(hidden))
         return out

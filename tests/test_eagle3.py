@@ -76,7 +76,7 @@ def test_ttt_inputs_are_shifted_tokens_and_fed_back_hidden(monkeypatch):
     d = tiny_drafter()
     seen = []
     real_step = d.step
-    monkeypatch.setattr(d, "step", lambda tokens, hidden, positions, kv: (seen.append((tokens.clone(), positions.clone())), real_step(tokens, hidden, positions, kv))[1])
+    monkeypatch.setattr(d, "step", lambda tokens, hidden, positions, attend: (seen.append((tokens.clone(), positions.clone())), real_step(tokens, hidden, positions, attend))[1])
     ids = torch.arange(10)[None] + 100
     d.unroll(ids, torch.randn(1, 10, 96), steps=3)
     for s, (tokens, positions) in enumerate(seen):

@@ -76,7 +76,7 @@ def test_lossless_greedy_on_real_prompts_with_ragged_batches(tokenizer):
     for batch, k in ((1, 4), (4, 4), (7, 1)):
         got, accepted = [], 0
         for i in range(0, len(prompts), batch):
-            out, stats = generate(model, prompts[i : i + batch], 20, proposer=NgramProposer(k=k, max_n=3), k=k, eos_ids=eos)
+            out, stats = generate(model, prompts[i : i + batch], 20, proposer=NgramProposer(k=k, max_n=3), eos_ids=eos)
             got.extend(out)
             accepted += sum(n * c for n, c in enumerate(stats.histogram))
         assert got == plain, f"batch {batch}, k {k}"

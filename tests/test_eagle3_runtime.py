@@ -1,0 +1,94 @@
+"""The runtime EAGLE-3 proposer drafts exactly what training's greedy unroll drafts."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference.engine import cache_size, generate
+from inference.model import RuntimeModel
+from inference.proposers import Eagle3Proposer
+from models.eagle3 import Eagle3Config, Eagle3Drafter
+from models.target import Target
+
+
+def _drafter_for(hf_model, seed=0, vd=512, **flags):
+    torch.manual_seed(seed)
+    cfg = Eagle3Config.from_target(hf_model.config, vd, **flags)
+    d = Eagle3Drafter(cfg)
+    for name, p in d.named_parameters():
+        if "embed" not in name:
+            torch.nn.init.normal_(p, std=0.05)
+    ids = torch.sort(torch.randperm(cfg.vocab_size)[:vd]).values
+    d.init_from_target(hf_model, ids - torch.arange(vd), torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, ids, True))
+    return d.eval()
+
+
+class Recording:
+    """Wraps a proposer and records (context, drafts) of every step."""
+
+    def __init__(self, inner):
+        self.inner, self.k, self.aux_layers, self.calls = inner, inner.k, inner.aux_layers, []
+
+    def begin(self, *a):
+        self.inner.begin(*a)
+
+    def propose(self, tokens):
+        drafts = self.inner.propose(tokens)
+        self.calls.append(([list(t) for t in tokens], drafts))
+        return drafts
+
+    def accepted(self, *a):
+        self.inner.accepted(*a)
+
+
+@pytest.mark.parametrize("flags", [{}, {"norm_before_fc": True, "norm_before_residual": True}])
+def test_runtime_drafts_equal_training_unroll_drafts(tiny_target, flags):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = _drafter_for(hf, **flags)
+    target = Target(hf, drafter.config.aux_layer_ids)
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)]
+    k = 4
+    rec = Recording(Eagle3Proposer(drafter, k, batch=3, max_len=cache_size(prompts, 16, k)))
+    generate(rt, prompts, 16, proposer=rec)
+    checked = 0
+    for contexts, drafts in rec.calls:
+        for ctx, d in zip(contexts, drafts):
+            ids = torch.tensor([ctx])
+            with torch.no_grad():
+                aux = target(ids).aux
+                steps = drafter.unroll(ids, aux, k, greedy=True)
+            a = len(ctx) - 2  # the chain continues x_0..x_{a+1}
+            expect = [int(drafter.draft_ids()[s[0, a].argmax()]) for s in steps]
+            assert d == expect, (len(ctx), d, expect)
+            checked += 1
+    assert checked >= 10
+
+
+def test_drafter_for_another_target_is_refused(tiny_target):
+    from types import SimpleNamespace
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    drafter = _drafter_for(hf)
+    other = SimpleNamespace(vocab_size=1000, hidden_size=64, num_layers=2)
+    with pytest.raises(ValueError, match="trained for another target: vocab"):
+        Eagle3Proposer(drafter, 3, 1, 64, target_config=other)
+
+
+@pytest.mark.slow
+def test_lossless_with_eagle3_proposer_on_real_prompts(tokenizer):
+    from models.zoo import resolve_target
+    from tests.test_speculative import _real_prompts
+
+    path = resolve_target("smollm2-135m-instruct")
+    rt = RuntimeModel.from_pretrained(path)
+    drafter = _drafter_for(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), vd=4096)
+    prompts = _real_prompts(tokenizer)
+    eos = (tokenizer.eos_token_id,)
+    plain, spec = [], []
+    for i in range(0, len(prompts), 5):
+        batch = prompts[i : i + 5]
+        plain.extend(generate(rt, batch, 16, eos_ids=eos)[0])
+        proposer = Eagle3Proposer(drafter, 3, len(batch), cache_size(batch, 16, 3), target_config=rt.config)
+        spec.extend(generate(rt, batch, 16, proposer=proposer, eos_ids=eos)[0])
+    assert spec == plain
