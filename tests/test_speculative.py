@@ -47,7 +47,7 @@ def test_longest_suffix_match_equals_brute_force():
 def test_ngram_proposer_continues_the_earlier_occurrence():
     p = NgramProposer(k=3, min_n=2, max_n=3)
     assert p.propose_row([1, 2, 3, 9, 8, 7, 1, 2, 3]) == [9, 8, 7]
-    assert p.propose([[4, 5, 6], [1, 2, 1]]) == [[], [2, 1]]
+    assert p.propose([[4, 5, 6], [1, 2, 1, 2]]) == [[], [1, 2]]
 
 
 def _real_prompts(tokenizer, n_mt=10, n_share=10):
