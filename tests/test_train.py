@@ -99,3 +99,18 @@ def test_checkpoint_holds_drafter_only_and_loads_strictly(chat_file, tmp_path):
 
     with pytest.raises(KeyError, match="outside the drafter"):
         DrafterModule.load_state_dict(object.__new__(DrafterModule), {"target.x": torch.zeros(1)})
+
+
+def test_a_run_split_in_two_equals_one_run(chat_file, tmp_path):
+    """schedule_steps lets a long run be cut into shorter resumed runs (device calls are
+    limited in time) without changing a single weight."""
+    one = tmp_path / "one"
+    run(load_config(None, tiny_overrides(chat_file, one)))
+    expect, _ = _final_weights(one)
+    two = tmp_path / "two"
+    run(load_config(None, tiny_overrides(chat_file, two, **{"trainer.max_steps": 3, "optim.schedule_steps": 6})))
+    run(load_config(None, tiny_overrides(chat_file, two, **{"optim.schedule_steps": 6})), resume=str(two / "checkpoints" / "last.ckpt"))
+    got, step = _final_weights(two)
+    assert step == 6
+    for k in expect:
+        assert torch.equal(got[k], expect[k]), k

@@ -48,6 +48,11 @@ def main(argv=None) -> int:
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    import warnings
+
+    # the frozen target is in eval mode on purpose; the other one is a Lightning-internal notice
+    warnings.filterwarnings("ignore", message=r".*module\(s\) in eval mode.*")
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     for noisy in ("httpx", "urllib3", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     from models.zoo import AssetError

@@ -64,7 +64,10 @@ class OptimConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr * min_lr_ratio at trainer.max_steps."""
+    """Cosine decay ends at lr * min_lr_ratio at schedule_steps."""
+    schedule_steps: int | None = None
+    """Length of the LR schedule (default trainer.max_steps); set it to split one schedule
+    over several shorter runs joined with --resume."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
 
 

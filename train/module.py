@@ -15,12 +15,12 @@ from train.losses import soft_kl, ttt_slices, ttt_step_weights
 
 class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: Eagle3Drafter, objective: ObjectiveConfig,
-                 optim: OptimConfig, evaluation: EvalConfig, max_steps: int):
+                 optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int):
         super().__init__()
         self.target = target.requires_grad_(False)
         self.drafter = drafter
         self.objective, self.optim, self.evaluation = objective, optim, evaluation
-        self.max_steps = max_steps
+        self.schedule_steps = schedule_steps  # LR schedule length
         self.step_weights = ttt_step_weights(objective.ttt_steps, objective.ttt_decay)
         self.predicted: dict | None = None
         self._val_hist = None
@@ -135,7 +135,7 @@ class DrafterModule(L.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         opt = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas))
-        warmup, total, floor = self.optim.warmup_steps, max(self.max_steps, 1), self.optim.min_lr_ratio
+        warmup, total, floor = self.optim.warmup_steps, max(self.schedule_steps, 1), self.optim.min_lr_ratio
 
         def schedule(step):
             if step < warmup:

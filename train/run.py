@@ -149,7 +149,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
     fast = bool(cfg.trainer.get("fast_dev_run"))
     max_steps = cfg.trainer.get("max_steps", 1) if not fast else int(cfg.trainer["fast_dev_run"])
-    module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, max_steps)
+    module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps)
     datamodule = ChatDataModule(train, heldout, pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
@@ -159,6 +159,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     if trainer.interrupted:
         log.warning("training interrupted; resume with --resume (last checkpoint in %s)", out_dir / "checkpoints")
         return {}
+    if trainer.global_step > 0 and not fast:
+        # the final state, whatever checkpoint_every_n_steps says, so a later --resume (a longer
+        # max_steps, or the second half of a split schedule) continues from exactly here
+        trainer.save_checkpoint(out_dir / "checkpoints" / "last.ckpt")
 
     # Final predicted acceptance on held-out data, drafting exactly as the runtime drafts.
     if module.predicted is None or module.predicted["step"] != trainer.global_step:
