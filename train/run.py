@@ -109,7 +109,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
 
 def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -> dict:
     import lightning as L
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from data.module import ChatDataModule
     from export.speculators import export_speculators
@@ -132,8 +132,6 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     on_gpu = trainer.accelerator.__class__.__name__.startswith("CUDA")
     dtype = _dtype(cfg, on_gpu)
-    from transformers import AutoConfig
-
     hf_config = AutoConfig.from_pretrained(target_path)
     train, heldout, d2t, t2d = prepare_data(cfg, tokenizer, hf_config.vocab_size)
     if prepare_only:
