@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from inference.acceptance import acceptance_from_histogram
-from inference.model import RuntimeModel
+from inference.model import GraphedStep, RuntimeModel
 from inference.verify import NO_DRAFT, greedy_verify
 
 
@@ -42,11 +42,13 @@ def _sync(device):
 
 @torch.no_grad()
 def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None,
-             eos_ids: tuple[int, ...] = (), max_len: int | None = None) -> tuple[list[list[int]], GenerationStats]:
+             eos_ids: tuple[int, ...] = (), max_len: int | None = None,
+             cuda_graphs: bool = True) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
-    the same size (`cache_size` gives it)."""
+    the same size (`cache_size` gives it). On a GPU the decode/verify step (fixed shape
+    [B, k+1]) runs as a CUDA graph unless cuda_graphs=False."""
     k = proposer.k if proposer is not None else 0
     aux_layers = tuple(getattr(proposer, "aux_layers", ()))
     device = model.embed_tokens.weight.device
@@ -70,6 +72,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     nxt = logits[:, 0].argmax(-1).tolist()
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
+    step_fn = None
+    if cuda_graphs and device.type == "cuda":
+        graph = GraphedStep(model, cache, B, k + 1, aux_layers)
+        step_fn = graph
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -90,7 +96,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         draft_t = torch.as_tensor(drafts, dtype=torch.long, device=device).view(B, k)
         step = torch.cat([torch.as_tensor([t[-1] for t in tokens], device=device)[:, None], draft_t.clamp_min(0)], 1)
         positions = pos0[:, None] + torch.arange(k + 1, device=device)
-        logits, aux = model(step, positions, cache, aux_layers)
+        if step_fn is not None:
+            logits, aux = step_fn(step, positions)
+        else:
+            logits, aux = model(step, positions, cache, aux_layers)
         accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()
         if k:

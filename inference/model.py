@@ -203,3 +203,36 @@ class RuntimeModel(nn.Module):
             x = x[torch.arange(B, device=x.device), logits_at][:, None]
         logits = self.lm_head(self.norm(x))
         return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)
+
+
+class GraphedStep:
+    """A CUDA graph of one fixed-shape forward (batch B, q query tokens) over a given cache.
+
+    Decode and verify steps always have the same shapes, so their ~15 kernels per layer are
+    launched by one graph replay instead of one Python call each. Inputs are copied into
+    static buffers; the returned tensors are the graph's own outputs, overwritten by the next
+    replay (copy what must outlive it).
+    """
+
+    def __init__(self, model: RuntimeModel, cache: KVCache, batch: int, q: int, aux_layers: tuple = ()):
+        dev = model.embed_tokens.weight.device
+        self.ids = torch.zeros(batch, q, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, q, dtype=torch.long, device=dev)
+        k_snapshot, v_snapshot = cache.k.clone(), cache.v.clone()  # warm-up writes into the cache
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                model(self.ids, self.positions, cache, aux_layers)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph), torch.no_grad():
+            self.logits, self.aux = model(self.ids, self.positions, cache, aux_layers)
+        cache.k.copy_(k_snapshot)
+        cache.v.copy_(v_snapshot)
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor):
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        self.graph.replay()
+        return self.logits, self.aux

@@ -1,7 +1,6 @@
 """The training job: config → data + target → drafter → Lightning fit → predicted.json + export."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
