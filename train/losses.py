@@ -6,25 +6,13 @@ non-assistant tokens never contribute.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from kernels.soft_kl import soft_kl  # noqa: F401  (Triton on GPU, torch reference elsewhere)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(x.dtype)
     return (x * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-def soft_kl(student_logits: torch.Tensor, teacher_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || student) per position, averaged over the mask.
-
-    student_logits, teacher_probs [..., Vd]; mask [...]. Computed in float32; the teacher
-    entropy term makes the value a true KL (0 when the two agree), it adds no gradient.
-    """
-    logq = F.log_softmax(student_logits.float(), dim=-1)
-    p = teacher_probs.float()
-    plogp = torch.where(p > 0, p * torch.log(p.clamp_min(1e-30)), torch.zeros_like(p))
-    kl = (plogp - p * logq).sum(-1)
-    return masked_mean(kl, mask)
 
 
 def ttt_step_weights(steps: int, decay: float) -> list[float]:
