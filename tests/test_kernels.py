@@ -72,3 +72,26 @@ def test_convergence_with_and_without_the_kernel():
     assert curves[0][-1] < 0.8 * curves[0][0]
     for a, b in zip(*curves):
         assert abs(a - b) <= 1e-3 * max(1.0, abs(a))
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,k,V", [(1, 1, 7), (33, 4, 1000), (3, 7, 4099), (5, 0, 50)])
+def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
+    from kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B * 100 + k)
+    logits = torch.randn(B, k + 1, V, device=device).to(dtype)
+    choice = logits.argmax(-1)
+    # drafts that agree for a random prefix, then disagree (or run out: -1)
+    drafts = choice[:, :k].clone()
+    for b in range(B):
+        cut = int(torch.randint(0, k + 1, ()))
+        if cut < k:
+            drafts[b, cut] = (choice[b, cut] + 1) % V if b % 2 else -1
+    if V > 10:  # a tie: the lowest id must win, as in torch.argmax
+        logits[0, 0, 3] = logits[0, 0, 5] = logits[0, 0].max() + 1
+    exp_acc, exp_bonus = greedy_verify_reference(drafts, logits)
+    acc, bonus = greedy_verify_triton(drafts, logits)
+    assert torch.equal(acc, exp_acc) and torch.equal(bonus, exp_bonus)
