@@ -1,0 +1,101 @@
+"""python -m inference.generate: a prompt (or a chat file) in, the target's greedy answer out.
+
+    python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|eagle3|none]
+        [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
+        [--chat chat.json] [--stats]
+
+The answer is printed to stdout; with --stats, tokens/s, the draft/verify time split and the
+acceptance (a_i, tau) go to stderr as JSON. Bad input is one error line and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv=None) -> int:
+    ap = _Parser(prog="python -m inference.generate", description="Greedy (speculative) generation with the runtime.")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message")
+    src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
+    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "eagle3"])
+    ap.add_argument("--drafter", help="EAGLE-3 export folder (speculators layout written by draftsmith)")
+    ap.add_argument("-k", type=int, default=4, help="drafts per step")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
+    args = ap.parse_args(argv)
+
+    if args.temperature != 0.0:
+        return _fail("--temperature: only greedy decoding (0) is available so far; sampling verification is not built yet")
+    if args.k < 1 and args.proposer != "none":
+        return _fail(f"-k: must be at least 1 with a proposer, got {args.k}")
+    if args.proposer == "eagle3" and not args.drafter:
+        return _fail("--drafter: the eagle3 proposer needs an export folder")
+    if args.drafter and not (Path(args.drafter) / "config.json").is_file():
+        return _fail(f"--drafter: {args.drafter} is not an export folder (no config.json)")
+    if args.chat:
+        try:
+            messages = json.loads(Path(args.chat).read_text())
+            assert isinstance(messages, list) and all("role" in m and "content" in m for m in messages)
+        except (OSError, ValueError, AssertionError):
+            return _fail(f"--chat: {args.chat} is not a JSON list of {{role, content}} messages")
+    else:
+        messages = [{"role": "user", "content": args.prompt}]
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from data.chat import encode_prompt
+    from inference.engine import cache_size, generate
+    from inference.model import RuntimeModel
+    from inference.proposers import Eagle3Proposer, NgramProposer
+    from models.zoo import AssetError, resolve_target
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    try:
+        path = resolve_target(args.target)
+        model = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
+    except (AssetError, ValueError, KeyError, FileNotFoundError) as e:
+        return _fail(f"--target: {e}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = encode_prompt(tokenizer, messages)
+    k = 0 if args.proposer == "none" else args.k
+    max_len = cache_size([prompt], args.max_new_tokens, k)
+    proposer = None
+    if args.proposer == "ngram":
+        proposer = NgramProposer(k)
+    elif args.proposer == "eagle3":
+        from export.speculators import load_speculators
+
+        try:
+            drafter = load_speculators(args.drafter, dtype=dtype).to(device)
+            proposer = Eagle3Proposer(drafter, k, 1, max_len, target_config=model.config)
+        except (ValueError, KeyError, FileNotFoundError) as e:
+            return _fail(f"--drafter: {e}")
+    outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,
+                              eos_ids=(tokenizer.eos_token_id,), max_len=max_len)
+    print(tokenizer.decode(outputs[0], skip_special_tokens=True))
+    if args.stats:
+        print(json.dumps(stats.summary()), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

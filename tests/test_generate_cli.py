@@ -1,0 +1,31 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "inference.generate", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_prints_text_and_stats(tiny_target):
+    res = _run("--target", "tiny-random-llama", "--prompt", "hello there", "--max-new-tokens", "8", "--stats")
+    assert res.returncode == 0, res.stderr[-2000:]
+    stats = json.loads(res.stderr.strip().splitlines()[-1])
+    assert stats["new_tokens"] == 8 and stats["k"] == 4 and "acceptance" in stats
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt", "x", "--temperature", "0.5"], "--temperature: only greedy decoding"),
+    (["--prompt", "x", "--proposer", "eagle3"], "--drafter: the eagle3 proposer needs an export folder"),
+    (["--prompt", "x", "--drafter", "/no/such"], "--drafter: /no/such is not an export folder"),
+    (["--prompt", "x", "--proposer", "medusa"], "invalid choice: 'medusa'"),
+    (["--chat", "/no/such.json"], "--chat: /no/such.json is not a JSON list"),
+    (["--prompt", "x", "-k", "0"], "-k: must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    res = _run(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
