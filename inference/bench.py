@@ -1,7 +1,7 @@
 """python -m inference.bench: decoders side by side, same prompts, same process.
 
 Rows: transformers' `generate` (plain, and with prompt lookup), this runtime plain, and this
-runtime with each proposer (n-gram; EAGLE-3 with --drafter). Batch 1, greedy. Reports tok/s,
+runtime with each proposer (n-gram, suffix decoding; EAGLE-3 with --drafter). Batch 1, greedy. Reports tok/s,
 tau, ratios against transformers plain and runtime plain, and how many outputs equal the
 runtime's plain output (exact in float32; bf16 batching may flip near-ties). Writes
 bench.json and bench.png to --out.
@@ -42,7 +42,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     from data.sources import load_prompts
     from inference.engine import cache_size, generate
     from inference.model import RuntimeModel
-    from inference.proposers import Eagle3Proposer, NgramProposer
+    from inference.proposers import Eagle3Proposer, NgramProposer, SuffixProposer
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -83,7 +83,9 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
         "transformers prompt lookup": lambda: hf_generate(prompt_lookup_num_tokens=10),
         "runtime plain": lambda: runtime(lambda p: None),
         f"runtime n-gram (k={k})": lambda: runtime(lambda p: NgramProposer(k)),
+        f"runtime suffix (k={k})": lambda: runtime(lambda p: suffix),
     }
+    suffix = SuffixProposer(k)  # one instance: its global cache of responses grows prompt by prompt
     if hf_static:
         rows["transformers static cache (compiled)"] = lambda: hf_generate(cache_implementation="static")
     if drafter_module is not None:

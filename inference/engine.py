@@ -114,6 +114,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
             if k:
                 stats.histogram[accepted[b]] += 1
             _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
+    if proposer is not None and hasattr(proposer, "end"):
+        proposer.end(outputs)  # e.g. suffix decoding caches finished responses
     _sync(device)
     stats.total_seconds = time.perf_counter() - t_start
     stats.new_tokens = sum(len(o) for o in outputs)

@@ -1,6 +1,6 @@
 """python -m inference.generate: a prompt (or a chat file) in, the target's greedy answer out.
 
-    python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|eagle3|none]
+    python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|eagle3|none]
         [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
         [--chat chat.json] [--stats]
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "eagle3"])
+    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3"])
     ap.add_argument("--drafter", help="EAGLE-3 export folder (speculators layout written by draftsmith)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
     from inference.model import RuntimeModel
-    from inference.proposers import Eagle3Proposer, NgramProposer
+    from inference.proposers import Eagle3Proposer, NgramProposer, SuffixProposer
     from models.zoo import AssetError, resolve_target
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -81,6 +81,8 @@ def main(argv=None) -> int:
     proposer = None
     if args.proposer == "ngram":
         proposer = NgramProposer(k)
+    elif args.proposer == "suffix":
+        proposer = SuffixProposer(k)
     elif args.proposer == "eagle3":
         from export.speculators import load_speculators
 

@@ -157,3 +157,110 @@ class Eagle3Proposer:
         keep = ~torch.as_tensor(active, device=fed.device)
         self.last = torch.where(keep, last, self.last)
         self.hidden = torch.where(keep[:, None], hidden, self.hidden)
+
+
+class _SuffixTrie:
+    """Bounded-depth suffix trie over token sequences with occurrence counts.
+
+    Every substring of length <= depth of the inserted sequences is a path from the root;
+    `count` at a node is how often that substring occurred. Appending a token extends the
+    suffixes that end at the previous token (at most depth of them): O(depth) per token.
+    """
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self.children: list[dict[int, int]] = [{}]  # node -> {token: child node}
+        self.count: list[int] = [0]
+
+    def _child(self, node: int, token: int) -> int:
+        nxt = self.children[node].get(token)
+        if nxt is None:
+            nxt = len(self.count)
+            self.children[node][token] = nxt
+            self.children.append({})
+            self.count.append(0)
+        self.count[nxt] += 1
+        return nxt
+
+    def extend(self, active: list[int], token: int) -> list[int]:
+        """Append `token` after the suffixes at `active` nodes; returns the new active nodes."""
+        new = [self._child(node, token) for node in [0] + active[: self.depth - 1]]
+        return new
+
+    def insert(self, tokens: list[int]) -> None:
+        active: list[int] = []
+        for t in tokens:
+            active = self.extend(active, t)
+
+    def match(self, context: list[int]) -> tuple[int, int]:
+        """(node, length) of the longest suffix of `context` (< depth) that occurred with a
+        continuation (the context's own latest occurrence has none)."""
+        for m in range(min(self.depth - 1, len(context)), 0, -1):
+            node = 0
+            for t in context[len(context) - m :]:
+                node = self.children[node].get(t, -1)
+                if node < 0:
+                    break
+            if node >= 0 and self.children[node]:
+                return node, m
+        return 0, 0
+
+    def continuation(self, node: int, limit: int) -> list[int]:
+        """Follow the most frequent child (ties: lowest token id) for up to `limit` tokens."""
+        out = []
+        while len(out) < limit and self.children[node]:
+            token, node = max(self.children[node].items(), key=lambda kv: (self.count[kv[1]], -kv[0]))
+            out.append(token)
+        return out
+
+
+class SuffixProposer:
+    """Suffix decoding: continue the context from a suffix trie over this request's prompt and
+    output and over a global cache of earlier responses, following the most frequent path.
+
+    The draft length adapts to the match: `min(k, ceil(factor * match length))`, so a long,
+    confident match drafts far and a one-token match drafts little.
+    """
+
+    aux_layers: tuple = ()
+
+    def __init__(self, k: int, depth: int = 24, factor: float = 1.0, min_match: int = 1):
+        self.k, self.depth, self.factor, self.min_match = k, depth, factor, min_match
+        self.global_trie = _SuffixTrie(depth)
+        self._rows: list[tuple[_SuffixTrie, list[int], int]] = []  # (trie, active nodes, tokens seen)
+
+    def begin(self, prompts, aux, first):
+        self._rows = []
+        for p, f in zip(prompts, first):
+            trie = _SuffixTrie(self.depth)
+            active: list[int] = []
+            for t in list(p) + [f]:
+                active = trie.extend(active, t)
+            self._rows.append((trie, active, len(p) + 1))
+
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        drafts = []
+        for b, seq in enumerate(tokens):
+            trie, active, seen = self._rows[b]
+            for t in seq[seen:]:  # tokens accepted since the last call
+                active = trie.extend(active, t)
+            self._rows[b] = (trie, active, len(seq))
+            best: list[int] = []
+            for source in (trie, self.global_trie):
+                node, m = source.match(seq)
+                if m < self.min_match:
+                    continue
+                limit = min(self.k, max(1, int(-(-self.factor * m // 1))))
+                cand = source.continuation(node, limit)
+                if len(cand) > len(best):
+                    best = cand
+            drafts.append(best)
+        return drafts
+
+    def accepted(self, fed, aux, counts, active):
+        pass
+
+    def end(self, outputs: list[list[int]]) -> None:
+        """Finished responses join the global cache for later requests."""
+        for o in outputs:
+            self.global_trie.insert(o)

@@ -5,7 +5,7 @@ import torch
 
 from inference.engine import generate
 from inference.model import RuntimeModel
-from inference.proposers import NgramProposer, longest_suffix_match
+from inference.proposers import NgramProposer, SuffixProposer, longest_suffix_match
 from inference.verify import NO_DRAFT, greedy_verify
 
 
@@ -73,10 +73,12 @@ def test_lossless_greedy_on_real_prompts_with_ragged_batches(tokenizer):
     plain = []
     for i in range(0, len(prompts), 5):  # plain greedy, batches of 5 ragged prompts
         plain.extend(generate(model, prompts[i : i + 5], 20, eos_ids=eos)[0])
-    for batch, k in ((1, 4), (4, 4), (7, 1)):
+    suffix = SuffixProposer(k=4)  # one instance: its global cache grows across batches
+    for batch, k, make in ((1, 4, lambda k: NgramProposer(k=k, max_n=3)), (4, 4, lambda k: NgramProposer(k=k, max_n=3)),
+                           (7, 1, lambda k: NgramProposer(k=k, max_n=3)), (4, 4, lambda k: suffix)):
         got, accepted = [], 0
         for i in range(0, len(prompts), batch):
-            out, stats = generate(model, prompts[i : i + batch], 20, proposer=NgramProposer(k=k, max_n=3), eos_ids=eos)
+            out, stats = generate(model, prompts[i : i + batch], 20, proposer=make(k), eos_ids=eos)
             got.extend(out)
             accepted += sum(n * c for n, c in enumerate(stats.histogram))
         assert got == plain, f"batch {batch}, k {k}"
@@ -101,3 +103,22 @@ def test_prompt_longer_than_cache_is_a_clear_error(tiny_target):
     rt = RuntimeModel.from_pretrained(tiny_target)
     with pytest.raises(ValueError, match="exceeds the cache"):
         generate(rt, [[1] * 50], 10, max_len=32)
+
+
+def test_suffix_proposer_follows_the_most_frequent_continuation_and_adapts_length():
+    p = SuffixProposer(k=6, factor=1.0)
+    # in the prompt, "1 2" is followed by 3 twice and by 4 once
+    p.begin([[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 9, 7]], None, [1])
+    assert p.propose([[1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 3, 9, 7, 1, 2]]) == [[3, 9]]  # match "1 2": 2 tokens at most
+    q = SuffixProposer(k=6, factor=1.0)
+    q.begin([[5, 6, 7, 8, 10, 11, 5, 6, 7]], None, [8])
+    assert q.propose([[5, 6, 7, 8, 10, 11, 5, 6, 7, 8]]) == [[10, 11, 5, 6]]  # match of 4: 4 tokens
+
+
+def test_suffix_proposer_global_cache_serves_later_requests():
+    p = SuffixProposer(k=4)
+    p.begin([[100, 101]], None, [1])
+    assert p.propose([[100, 101, 1, 2, 3]]) == [[]]
+    p.end([[1, 2, 3, 4, 5, 6]])
+    p.begin([[200]], None, [1])
+    assert p.propose([[200, 1, 2, 3]]) == [[4, 5, 6]]
