@@ -78,14 +78,17 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
                 hist = stats.histogram if hist is None else [a + b for a, b in zip(hist, stats.histogram)]
         return outs, hist
 
+    def suffix_row():
+        suffix = SuffixProposer(k)  # fresh per run: its global cache grows prompt by prompt within it
+        return runtime(lambda p: suffix)
+
     rows = {
         "transformers generate": lambda: hf_generate(),
         "transformers prompt lookup": lambda: hf_generate(prompt_lookup_num_tokens=10),
         "runtime plain": lambda: runtime(lambda p: None),
         f"runtime n-gram (k={k})": lambda: runtime(lambda p: NgramProposer(k)),
-        f"runtime suffix (k={k})": lambda: runtime(lambda p: suffix),
+        f"runtime suffix (k={k})": lambda: suffix_row(),
     }
-    suffix = SuffixProposer(k)  # one instance: its global cache of responses grows prompt by prompt
     if hf_static:
         rows["transformers static cache (compiled)"] = lambda: hf_generate(cache_implementation="static")
     if drafter_module is not None:
