@@ -5,14 +5,7 @@ non-assistant tokens never contribute.
 """
 from __future__ import annotations
 
-import torch
-
 from kernels.soft_kl import soft_kl  # noqa: F401  (Triton on GPU, torch reference elsewhere)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp_min(1.0)
 
 
 def ttt_step_weights(steps: int, decay: float) -> list[float]:
