@@ -12,7 +12,7 @@ import torch
 
 from inference.acceptance import acceptance_from_histogram
 from inference.model import GraphedStep, RuntimeModel
-from inference.verify import NO_DRAFT, greedy_verify
+from inference.verify import NO_DRAFT, greedy_verify, rejection_verify
 
 
 @dataclass
@@ -43,12 +43,16 @@ def _sync(device):
 @torch.no_grad()
 def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None,
              eos_ids: tuple[int, ...] = (), max_len: int | None = None,
-             cuda_graphs: bool = True) -> tuple[list[list[int]], GenerationStats]:
+             cuda_graphs: bool = True, temperature: float = 0.0,
+             generator: torch.Generator | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
     the same size (`cache_size` gives it). On a GPU the decode/verify step (fixed shape
-    [B, k+1]) runs as a CUDA graph unless cuda_graphs=False."""
+    [B, k+1]) runs as a CUDA graph unless cuda_graphs=False.
+
+    temperature > 0 samples from softmax(logits / temperature) and verifies drafts by
+    rejection sampling (drafts taken as certain, q = 1), which reproduces that distribution."""
     k = proposer.k if proposer is not None else 0
     aux_layers = tuple(getattr(proposer, "aux_layers", ()))
     device = model.embed_tokens.weight.device
@@ -69,7 +73,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         ids[b, : len(p)] = torch.as_tensor(p, device=device)
     last = torch.as_tensor(lengths, device=device) - 1
     logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last)
-    nxt = logits[:, 0].argmax(-1).tolist()
+    if temperature > 0:
+        nxt = torch.multinomial(torch.softmax(logits[:, 0].float() / temperature, -1), 1, generator=generator)[:, 0].tolist()
+    else:
+        nxt = logits[:, 0].argmax(-1).tolist()
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
     step_fn = None
@@ -100,7 +107,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
             logits, aux = step_fn(step, positions)
         else:
             logits, aux = model(step, positions, cache, aux_layers)
-        accepted, bonus = greedy_verify(draft_t, logits)
+        if temperature > 0:
+            accepted, bonus = rejection_verify(draft_t, None, torch.softmax(logits.float() / temperature, -1), generator)
+        else:
+            accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()
         if k:
             proposer.accepted(step, aux, list(zip(accepted, bonus)), [not d for d in done])

@@ -1,4 +1,4 @@
-"""python -m inference.generate: a prompt (or a chat file) in, the target's greedy answer out.
+"""python -m inference.generate: a prompt (or a chat file) in, the target's answer out.
 
     python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|eagle3|none]
         [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
@@ -36,13 +36,14 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="EAGLE-3 export folder (speculators layout written by draftsmith)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
     args = ap.parse_args(argv)
 
-    if args.temperature != 0.0:
-        return _fail("--temperature: only greedy decoding (0) is available so far; sampling verification is not built yet")
+    if args.temperature < 0:
+        return _fail(f"--temperature: must be >= 0, got {args.temperature}")
     if args.k < 1 and args.proposer != "none":
         return _fail(f"-k: must be at least 1 with a proposer, got {args.k}")
     if args.proposer == "eagle3" and not args.drafter:
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         except (ValueError, KeyError, FileNotFoundError) as e:
             return _fail(f"--drafter: {e}")
     outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,
-                              eos_ids=(tokenizer.eos_token_id,), max_len=max_len)
+                              eos_ids=(tokenizer.eos_token_id,), max_len=max_len, temperature=args.temperature)
     print(tokenizer.decode(outputs[0], skip_special_tokens=True))
     if args.stats:
         print(json.dumps(stats.summary()), file=sys.stderr)

@@ -36,6 +36,7 @@ def rejection_verify(drafts, draft_probs, target_probs, generator=None):
         q = torch.zeros_like(p[:, :k]).scatter_(2, d[..., None], 1.0)
     else:
         q = draft_probs.float()
+    q = q * valid[..., None]  # an empty slot drafted nothing: its residual is p itself
     q_d = q.gather(2, d[..., None]).squeeze(-1)
     u = torch.rand(B, k, device=drafts.device, generator=generator)
     ok = (u * q_d < p_d) & valid  # u < p/q without dividing by a zero q

@@ -9,15 +9,17 @@ def _run(*args):
     return subprocess.run([sys.executable, "-m", "inference.generate", *args], capture_output=True, text=True, timeout=300)
 
 
-def test_generate_prints_text_and_stats(tiny_target):
-    res = _run("--target", "tiny-random-llama", "--prompt", "hello there", "--max-new-tokens", "8", "--stats")
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_generate_prints_text_and_stats(tiny_target, temperature):
+    res = _run("--target", "tiny-random-llama", "--prompt", "hello there", "--max-new-tokens", "8", "--stats",
+               "--temperature", temperature)
     assert res.returncode == 0, res.stderr[-2000:]
     stats = json.loads(res.stderr.strip().splitlines()[-1])
     assert stats["new_tokens"] == 8 and stats["k"] == 4 and "acceptance" in stats
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--prompt", "x", "--temperature", "0.5"], "--temperature: only greedy decoding"),
+    (["--prompt", "x", "--temperature", "-1"], "--temperature: must be >= 0"),
     (["--prompt", "x", "--proposer", "eagle3"], "--drafter: the eagle3 proposer needs an export folder"),
     (["--prompt", "x", "--drafter", "/no/such"], "--drafter: /no/such is not an export folder"),
     (["--prompt", "x", "--proposer", "medusa"], "invalid choice: 'medusa'"),

@@ -57,3 +57,52 @@ def test_acceptance_rate_matches_theory_and_empty_slots_reject():
     assert abs(accepted.float().mean() - expect) < 0.01
     acc, _ = rejection_verify(torch.full((4, 2), NO_DRAFT), None, torch.softmax(torch.randn(4, 3, 5), -1))
     assert acc.tolist() == [0, 0, 0, 0]
+
+
+class _FixedDrafts:
+    """A proposer that always drafts the same tokens (no probabilities)."""
+
+    aux_layers = ()
+
+    def __init__(self, drafts):
+        self.k, self.drafts = len(drafts), drafts
+
+    def begin(self, *a):
+        pass
+
+    def propose(self, tokens):
+        return [list(self.drafts) for _ in tokens]
+
+    def accepted(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("drafts", [[], [3, 5], [3, NO_DRAFT]])
+def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts):
+    """End to end through the engine on an 8-token vocabulary: the first two sampled tokens
+    follow softmax(logits / T), with or without drafts."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)  # spread the distribution so that acceptance matters
+    hf.save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
+    proposer = _FixedDrafts(drafts) if drafts else None
+    outs, _ = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T, generator=torch.Generator().manual_seed(1))
+    first = torch.tensor([o[0] for o in outs])
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
+    mode = int(torch.bincount(first).argmax())
+    second = torch.tensor([o[1] for o in outs if o[0] == mode])
+    with torch.no_grad():
+        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
