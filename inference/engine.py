@@ -34,6 +34,26 @@ class GenerationStats:
             out["acceptance"] = acceptance_from_histogram(self.histogram)
         return out
 
+    def prometheus(self, prefix: str = "draftsmith_spec_decode") -> str:
+        """Counters in Prometheus' text exposition format: drafts (row-steps that drafted),
+        draft tokens, accepted tokens, and accepted tokens per draft position."""
+        drafts = sum(self.histogram)
+        accepted = sum(n * c for n, c in enumerate(self.histogram))
+        at_least = [sum(self.histogram[i:]) for i in range(1, self.k + 1)]  # position i accepted
+        lines = []
+        for name, help_text, value in (
+            ("num_drafts", "Row-steps that verified drafts.", drafts),
+            ("num_draft_tokens", "Draft tokens proposed and verified.", drafts * self.k),
+            ("num_accepted_tokens", "Draft tokens accepted.", accepted),
+            ("num_emitted_tokens", "Tokens emitted (accepted drafts and target tokens).", self.new_tokens),
+        ):
+            lines += [f"# HELP {prefix}_{name}_total {help_text}", f"# TYPE {prefix}_{name}_total counter",
+                      f"{prefix}_{name}_total {value}"]
+        lines += [f"# HELP {prefix}_num_accepted_tokens_per_pos_total Accepted drafts by position (1-based).",
+                  f"# TYPE {prefix}_num_accepted_tokens_per_pos_total counter"]
+        lines += [f'{prefix}_num_accepted_tokens_per_pos_total{{position="{i}"}} {n}' for i, n in enumerate(at_least, 1)]
+        return "\n".join(lines) + "\n"
+
 
 def _sync(device):
     if device.type == "cuda":
@@ -44,7 +64,8 @@ def _sync(device):
 def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int, proposer=None,
              eos_ids: tuple[int, ...] = (), max_len: int | None = None,
              cuda_graphs: bool = True, temperature: float = 0.0,
-             generator: torch.Generator | None = None) -> tuple[list[list[int]], GenerationStats]:
+             generator: torch.Generator | None = None,
+             k_table: list[list[int]] | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
@@ -52,8 +73,15 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     [B, k+1]) runs as a CUDA graph unless cuda_graphs=False.
 
     temperature > 0 samples from softmax(logits / temperature) and verifies drafts by
-    rejection sampling (drafts taken as certain, q = 1), which reproduces that distribution."""
+    rejection sampling (drafts taken as certain, q = 1), which reproduces that distribution.
+
+    k_table [[min_bs, max_bs, k], ...] picks the draft length by batch size (k = 0 turns
+    drafting off: large batches are compute-bound and gain little from speculation)."""
     k = proposer.k if proposer is not None else 0
+    if k_table is not None and proposer is not None:
+        k = draft_length(k_table, len(prompts), proposer.k)
+        if k == 0:
+            proposer = None
     aux_layers = tuple(getattr(proposer, "aux_layers", ()))
     device = model.embed_tokens.weight.device
     B = len(prompts)
@@ -93,7 +121,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         t0 = time.perf_counter()
         drafts = [[NO_DRAFT] * k for _ in range(B)]
         if k:
-            for b, d in enumerate(proposer.propose(tokens)):
+            for b, d in enumerate(proposer.propose(tokens)):  # a proposer may draft more than k
                 if not done[b]:
                     drafts[b][: min(len(d), k)] = d[:k]
         _sync(device)
@@ -151,3 +179,17 @@ def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):
 def cache_size(prompts: list[list[int]], max_new_tokens: int, k: int) -> int:
     """KV positions a generation needs: longest prompt + new tokens + one verify window."""
     return max(len(p) for p in prompts) + max_new_tokens + k + 1
+
+
+def draft_length(k_table: list[list[int]], batch: int, capability: int) -> int:
+    """k for this batch size from [[min_bs, max_bs, k], ...]; the proposer's own k when no row
+    covers the batch. A k beyond what the proposer drafts is an error, not a silent cap."""
+    for row in k_table:
+        if len(row) != 3 or min(row) < 0 or row[0] > row[1]:
+            raise ValueError(f"k table row {row} must be [min_bs, max_bs, k] with 0 <= min_bs <= max_bs, k >= 0")
+    for lo, hi, k in k_table:
+        if lo <= batch <= hi:
+            if k > capability:
+                raise ValueError(f"k table asks for k={k} at batch {batch}, beyond the proposer's {capability}")
+            return k
+    return capability

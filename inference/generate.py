@@ -40,6 +40,7 @@ def main(argv=None) -> int:
                     help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
+    ap.add_argument("--prometheus", metavar="FILE", help="write the speculative-decoding counters there (text format)")
     args = ap.parse_args(argv)
 
     if args.temperature < 0:
@@ -97,6 +98,8 @@ def main(argv=None) -> int:
     print(tokenizer.decode(outputs[0], skip_special_tokens=True))
     if args.stats:
         print(json.dumps(stats.summary()), file=sys.stderr)
+    if args.prometheus:
+        Path(args.prometheus).write_text(stats.prometheus())
     return 0
 
 

@@ -10,10 +10,12 @@ def _run(*args):
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
-def test_generate_prints_text_and_stats(tiny_target, temperature):
+def test_generate_prints_text_and_stats(tiny_target, temperature, tmp_path):
+    metrics = tmp_path / "metrics.prom"
     res = _run("--target", "tiny-random-llama", "--prompt", "hello there", "--max-new-tokens", "8", "--stats",
-               "--temperature", temperature)
+               "--temperature", temperature, "--prometheus", str(metrics))
     assert res.returncode == 0, res.stderr[-2000:]
+    assert "draftsmith_spec_decode_num_draft_tokens_total" in metrics.read_text()
     stats = json.loads(res.stderr.strip().splitlines()[-1])
     assert stats["new_tokens"] == 8 and stats["k"] == 4 and "acceptance" in stats
 

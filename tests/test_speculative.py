@@ -122,3 +122,40 @@ def test_suffix_proposer_global_cache_serves_later_requests():
     p.end([[1, 2, 3, 4, 5, 6]])
     p.begin([[200]], None, [1])
     assert p.propose([[200, 1, 2, 3]]) == [[4, 5, 6]]
+
+
+def test_prometheus_counters_follow_the_histogram():
+    from inference.engine import GenerationStats
+
+    stats = GenerationStats(k=3, histogram=[2, 1, 0, 4], new_tokens=25)
+    text = stats.prometheus()
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert lines["draftsmith_spec_decode_num_drafts_total"] == "7"
+    assert lines["draftsmith_spec_decode_num_draft_tokens_total"] == "21"
+    assert lines["draftsmith_spec_decode_num_accepted_tokens_total"] == str(1 * 1 + 3 * 4)
+    assert lines['draftsmith_spec_decode_num_accepted_tokens_per_pos_total{position="1"}'] == "5"
+    assert lines['draftsmith_spec_decode_num_accepted_tokens_per_pos_total{position="3"}'] == "4"
+    assert "# TYPE draftsmith_spec_decode_num_drafts_total counter" in text
+
+
+def test_draft_length_table():
+    from inference.engine import draft_length
+
+    table = [[1, 4, 5], [5, 16, 2], [17, 1024, 0]]
+    assert [draft_length(table, b, 5) for b in (1, 4, 5, 16, 17, 2000)] == [5, 5, 2, 2, 0, 5]
+    with pytest.raises(ValueError, match="beyond the proposer's 3"):
+        draft_length(table, 1, 3)
+    with pytest.raises(ValueError, match="must be \\[min_bs, max_bs, k\\]"):
+        draft_length([[4, 1, 2]], 2, 5)
+
+
+def test_k_table_changes_the_draft_length_and_stays_lossless(tiny_target):
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(2)
+    base = torch.randint(0, 40000, (6,)).tolist()
+    prompts = [base * 3, base * 2 + [7]]  # repetitive: n-gram drafts something
+    plain, _ = generate(rt, prompts, 12)
+    out, stats = generate(rt, prompts, 12, proposer=NgramProposer(k=4), k_table=[[1, 1, 4], [2, 8, 2]])
+    assert out == plain and stats.k == 2 and len(stats.histogram) == 3
+    out, stats = generate(rt, prompts, 12, proposer=NgramProposer(k=4), k_table=[[2, 8, 0]])
+    assert out == plain and stats.k == 0
