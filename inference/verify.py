@@ -6,6 +6,8 @@ token is the target's argmax given the tokens before it.
 """
 from __future__ import annotations
 
+import torch
+
 from kernels.greedy_verify import greedy_verify  # noqa: F401  (drafts [B,k], logits [B,k+1,V] → accepted, bonus)
 
 NO_DRAFT = -1  # fills draft slots a proposer left empty; never equals a target token
@@ -22,8 +24,6 @@ def rejection_verify(drafts, draft_probs, target_probs, generator=None):
     accepted the bonus comes from p_k. The emitted tokens follow the target's distribution.
     Returns (accepted [B] in 0..k, next_token [B]: the resampled or bonus token).
     """
-    import torch
-
     B, k = drafts.shape
     p = target_probs.float()
     rows = torch.arange(B, device=drafts.device)

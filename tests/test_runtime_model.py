@@ -64,3 +64,16 @@ def test_unsupported_architecture_is_named():
 
     with pytest.raises(ValueError, match="'gpt2' has no runtime implementation"):
         RuntimeConfig.from_hf(SimpleNamespace(model_type="gpt2"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_step_equals_eager(tiny_target):
+    from inference.engine import generate
+
+    rt = RuntimeModel.from_pretrained(tiny_target, dtype=torch.float32, device="cuda")
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (5, 12)]
+    eager, _ = generate(rt, prompts, 16, cuda_graphs=False)
+    graphed, _ = generate(rt, prompts, 16, cuda_graphs=True)
+    assert graphed == eager

@@ -114,3 +114,12 @@ def test_a_run_split_in_two_equals_one_run(chat_file, tmp_path):
     assert step == 6
     for k in expect:
         assert torch.equal(got[k], expect[k]), k
+
+
+def test_prepare_only_tokenizes_and_trains_nothing(chat_file, tmp_path):
+    out = tmp_path / "prep"
+    res = subprocess.run([sys.executable, "-m", "train", *tiny_overrides(chat_file, out), "--prepare-only"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "prepared:" in res.stdout
+    assert not (out / "checkpoints").exists() and not (out / "export").exists()
