@@ -99,12 +99,18 @@ class ChatDataModule(L.LightningDataModule):
                           persistent_workers=False)
 
     def val_dataloader(self):
-        n = min(self.eval_sequences, len(self.heldout_set))
+        """One loader per held-out set (a list when there are several)."""
+        sets = self.heldout_set if isinstance(self.heldout_set, list) else [self.heldout_set]
+        loaders = [self._heldout_loader(s) for s in sets]
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def _heldout_loader(self, heldout_set):
+        n = min(self.eval_sequences, len(heldout_set))
         if n == 0:
             raise ValueError("no held-out conversations: raise data.heldout_fraction or data.limit")
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         # each rank validates its own share; the acceptance histograms are summed across ranks
-        heldout = self.heldout_set.select(range(rank, n, world)).with_format(columns=["input_ids", "loss_mask"])
+        heldout = heldout_set.select(range(rank, n, world)).with_format(columns=["input_ids", "loss_mask"])
         cut = self.eval_max_length
 
         def truncate(rows):

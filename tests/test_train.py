@@ -123,3 +123,27 @@ def test_prepare_only_tokenizes_and_trains_nothing(chat_file, tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "prepared:" in res.stdout
     assert not (out / "checkpoints").exists() and not (out / "export").exists()
+
+
+def test_predicted_on_several_heldout_sets(chat_file, tmp_path):
+    """eval.datasets scores each set's held-out split; the first is the export's promise."""
+    from tests.conftest import make_conversations
+
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(80, seed=5)))
+    out = tmp_path / "run"
+    run(load_config(None, tiny_overrides(chat_file, out, **{"trainer.max_steps": 2}) + [f"eval.datasets=[{other}, {chat_file}]"]))
+    pred = json.loads((out / "predicted.json").read_text())["predicted"]
+    assert pred["dataset"] == str(other) and list(pred["also"]) == [chat_file]
+    assert pred["num_chains"] > 0 and pred["also"][chat_file]["num_chains"] > 0
+    exported = json.loads((out / "export" / "draftsmith.json").read_text())
+    assert exported["predicted_acceptance"]["dataset"] == str(other)
+
+
+def test_heldout_split_follows_the_prompt_not_the_answer():
+    from data.chat import _is_heldout
+
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(400)]
+    a = [_is_heldout(p + [{"role": "assistant", "content": "original answer"}], 0.2) for p in prompts]
+    b = [_is_heldout(p + [{"role": "assistant", "content": f"regenerated {i}"}], 0.2) for i, p in enumerate(prompts)]
+    assert a == b and 0 < sum(a) < 400

@@ -82,6 +82,10 @@ class EvalConfig:
     max_length: int = 1024
     every_n_steps: int = 200
     """Validation (loss, accuracy, predicted acceptance) every N training steps."""
+    datasets: list[str] | None = None
+    """Data sets whose held-out split (same prompt-hash rule) is scored; the first is the one
+    stored in the export. Default: data.dataset. E.g. train on regenerated answers and also
+    score the original ones."""
 
 
 @dataclass
@@ -239,9 +243,12 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
     if not zoo.target_exists(cfg.target):
         raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
-    ds = cfg.data.dataset
-    if ds not in zoo.ASSETS and not Path(ds).expanduser().exists() and ("/" not in ds or ds.startswith((".", "/"))):
-        raise ConfigError(f"data.dataset: {ds!r} is not a zoo data set or an existing file")
+    named = [("data.dataset", cfg.data.dataset)] + [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets or [])]
+    for key, ds in named:
+        if ds not in zoo.ASSETS and not Path(ds).expanduser().exists() and ("/" not in ds or ds.startswith((".", "/"))):
+            raise ConfigError(f"{key}: {ds!r} is not a zoo data set or an existing file")
+    if cfg.eval.datasets is not None and not cfg.eval.datasets:
+        raise ConfigError("eval.datasets: give at least one data set, or leave it unset")
     positive = {"data.batch_size": cfg.data.batch_size, "data.max_length": cfg.data.max_length,
                 "eval.k": cfg.eval.k, "objective.ttt_steps": cfg.objective.ttt_steps,
                 "drafter.draft_vocab_size": cfg.drafter.draft_vocab_size,

@@ -15,7 +15,7 @@ from train.losses import soft_kl, ttt_slices, ttt_step_weights
 
 class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: Eagle3Drafter, objective: ObjectiveConfig,
-                 optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int):
+                 optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None):
         super().__init__()
         self.target = target.requires_grad_(False)
         self.drafter = drafter
@@ -23,6 +23,7 @@ class DrafterModule(L.LightningModule):
         self.schedule_steps = schedule_steps  # LR schedule length
         self.step_weights = ttt_step_weights(objective.ttt_steps, objective.ttt_decay)
         self.predicted: dict | None = None
+        self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
 
     # ----------------------------------------------------------------- checkpoint contents
@@ -80,9 +81,9 @@ class DrafterModule(L.LightningModule):
 
     # ----------------------------------------------------------------- held-out validation
     def on_validation_epoch_start(self):
-        self._val_hist = torch.zeros(self.evaluation.k + 1, dtype=torch.long)
+        self._val_hist = torch.zeros(len(self.eval_names), self.evaluation.k + 1, dtype=torch.long)
 
-    def validation_step(self, batch, batch_idx):
+    def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         out, teacher, greedy = self._target_pass(ids)
         logits = self.drafter.unroll(ids, out.aux, self.objective.ttt_steps)
@@ -91,7 +92,7 @@ class DrafterModule(L.LightningModule):
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
             self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
-        self._val_hist += self.predicted_histogram(ids, loss_mask, lengths, out.aux, greedy)
+        self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, out.aux, greedy)
 
     @torch.no_grad()
     def predicted_histogram(self, ids, loss_mask, lengths, aux, greedy) -> torch.Tensor:
@@ -125,11 +126,16 @@ class DrafterModule(L.LightningModule):
         hist = self._val_hist.to(self.device)
         if self.trainer.world_size > 1:
             hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
-        stats = acceptance_from_histogram(hist.cpu())
-        self.predicted = {**stats, "k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
-        self.log("val/tau", stats["tau"], prog_bar=True, sync_dist=False)
-        for i, a in enumerate(stats["a"], 1):
-            self.log(f"val/a_{i}", a, sync_dist=False)
+        per_set = [acceptance_from_histogram(h) for h in hist.cpu()]
+        common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
+        self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
+        if len(per_set) > 1:
+            self.predicted["also"] = dict(zip(self.eval_names[1:], per_set[1:]))
+        for j, stats in enumerate(per_set):
+            suffix = "" if j == 0 else f"_set{j}"  # set j = eval.datasets[j]
+            self.log(f"val/tau{suffix}", stats["tau"], prog_bar=j == 0, sync_dist=False)
+            for i, a in enumerate(stats["a"], 1):
+                self.log(f"val/a_{i}{suffix}", a, sync_dist=False)
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):

@@ -83,7 +83,8 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
 
 
 def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
-    """Tokenized train/held-out sets and the draft vocabulary (both cached)."""
+    """Tokenized train set, {name: held-out set} for eval.datasets, and the draft vocabulary
+    (all cached)."""
     from data.chat import build_datasets, dataset_key
     from models.draft_vocab import build_draft_vocab, count_tokens, coverage
     from models.zoo import cache_dir
@@ -103,7 +104,15 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     d2t, t2d = build_draft_vocab(counts, vd)
     log.info("data: %d training / %d held-out conversations, %d assistant tokens; draft vocab %d covers %.1f%% of them",
              len(train), len(heldout), int(counts.sum()), vd, 100 * coverage(counts, t2d))
-    return train, heldout, d2t, t2d
+    heldouts = {}
+    for name in eval_datasets(cfg):
+        heldouts[name] = heldout if name == cfg.data.dataset else build_datasets(
+            name, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction, cfg.data.num_proc)[1]
+    return train, heldouts, d2t, t2d
+
+
+def eval_datasets(cfg: RunConfig) -> list[str]:
+    return list(cfg.eval.datasets or [cfg.data.dataset])
 
 
 def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -> dict:
@@ -132,9 +141,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     on_gpu = trainer.accelerator.__class__.__name__.startswith("CUDA")
     dtype = _dtype(cfg, on_gpu)
     hf_config = AutoConfig.from_pretrained(target_path)
-    train, heldout, d2t, t2d = prepare_data(cfg, tokenizer, hf_config.vocab_size)
+    train, heldouts, d2t, t2d = prepare_data(cfg, tokenizer, hf_config.vocab_size)
     if prepare_only:
-        print(f"prepared: target {target_path}, {len(train)} training / {len(heldout)} held-out conversations")
+        sizes = ", ".join(f"{len(h)} held-out in {name}" for name, h in heldouts.items())
+        print(f"prepared: target {target_path}, {len(train)} training conversations; {sizes}")
         return {}
 
     dcfg = Eagle3Config.from_target(hf_config, d2t.numel(), cfg.drafter.aux_layer_ids,
@@ -146,8 +156,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
     fast = bool(cfg.trainer.get("fast_dev_run"))
     max_steps = cfg.trainer.get("max_steps", 1) if not fast else int(cfg.trainer["fast_dev_run"])
-    module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps)
-    datamodule = ChatDataModule(train, heldout, pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
+    module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
+                           eval_names=list(heldouts))
+    datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
     t0 = time.time()
@@ -168,7 +179,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     summary = {
         "predicted": predicted,
         "dataset": cfg.data.dataset,
-        "heldout_conversations": min(cfg.eval.num_sequences, len(heldout)),
+        "heldout_conversations": {name: min(cfg.eval.num_sequences, len(h)) for name, h in heldouts.items()},
         "train_steps": int(trainer.global_step),
         "fit_seconds": round(fit_seconds, 1),
         "throughput": next(c for c in trainer.callbacks if isinstance(c, Throughput)).summary(),
@@ -180,8 +191,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                            target_arch=list(hf_config.architectures or []), k=cfg.eval.k,
                            provenance={"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
                                        "training_config": cfg.to_dict(), "predicted_acceptance": predicted})
-        print(f"predicted acceptance on held-out {cfg.data.dataset} (k={cfg.eval.k}, T=0): "
-              f"tau = {predicted.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in predicted.get('a', [])]}")
+        for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
+            print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
+                  f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}")
         print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
     return summary
 
