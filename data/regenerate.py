@@ -1,0 +1,213 @@
+"""python -m data.regenerate: replace every assistant turn of a data set with the target's own
+greedy answer, so a drafter trains on the text it will see when serving.
+
+    python -m data.regenerate --target smollm2-135m-instruct --dataset sharegpt --out regen/sharegpt \
+        [--limit N] [--batch-size 64] [--max-new-tokens 512] [--max-length 2048] [--max-minutes M]
+
+Turns are answered in order through the runtime, a batch of conversations at a time (turn r of
+every conversation in the batch, then turn r+1 after those answers). A conversation stops at
+the first turn whose prompt plus answer budget no longer fits --max-length (training truncates
+there anyway) or whose answer hit --max-new-tokens without ending; it keeps the turns before.
+
+Output: OUT/conversations.jsonl, one line per source conversation in source order:
+{"id", "messages", "regenerated_turns", "truncated"} or {"id", "skipped": reason}. Lines are
+appended and flushed after each batch; re-running skips finished ids, and a line cut by an
+interruption is dropped and redone, so no conversation is lost or written twice.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger("draftsmith.regenerate")
+
+OUTPUT = "conversations.jsonl"
+SETTINGS = "regenerate.json"
+
+
+def read_finished(path: Path) -> set[int]:
+    """Ids already written; a trailing partial line (interrupted write) is cut off the file."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1  # everything after the last newline is an unfinished line
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+    return {json.loads(line)["id"] for line in data[:keep].decode("utf-8").splitlines() if line.strip()}
+
+
+def check_settings(out: Path, settings: dict):
+    """A resumed run must use the settings that wrote the finished lines."""
+    path = out / SETTINGS
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [k for k in settings if old.get(k) != settings[k]]
+        if changed:
+            raise ValueError(f"{out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
+                             "use a new --out or the same settings")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{SETTINGS}.tmp")
+        tmp.write_text(json.dumps(settings, indent=2))
+        os.replace(tmp, path)
+
+
+def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, max_length: int,
+                     generate_fn=None) -> tuple[list[dict], int]:
+    """Answer every assistant turn of these conversations, turn by turn, batched across them.
+
+    Returns (one output record per conversation, number of tokens generated)."""
+    from data.chat import encode_prompt
+    from inference.engine import generate
+
+    generate_fn = generate_fn or generate
+    eos = tokenizer.eos_token_id
+    out = [[] for _ in conversations]  # messages so far, with regenerated answers
+    cursor = [0] * len(conversations)  # next source message to copy
+    answered = [0] * len(conversations)
+    truncated = [False] * len(conversations)
+    open_rows = list(range(len(conversations)))
+    generated = 0
+    while open_rows:
+        prompts, rows = [], []
+        for i in open_rows:
+            src = conversations[i]
+            while cursor[i] < len(src) and src[cursor[i]]["role"] != "assistant":
+                out[i].append(src[cursor[i]])
+                cursor[i] += 1
+            if cursor[i] >= len(src):
+                continue  # no more turns to answer
+            prompt = encode_prompt(tokenizer, out[i])
+            if len(prompt) + max_new_tokens > max_length:
+                continue  # training would cut this turn off: stop the conversation here
+            prompts.append(prompt)
+            rows.append(i)
+        if not rows:
+            break
+        outputs, _ = generate_fn(model, prompts, max_new_tokens, eos_ids=(eos,))
+        still_open = []
+        for i, ids in zip(rows, outputs):
+            ended = bool(ids) and ids[-1] == eos
+            generated += len(ids)
+            text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True).strip()
+            out[i].append({"role": "assistant", "content": text})
+            cursor[i] += 1
+            answered[i] += 1
+            if ended:
+                still_open.append(i)
+            else:
+                truncated[i] = True  # an answer cut at the budget: later turns would follow a cut answer
+        open_rows = still_open
+    records = []
+    for i, msgs in enumerate(out):
+        while msgs and msgs[-1]["role"] != "assistant":
+            msgs.pop()  # end on an answer
+        if answered[i] == 0:
+            records.append({"skipped": f"first prompt does not fit {max_length} tokens with {max_new_tokens} new"})
+        else:
+            records.append({"messages": msgs, "regenerated_turns": answered[i], "truncated": truncated[i]})
+    return records, generated
+
+
+def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
+               max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
+               device: str | None = None, generate_fn=None) -> dict:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from data.sources import load_conversations
+    from inference.model import RuntimeModel
+    from models.zoo import resolve_target
+
+    out = Path(out)
+    settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
+                "max_length": max_length, "decoding": "greedy"}
+    check_settings(out, settings)
+    path = out / OUTPUT
+    finished = read_finished(path)
+    conversations = load_conversations(dataset, limit)
+    todo = [i for i in range(len(conversations)) if i not in finished]
+    summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0}
+    if not todo:
+        print(f"{path}: all {len(conversations)} conversations already regenerated")
+        return summary
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    folder = resolve_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = RuntimeModel.from_pretrained(folder, dtype=dtype, device=device)
+    t0 = time.time()
+    stopped_early = False
+    with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
+        for start in range(0, len(todo), batch_size):
+            ids = todo[start : start + batch_size]
+            records, n = regenerate_batch(model, tokenizer, [conversations[i] for i in ids], max_new_tokens,
+                                          max_length, generate_fn)
+            f.write("".join(json.dumps({"id": i, **r}, ensure_ascii=False) + "\n" for i, r in zip(ids, records)))
+            f.flush()
+            os.fsync(f.fileno())
+            summary["written"] += len(ids)
+            summary["generated_tokens"] += n
+            bar.update(len(ids))
+            bar.set_postfix(tok_s=f"{summary['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f}")
+            if max_minutes is not None and time.time() - t0 > 60 * max_minutes and start + batch_size < len(todo):
+                stopped_early = True
+                break
+    seconds = time.time() - t0
+    summary.update(seconds=round(seconds, 1), tokens_per_s=round(summary["generated_tokens"] / max(seconds, 1e-9), 1),
+                   complete=not stopped_early)
+    left = len(todo) - summary["written"]
+    print(f"wrote {summary['written']} conversations ({summary['generated_tokens']:,} tokens, "
+          f"{summary['tokens_per_s']:,.0f} tok/s) to {path}" + (f"; {left} left: run again to continue" if left else ""))
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--dataset", default="sharegpt", help="zoo name, ShareGPT JSON or OpenAI-messages JSONL")
+    ap.add_argument("--out", required=True, help="output folder (conversations.jsonl); re-run to resume")
+    ap.add_argument("--limit", type=int, default=None, help="first N usable conversations of the source")
+    ap.add_argument("--batch-size", type=int, default=None, help="conversations per batch (default 64 on GPU, 4 on CPU)")
+    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-length", type=int, default=2048, help="stop a conversation once a turn would pass this")
+    ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
+    ap.add_argument("--device", default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from data.sources import DataError
+    from models.zoo import AssetError
+
+    for name in ("batch_size", "max_new_tokens", "max_length", "limit"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"error: --{name.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
+            return 2
+    batch = args.batch_size or (64 if (args.device or "").startswith("cuda") or _has_cuda() else 4)
+    try:
+        regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
+                   args.max_length, args.max_minutes, args.device)
+    except (DataError, AssetError, ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: finished batches are saved; run the same command again to continue", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

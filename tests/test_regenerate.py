@@ -1,0 +1,78 @@
+"""Regeneration: every assistant turn answered by the target, resumable without loss or duplicates."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from data.regenerate import read_finished, regenerate
+from inference.engine import generate
+from tests.conftest import make_conversations
+
+
+def _sharegpt_file(tmp_path, n=5):
+    rows = [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in c["messages"]]}
+            for c in make_conversations(n, seed=3)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(rows))
+    return path, rows
+
+
+def test_regeneration_resumes_after_an_interruption(tmp_path):
+    source, rows = _sharegpt_file(tmp_path)
+    out = tmp_path / "regen"
+    calls = {"n": 0}
+
+    def flaky_generate(*args, **kwargs):  # dies during the second batch
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return generate(*args, **kwargs)
+
+    with pytest.raises(KeyboardInterrupt):
+        regenerate("tiny-random-llama", str(source), out, batch_size=2, max_new_tokens=6, max_length=512,
+                   generate_fn=flaky_generate)
+    first = read_finished(out / "conversations.jsonl")
+    assert first and len(first) < 5
+    with open(out / "conversations.jsonl", "a") as f:
+        f.write('{"id": 4, "messa')  # a line cut mid-write by the interruption
+    summary = regenerate("tiny-random-llama", str(source), out, batch_size=2, max_new_tokens=6, max_length=512)
+    lines = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in lines) == [0, 1, 2, 3, 4]  # none lost, none twice
+    assert summary["already_done"] == len(first)
+    for r in lines:
+        src = [t for t in rows[r["id"]]["conversations"]]
+        msgs = r["messages"]
+        # user turns kept verbatim, assistant turns replaced, in order
+        assert [m["content"] for m in msgs if m["role"] == "user"] == [t["value"] for t in src if t["from"] == "human"][: len(msgs) // 2]
+        assert msgs[-1]["role"] == "assistant" and r["regenerated_turns"] == sum(m["role"] == "assistant" for m in msgs)
+        originals = {t["value"] for t in src if t["from"] == "gpt"}
+        assert not any(m["content"] in originals for m in msgs if m["role"] == "assistant")
+
+
+def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path, tiny_target, tokenizer):
+    import torch
+
+    from data.chat import encode_prompt
+    from inference.model import RuntimeModel
+
+    source, _ = _sharegpt_file(tmp_path, n=2)
+    out = tmp_path / "regen"
+    regenerate("tiny-random-llama", str(source), out, batch_size=2, max_new_tokens=5, max_length=512)
+    rec = json.loads((out / "conversations.jsonl").read_text().splitlines()[0])
+    model = RuntimeModel.from_pretrained(tiny_target, dtype=torch.float32)
+    prompt = encode_prompt(tokenizer, rec["messages"][:1])
+    ids = generate(model, [prompt], 5, eos_ids=(tokenizer.eos_token_id,))[0][0]
+    ids = ids[:-1] if ids and ids[-1] == tokenizer.eos_token_id else ids
+    assert rec["messages"][1]["content"] == tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_resume_with_other_settings_and_bad_input_are_one_line_errors(tmp_path):
+    source, _ = _sharegpt_file(tmp_path, n=2)
+    out = tmp_path / "regen"
+    regenerate("tiny-random-llama", str(source), out, batch_size=2, max_new_tokens=3, max_length=512)
+    cmd = [sys.executable, "-m", "data.regenerate", "--target", "tiny-random-llama", "--dataset", str(source), "--out", str(out)]
+    res = subprocess.run(cmd + ["--max-new-tokens", "4", "--max-length", "512"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "max_new_tokens" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(cmd[:5] + ["no-such-data", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "no-such-data" in res.stderr and "Traceback" not in res.stderr
