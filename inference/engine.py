@@ -100,7 +100,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     for b, p in enumerate(prompts):
         ids[b, : len(p)] = torch.as_tensor(p, device=device)
     last = torch.as_tensor(lengths, device=device) - 1
-    logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last)
+    logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last,
+                        causal_prefill=True)
     if temperature > 0:
         nxt = torch.multinomial(torch.softmax(logits[:, 0].float() / temperature, -1), 1, generator=generator)[:, 0].tolist()
     else:

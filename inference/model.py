@@ -18,7 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from kernels.rms_norm import rms_norm
+from kernels.rope_cache import rope_cache
+from kernels.silu_mul import silu_mul
+from models.layers import RMSNorm, rope_config, rope_inv_freq
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -86,6 +89,7 @@ def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
     """Write k, v [B,nkv,q,d] at `positions` [B,q] into the caches [B,nkv,S,d], then attend.
 
     q [B,nh,q,d] (nh a multiple of nkv); mask from `cache_mask`. Returns [B,nh,q,d].
+    (The drafters' caches use this; the runtime model fuses the write into its RoPE kernel.)
     """
     B, nkv, n, d = k.shape
     index = positions[:, None, :, None].expand(B, nkv, n, d)
@@ -95,31 +99,69 @@ def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
                                           enable_gqa=q.shape[1] != nkv)
 
 
+def grouped_attention_bias(positions: torch.Tensor, max_len: int, groups: int, dtype) -> torch.Tensor:
+    """[B,1,groups*q,S] additive mask (0 where key position <= query position, -inf after),
+    the rows repeated once per query head of a KV group (see `grouped_cache_attention`)."""
+    visible = cache_mask(positions, max_len)  # [B,1,q,S]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    return bias.repeat(1, 1, groups, 1)
+
+
+def grouped_cache_attention(q, k_cache, v_cache, bias):
+    """q [B,nh,q,d] over the whole cache [B,nkv,S,d] with `grouped_attention_bias`.
+
+    The g = nh/nkv query heads that share a KV head are folded into its query length
+    ([B,nkv,g*q,d]), so one plain attention call serves grouped-query attention without
+    repeating the cache or falling back to the slow math path."""
+    B, nh, n, d = q.shape
+    nkv = k_cache.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, nkv, (nh // nkv) * n, d), k_cache, v_cache, attn_mask=bias)
+    return out.view(B, nh, n, d)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
         self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
+        # q, k and v in one matmul: [H] → [(nh + 2 nkv) d]; loaded from q_proj/k_proj/v_proj
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, mask):
-        """x [B,q,H]; positions [B,q]; k_cache/v_cache [B,nkv,S,d] of this layer; mask [B,1,q,S]."""
-        B, q, _ = x.shape
-        xq = self.q_proj(x).view(B, q, self.nh, self.d)
-        xk = self.k_proj(x).view(B, q, self.nkv, self.d)
-        xv = self.v_proj(x).view(B, q, self.nkv, self.d)
-        if self.qk_norm:
-            xq, xk = self.q_norm(xq), self.k_norm(xk)
-        xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
-        out = cached_attention(xq, xk, xv, k_cache, v_cache, positions, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, q, self.nh * self.d))
+    def forward(self, x, positions, inv_freq, k_cache, v_cache, bias, causal_prefill: bool):
+        """x [B,q,H]; positions [B,q]; k_cache/v_cache [B,nkv,S,d] of this layer; bias from
+        `grouped_attention_bias`, or None with causal_prefill (every row at positions 0..q-1
+        of an empty cache: plain causal attention over this chunk, flash kernels, no mask)."""
+        B, n, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if self.qk_norm:  # Qwen3 normalises each head before RoPE
+            d = self.d
+            q, k, v = qkv.split([self.nh * d, self.nkv * d, self.nkv * d], -1)
+            q = self.q_norm(q.reshape(B, n, self.nh, d)).reshape(B, n, -1)
+            k = self.k_norm(k.reshape(B, n, self.nkv, d)).reshape(B, n, -1)
+            qkv = torch.cat([q, k, v], -1)
+        q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv)  # [B,nh,q,d]
+        if causal_prefill:
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
+                                                 enable_gqa=self.nh != self.nkv)
+        else:
+            out = grouped_cache_attention(q, k_cache, v_cache, bias)
+        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.nh * self.d))
+
+
+class FusedMLP(nn.Module):
+    """SwiGLU with gate and up in one matmul ([H] → [2I]); loaded from gate_proj/up_proj."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -128,11 +170,54 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, cos, sin, positions, k_cache, v_cache, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, k_cache, v_cache, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill):
+        """(x, residual) → (mlp output, residual): the hidden state after the layer is their
+        sum, added inside the next norm (one fused kernel instead of an add and a norm)."""
+        normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill)
+        normed, residual = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
+        return self.mlp(normed), residual
+
+
+def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
+    """transformers' Llama tensor names (without `model.`) → this module's fused layout,
+    strictly: a missing or unexpected tensor, or a wrong shape, is an error naming it."""
+    H, d = cfg.hidden_size, cfg.head_dim
+    shapes = {"embed_tokens.weight": (cfg.vocab_size, H), "norm.weight": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, H), p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, H),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, H), p + "self_attn.o_proj.weight": (H, cfg.num_heads * d),
+            p + "mlp.gate_proj.weight": (cfg.intermediate_size, H), p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
+            p + "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        })
+        if cfg.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (cfg.num_heads * d,), p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
+                           p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,)})
+        if cfg.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(shapes) - set(state))
+    unexpected = sorted(k for k in set(state) - set(shapes) if not k.endswith("rotary_emb.inv_freq"))
+    if missing or unexpected:
+        raise KeyError(f"{source}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {v})" for k, v in shapes.items() if tuple(state[k].shape) != v]
+    if wrong:
+        raise ValueError(f"{source}: wrong shapes: {', '.join(wrong[:5])}")
+    out = {k: state[k] for k in shapes}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(p + f"self_attn.{x}_proj.{kind}") for x in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
+    return out
 
 
 class RuntimeModel(nn.Module):
@@ -149,7 +234,7 @@ class RuntimeModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> "RuntimeModel":
-        """Load an HF safetensors folder strictly: every tensor present, no stray ones."""
+        """Load an HF safetensors folder strictly: every tensor present with its shape, no stray ones."""
         from safetensors.torch import load_file
         from transformers import AutoConfig
 
@@ -164,14 +249,10 @@ class RuntimeModel(nn.Module):
         for f in files:
             for name, t in load_file(str(f)).items():
                 state[name.removeprefix("model.")] = t
-        if cfg.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        expected = {k for k in model.state_dict()} - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
-        missing, unexpected = expected - set(state), set(state) - expected
-        unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
-        if missing or unexpected:
-            raise KeyError(f"{folder}: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-        model.load_state_dict({k: state[k] for k in expected}, strict=False, assign=True)
+        state = hf_to_runtime_state(state, cfg, str(folder))
+        expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+        assert set(state) == expected, sorted(set(state) ^ expected)[:5]  # the mapping covers every tensor
+        model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -181,27 +262,34 @@ class RuntimeModel(nn.Module):
         p = self.embed_tokens.weight
         return KVCache(self.config, batch, max_len, p.dtype, p.device)
 
-    def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None):
+    def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None,
+                causal_prefill: bool = False):
         """input_ids, positions [B,q] → (logits [B,q,V], aux [B,q,n*H] in aux_layers order or None).
 
         logits_at [B] (optional): compute the head only at this query index of each row
         (prefill needs one row of logits, not q of them); logits are then [B,1,V].
+        causal_prefill: every row starts at position 0 of an empty cache (positions are
+        0..q-1), so attention is plain causal over this chunk (flash kernels, no mask).
 
         Rows of a ragged step may carry padding tokens: they are written at positions beyond
         the row's real tokens, never attended by real queries, and overwritten later.
         """
         B, q = input_ids.shape
-        mask = cache_mask(positions, cache.max_len)
+        cfg = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        bias = None if causal_prefill else grouped_attention_bias(
+            positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        residual = None
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, positions, cache.k[i], cache.v[i], mask)
+            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill)
             if i in aux_layers:
-                captured[i] = x
+                captured[i] = x + residual  # the hidden state after layer i
         if logits_at is not None:
-            x = x[torch.arange(B, device=x.device), logits_at][:, None]
-        logits = self.lm_head(self.norm(x))
+            rows = torch.arange(B, device=x.device)
+            x, residual = x[rows, logits_at][:, None], residual[rows, logits_at][:, None]
+        x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        logits = self.lm_head(x)
         return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)
 
 

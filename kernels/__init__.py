@@ -1,0 +1,23 @@
+"""Triton kernels, each beside its plain-torch reference of the same signature.
+
+`use_kernel(t)` is the one dispatch rule: the kernel runs on CUDA tensors unless
+DRAFTSMITH_KERNELS=0; DRAFTSMITH_KERNELS=force runs it on any device (with TRITON_INTERPRET=1
+on a CPU, which is how CI tests whole models through the kernels).
+"""
+from __future__ import annotations
+
+import os
+
+try:
+    import triton  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+
+def use_kernel(t) -> bool:
+    mode = os.environ.get("DRAFTSMITH_KERNELS", "1")
+    if not HAVE_TRITON or mode == "0":
+        return False
+    return mode == "force" or t.is_cuda

@@ -77,8 +77,8 @@ def greedy_verify_triton(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[to
 
 def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on CUDA tensors, the reference elsewhere."""
-    import os
+    from kernels import use_kernel
 
-    if triton is not None and logits.is_cuda and os.environ.get("DRAFTSMITH_KERNELS", "1") != "0":
+    if use_kernel(logits):
         return greedy_verify_triton(drafts, logits)
     return greedy_verify_reference(drafts, logits)

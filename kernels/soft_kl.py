@@ -13,7 +13,6 @@ asked), else the reference. Both have the same signature.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
@@ -122,5 +121,6 @@ def soft_kl_triton(student_logits, teacher_probs, mask) -> torch.Tensor:
 
 def soft_kl(student_logits, teacher_probs, mask) -> torch.Tensor:
     """The kernel on CUDA tensors, the reference elsewhere (DRAFTSMITH_KERNELS=0 forces it)."""
-    use_kernel = triton is not None and student_logits.is_cuda and os.environ.get("DRAFTSMITH_KERNELS", "1") != "0"
-    return (soft_kl_triton if use_kernel else soft_kl_reference)(student_logits, teacher_probs, mask)
+    from kernels import use_kernel
+
+    return (soft_kl_triton if use_kernel(student_logits) else soft_kl_reference)(student_logits, teacher_probs, mask)

@@ -95,3 +95,65 @@ def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
     exp_acc, exp_bonus = greedy_verify_reference(drafts, logits)
     acc, bonus = greedy_verify_triton(drafts, logits)
     assert torch.equal(acc, exp_acc) and torch.equal(bonus, exp_bonus)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("rows,H", [(1, 7), (33, 576), (3, 1000)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel_matches_reference(dtype, tol, rows, H, with_residual):
+    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(rows + H)
+    x = (torch.randn(2, rows, H, device=device) * 4).to(dtype)
+    w = (torch.rand(H, device=device) + 0.5).to(dtype)
+    r = torch.randn(2, rows, H, device=device).to(dtype) if with_residual else None
+    out, h = rms_norm_triton(x, w, 1e-5, r)
+    ref_out, ref_h = rms_norm_reference(x, w, 1e-5, r)
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
+    # the residual sum: exact in float32; low precision within one rounding (the CPU
+    # interpreter's float→bf16 cast may truncate where a GPU rounds to nearest)
+    exact = dtype == torch.float32
+    torch.testing.assert_close(h.float(), ref_h.float(), rtol=0 if exact else 1e-2, atol=0 if exact else 1e-2)
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("rows,I", [(1, 3), (33, 1536), (2, 1000)])
+def test_silu_mul_kernel_matches_reference(dtype, tol, rows, I):
+    from kernels.silu_mul import silu_mul_reference, silu_mul_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(rows * I)
+    gate_up = (torch.randn(rows, 1, 2 * I, device=device) * 3).to(dtype)
+    torch.testing.assert_close(silu_mul_triton(gate_up).float(), silu_mul_reference(gate_up).float(), rtol=tol, atol=tol)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("B,n,nh,nkv,d", [(1, 1, 9, 3, 64), (33, 2, 4, 4, 16), (3, 5, 6, 2, 80)])
+def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
+    from kernels.rope_cache import rope_cache_reference, rope_cache_triton
+    from models.layers import rope_inv_freq
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B * n + d)
+    S = 40
+    qkv = torch.randn(B, n, (nh + 2 * nkv) * d, device=device).to(dtype)
+    # ragged rows: each row writes at its own positions, some far into the cache
+    start = torch.randint(0, S - n, (B, 1), device=device)
+    positions = start + torch.arange(n, device=device)
+    inv_freq = rope_inv_freq(d, 10000.0).to(device)
+    caches = [torch.randn(B, nkv, S, d, device=device).to(dtype) for _ in range(2)]
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    ref_q = rope_cache_reference(qkv, positions, inv_freq, ref_k, ref_v, nh, nkv)
+    got_q = rope_cache_triton(qkv, positions, inv_freq, got_k, got_v, nh, nkv)
+    torch.testing.assert_close(got_q.float(), ref_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), ref_k.float(), rtol=tol, atol=tol)
+    assert torch.equal(got_v, ref_v)  # v is copied, not computed
+    untouched = torch.ones(B, S, dtype=torch.bool, device=device)
+    untouched.scatter_(1, positions, False)
+    assert torch.equal(got_k.transpose(1, 2)[untouched], caches[0].transpose(1, 2)[untouched])

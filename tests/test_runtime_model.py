@@ -77,3 +77,54 @@ def test_cuda_graph_step_equals_eager(tiny_target):
     eager, _ = generate(rt, prompts, 16, cuda_graphs=False)
     graphed, _ = generate(rt, prompts, 16, cuda_graphs=True)
     assert graphed == eager
+
+
+def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+    """The whole model with every runtime kernel (Triton interpreter on CPU) gives the logits
+    and cache of the torch references, for a ragged prefill and a decode step."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 40000, (2, 7))
+    results = []
+    for mode in ("0", "force"):
+        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+        cache = rt.new_cache(2, 16)
+        with torch.no_grad():
+            a, aux_a = rt(ids, torch.arange(7).expand(2, 7), cache, (0,), causal_prefill=True)
+            b, aux_b = rt(ids[:, :2], torch.tensor([[7, 8], [5, 6]]), cache, (1,))
+        results.append((a, aux_a, b, aux_b, cache.k.clone(), cache.v.clone()))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_prefill_equals_the_masked_cache_path(tiny_target):
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    ids = torch.randint(0, 40000, (3, 9))
+    pos = torch.arange(9).expand(3, 9)
+    with torch.no_grad():
+        fast = rt(ids, pos, rt.new_cache(3, 12), causal_prefill=True)[0]
+        masked = rt(ids, pos, rt.new_cache(3, 12))[0]
+    torch.testing.assert_close(fast, masked, rtol=1e-5, atol=1e-5)
+
+
+def test_loading_names_a_missing_or_misshapen_tensor(tiny_target, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for name, change in (("model.layers.1.self_attn.k_proj.weight", "drop"), ("model.layers.0.mlp.up_proj.weight", "shape")):
+        folder = tmp_path / change
+        shutil.copytree(tiny_target, folder)
+        (weights,) = folder.glob("*.safetensors")
+        state = load_file(str(weights))
+        if change == "drop":
+            del state[name]
+        else:
+            state[name] = state[name][:-1].clone()
+        save_file(state, str(weights))
+        with pytest.raises((KeyError, ValueError), match=name.removeprefix("model.").replace(".", r"\.")):
+            RuntimeModel.from_pretrained(folder)
