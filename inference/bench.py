@@ -33,6 +33,21 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
+def _without_kernels(fn):
+    """Run fn with every runtime kernel replaced by its torch reference (same graphs otherwise)."""
+    import os
+
+    saved = os.environ.get("DRAFTSMITH_KERNELS")
+    os.environ["DRAFTSMITH_KERNELS"] = "0"
+    try:
+        return fn()
+    finally:
+        if saved is None:
+            del os.environ["DRAFTSMITH_KERNELS"]
+        else:
+            os.environ["DRAFTSMITH_KERNELS"] = saved
+
+
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k: int, drafter: str | None,
               device: str, out_dir: Path, hf_static: bool = False) -> dict:
     import torch
@@ -86,6 +101,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
         "transformers generate": lambda: hf_generate(),
         "transformers prompt lookup": lambda: hf_generate(prompt_lookup_num_tokens=10),
         "runtime plain": lambda: runtime(lambda p: None),
+        "runtime plain, torch ops (DRAFTSMITH_KERNELS=0)": lambda: _without_kernels(lambda: runtime(lambda p: None)),
         f"runtime n-gram (k={k})": lambda: runtime(lambda p: NgramProposer(k)),
         f"runtime suffix (k={k})": lambda: suffix_row(),
     }

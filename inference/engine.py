@@ -65,7 +65,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
              eos_ids: tuple[int, ...] = (), max_len: int | None = None,
              cuda_graphs: bool = True, temperature: float = 0.0,
              generator: torch.Generator | None = None,
-             k_table: list[list[int]] | None = None) -> tuple[list[list[int]], GenerationStats]:
+             k_table: list[list[int]] | None = None,
+             fast_plain: bool = True) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
@@ -76,7 +77,11 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     rejection sampling (drafts taken as certain, q = 1), which reproduces that distribution.
 
     k_table [[min_bs, max_bs, k], ...] picks the draft length by batch size (k = 0 turns
-    drafting off: large batches are compute-bound and gain little from speculation)."""
+    drafting off: large batches are compute-bound and gain little from speculation).
+
+    Plain greedy decoding (no proposer, temperature 0) takes a device-side loop unless
+    fast_plain=False: each step feeds its own argmax back, and the host checks for
+    end-of-sequence once every `EOS_CHECK_EVERY` tokens instead of syncing per token."""
     k = proposer.k if proposer is not None else 0
     if k_table is not None and proposer is not None:
         k = draft_length(k_table, len(prompts), proposer.k)
@@ -87,12 +92,12 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     B = len(prompts)
     lengths = [len(p) for p in prompts]
     need = cache_size(prompts, max_new_tokens, k)
-    max_len = max_len or need
+    max_len = max_len or -(-need // CACHE_BUCKET) * CACHE_BUCKET  # few distinct sizes: graphs get reused
     if need > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
     stats = GenerationStats(k=k, histogram=[0] * (k + 1))
     t_start = time.perf_counter()
-    cache = model.new_cache(B, max_len)
+    cache = _reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
     # prefill, right-padded; each row's next token comes from its last real position
     T = max(lengths)
@@ -106,11 +111,22 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         nxt = torch.multinomial(torch.softmax(logits[:, 0].float() / temperature, -1), 1, generator=generator)[:, 0].tolist()
     else:
         nxt = logits[:, 0].argmax(-1).tolist()
+    if proposer is None and temperature == 0 and fast_plain:
+        first = logits[:, 0].argmax(-1)
+        outputs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens, eos_ids,
+                                graphed=cuda_graphs and device.type == "cuda")
+        _sync(device)
+        stats.total_seconds = time.perf_counter() - t_start
+        stats.verify_seconds = stats.total_seconds
+        stats.new_tokens = sum(len(o) for o in outputs)
+        stats.steps = max(len(o) for o in outputs) - 1
+        return outputs, stats
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
     step_fn = None
     if cuda_graphs and device.type == "cuda":
-        graph = GraphedStep(model, cache, B, k + 1, aux_layers)
+        graph = _reuse(model, ("step", id(cache), B, k + 1, aux_layers, _kernels_mode()),
+                       lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
         step_fn = graph
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in range(B)]
@@ -159,6 +175,92 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     stats.total_seconds = time.perf_counter() - t_start
     stats.new_tokens = sum(len(o) for o in outputs)
     return outputs, stats
+
+
+EOS_CHECK_EVERY = 16
+CACHE_BUCKET = 256  # cache lengths are rounded up to this
+WORKSPACE_SLOTS = 6  # caches and captured graphs kept per model, least recently used dropped
+
+
+def _kernels_mode() -> str:
+    import os
+
+    return os.environ.get("DRAFTSMITH_KERNELS", "1")
+
+
+def _reuse(model, key, build):
+    """A KV cache or captured step kept on the model and reused by later calls of the same
+    shape: capturing a CUDA graph costs more than decoding a short answer. Stale cache
+    entries are harmless: a query sees only positions its own request has written."""
+    slots = model.__dict__.setdefault("_workspace", {})
+    if key in slots:
+        slots[key] = slots.pop(key)  # most recently used last
+    else:
+        slots[key] = build()
+        while len(slots) > WORKSPACE_SLOTS:
+            slots.pop(next(iter(slots)))
+    return slots[key]
+
+
+class GreedyDecodeStep:
+    """One plain greedy step that feeds itself: reads ids / positions [B,1], writes the argmax
+    back into ids and advances positions. On a GPU it is one CUDA-graph replay with nothing
+    for the host to wait on."""
+
+    def __init__(self, model: RuntimeModel, cache, batch: int, graphed: bool):
+        dev = model.embed_tokens.weight.device
+        self.model, self.cache = model, cache
+        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=dev)
+        self.graph = None
+        if graphed:
+            k_snapshot, v_snapshot = cache.k.clone(), cache.v.clone()  # warm-up writes into the cache
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._step()
+            cache.k.copy_(k_snapshot)
+            cache.v.copy_(v_snapshot)
+
+    def _step(self):
+        logits, _ = self.model(self.ids, self.positions, self.cache)
+        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        self.positions.add_(1)
+
+    def __call__(self):
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+
+
+def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> list[list[int]]:
+    """first [B] (the prefill's argmax), lengths [B] → each row's tokens, cut after its EOS."""
+    B = first.shape[0]
+    step = _reuse(model, ("plain", id(cache), B, graphed, _kernels_mode()),
+                  lambda: GreedyDecodeStep(model, cache, B, graphed))
+    step.ids[:, 0] = first
+    step.positions[:, 0] = lengths  # the first new token sits right after the prompt
+    history = torch.empty(B, max_new_tokens, dtype=torch.long, device=first.device)
+    history[:, 0] = first
+    eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=first.device)
+    n = 1
+    while n < max_new_tokens:
+        if eos.numel() and n % EOS_CHECK_EVERY == 0 and bool(torch.isin(history[:, :n], eos).any(1).all()):
+            break  # every row has ended (one host sync per EOS_CHECK_EVERY tokens)
+        step()
+        history[:, n] = step.ids[:, 0]
+        n += 1
+    outputs = []
+    for row in history[:, :n].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        outputs.append(row[:cut])
+    return outputs
 
 
 def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):

@@ -159,3 +159,17 @@ def test_k_table_changes_the_draft_length_and_stays_lossless(tiny_target):
     assert out == plain and stats.k == 2 and len(stats.histogram) == 3
     out, stats = generate(rt, prompts, 12, proposer=NgramProposer(k=4), k_table=[[2, 8, 0]])
     assert out == plain and stats.k == 0
+
+
+def test_device_side_plain_loop_equals_the_per_token_loop(tiny_target):
+    """The sync-free plain greedy loop emits what the general loop emits, EOS cuts included."""
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(4)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (3, 11, 6)]
+    free_run, _ = generate(rt, prompts, 40, fast_plain=False)
+    eos = (free_run[1][5], free_run[2][20])  # tokens that do occur: rows end at different steps
+    slow, _ = generate(rt, prompts, 40, eos_ids=eos, fast_plain=False)
+    fast, stats = generate(rt, prompts, 40, eos_ids=eos)
+    assert fast == slow
+    assert len(fast[1]) <= 6 and fast[1][-1] in eos and stats.new_tokens == sum(map(len, fast))
+    assert generate(rt, prompts, 40)[0] == free_run
