@@ -112,11 +112,13 @@ def grouped_cache_attention(q, k_cache, v_cache, bias):
 
     The g = nh/nkv query heads that share a KV head are folded into its query length
     ([B,nkv,g*q,d]), so one plain attention call serves grouped-query attention without
-    repeating the cache or falling back to the slow math path."""
+    repeating the cache or falling back to the slow math path. Returns [B,q,nh*d], the
+    o_proj input (head h = kv*g + j, as transformers' repeat_kv orders them)."""
     B, nh, n, d = q.shape
     nkv = k_cache.shape[1]
-    out = F.scaled_dot_product_attention(q.reshape(B, nkv, (nh // nkv) * n, d), k_cache, v_cache, attn_mask=bias)
-    return out.view(B, nh, n, d)
+    g = nh // nkv
+    out = F.scaled_dot_product_attention(q.reshape(B, nkv, g * n, d), k_cache, v_cache, attn_mask=bias)
+    return out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4).reshape(B, n, nh * d)
 
 
 class Attention(nn.Module):
@@ -147,9 +149,10 @@ class Attention(nn.Module):
         if causal_prefill:
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
                                                  enable_gqa=self.nh != self.nkv)
+            out = out.transpose(1, 2).reshape(B, n, self.nh * self.d)
         else:
             out = grouped_cache_attention(q, k_cache, v_cache, bias)
-        return self.o_proj(out.transpose(1, 2).reshape(B, n, self.nh * self.d))
+        return self.o_proj(out)
 
 
 class FusedMLP(nn.Module):

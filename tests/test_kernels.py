@@ -36,9 +36,10 @@ def test_soft_kl_kernel_matches_reference(dtype, tol, rows, V):
 @needs_triton_backend
 def test_soft_kl_kernel_on_a_3d_slice_and_an_empty_mask():
     torch.manual_seed(0)
-    logits = torch.randn(2, 9, 37)[:, 1:]  # a non-contiguous TTT-style slice
-    teacher = torch.softmax(torch.randn(2, 8, 37), -1)
-    mask = torch.zeros(2, 8, dtype=torch.bool)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    logits = torch.randn(2, 9, 37, device=device)[:, 1:]  # a non-contiguous TTT-style slice
+    teacher = torch.softmax(torch.randn(2, 8, 37, device=device), -1)
+    mask = torch.zeros(2, 8, dtype=torch.bool, device=device)
     assert soft_kl_triton(logits, teacher, mask).item() == 0.0
     mask[1, 3] = True
     torch.testing.assert_close(soft_kl_triton(logits, teacher, mask), soft_kl_reference(logits, teacher, mask))
@@ -51,12 +52,13 @@ def test_convergence_with_and_without_the_kernel():
     from train.losses import ttt_slices
 
     curves = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     for loss_fn in (soft_kl_reference, soft_kl_triton):
-        d = tiny_drafter(seed=1)
+        d = tiny_drafter(seed=1).to(device)
         torch.manual_seed(3)
-        ids, aux = torch.randint(0, 300, (2, 12)), torch.randn(2, 12, 96)
-        teacher = torch.softmax(torch.randn(2, 12, 64) * 3, -1)
-        mask = torch.ones(2, 12)
+        ids, aux = torch.randint(0, 300, (2, 12)).to(device), torch.randn(2, 12, 96).to(device)
+        teacher = torch.softmax(torch.randn(2, 12, 64) * 3, -1).to(device)
+        mask = torch.ones(2, 12, device=device)
         opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
         curve = []
         for _ in range(25):

@@ -86,16 +86,17 @@ def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypa
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    rt = RuntimeModel.from_pretrained(tiny_target)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     torch.manual_seed(2)
-    ids = torch.randint(0, 40000, (2, 7))
+    ids = torch.randint(0, 40000, (2, 7), device=device)
     results = []
     for mode in ("0", "force"):
         monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
         cache = rt.new_cache(2, 16)
         with torch.no_grad():
-            a, aux_a = rt(ids, torch.arange(7).expand(2, 7), cache, (0,), causal_prefill=True)
-            b, aux_b = rt(ids[:, :2], torch.tensor([[7, 8], [5, 6]]), cache, (1,))
+            a, aux_a = rt(ids, torch.arange(7, device=device).expand(2, 7), cache, (0,), causal_prefill=True)
+            b, aux_b = rt(ids[:, :2], torch.tensor([[7, 8], [5, 6]], device=device), cache, (1,))
         results.append((a, aux_a, b, aux_b, cache.k.clone(), cache.v.clone()))
     for ref, got in zip(*results):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
