@@ -78,9 +78,11 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
         prompts, rows = [], []
         for i in open_rows:
             src = conversations[i]
-            while cursor[i] < len(src) and src[cursor[i]]["role"] != "assistant":
-                out[i].append(src[cursor[i]])
-                cursor[i] += 1
+            while cursor[i] < len(src) and (src[cursor[i]]["role"] != "assistant"
+                                            or not any(m["role"] == "user" for m in out[i])):
+                if src[cursor[i]]["role"] != "assistant":
+                    out[i].append(src[cursor[i]])
+                cursor[i] += 1  # an answer before any user turn has no prompt: dropped
             if cursor[i] >= len(src):
                 continue  # no more turns to answer
             prompt = encode_prompt(tokenizer, out[i])

@@ -13,6 +13,7 @@ from tests.conftest import make_conversations
 def _sharegpt_file(tmp_path, n=5):
     rows = [{"conversations": [{"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in c["messages"]]}
             for c in make_conversations(n, seed=3)]
+    rows[0]["conversations"].insert(0, {"from": "gpt", "value": "an answer before any question"})  # occurs in ShareGPT
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(rows))
     return path, rows
@@ -42,6 +43,7 @@ def test_regeneration_resumes_after_an_interruption(tmp_path):
     assert summary["already_done"] == len(first)
     for r in lines:
         src = [t for t in rows[r["id"]]["conversations"]]
+        src = src[1:] if src[0]["from"] == "gpt" else src
         msgs = r["messages"]
         # user turns kept verbatim, assistant turns replaced, in order
         assert [m["content"] for m in msgs if m["role"] == "user"] == [t["value"] for t in src if t["from"] == "human"][: len(msgs) // 2]
