@@ -117,7 +117,9 @@ def _read_rows(path: Path):
     if stripped.startswith("["):
         return iter_json_array(text, str(path))
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    # split on newlines only: str.splitlines also breaks at U+2028, U+0085 and other
+    # separators that JSON strings may hold raw (json.dumps(..., ensure_ascii=False))
+    for lineno, line in enumerate(text.split("\n"), 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))

@@ -82,3 +82,16 @@ def test_zoo_sharegpt_loads_all_complete_conversations(caplog):
     # 17,671 complete conversations, of which 143 have no assistant text
     assert "17671 complete" in caplog.text
     assert len(convs) == 17671 - 143
+
+
+def test_jsonl_with_raw_unicode_line_separators(tmp_path):
+    """Regenerated files hold U+2028 and friends raw inside strings; lines split on \\n only."""
+    import json
+
+    from data.sources import load_conversations
+
+    path = tmp_path / "raw.jsonl"
+    msgs = [{"role": "user", "content": "a\u2028b\x1cc\u0085d"}, {"role": "assistant", "content": "e\u2029f"}]
+    path.write_text(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n" + json.dumps({"messages": msgs}) + "\n",
+                    encoding="utf-8")
+    assert load_conversations(str(path)) == [msgs, msgs]
