@@ -1,5 +1,6 @@
-"""Greedy verification, fused: argmax over the vocabulary at each of the k+1 verified
-positions, leading matches against the drafts, and the bonus token, in one launch per step.
+"""Greedy verification in two launches: argmax over the vocabulary at each of the k+1 verified
+positions (one program per position), then leading matches against the drafts and the bonus
+token (one program per row).
 
     drafts [B,k] int64 (target ids; -1 where a proposer left a slot empty)
     logits [B,k+1,V] (the target's logits after the last verified token and after each draft)
@@ -29,24 +30,31 @@ def greedy_verify_reference(drafts: torch.Tensor, logits: torch.Tensor) -> tuple
 if triton is not None:
 
     @triton.jit
-    def _greedy_verify_kernel(logits_ptr, drafts_ptr, accepted_ptr, bonus_ptr, V, K,
-                              stride_b, stride_q, stride_d, BLOCK: tl.constexpr):
+    def _argmax_kernel(logits_ptr, choice_ptr, V, Q, stride_b, stride_q, BLOCK: tl.constexpr):
+        """One program per (row, position): the first index of the maximum."""
+        b = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1).to(tl.int64)
+        base = logits_ptr + b * stride_b + j * stride_q
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_idx = tl.zeros([BLOCK], tl.int64)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            better = x > best  # strict: each lane keeps its first maximum
+            best = tl.where(better, x, best)
+            best_idx = tl.where(better, cols.to(tl.int64), best_idx)
+        m = tl.max(best, 0)
+        tl.store(choice_ptr + b * Q + j, tl.min(tl.where(best == m, best_idx, V), 0))  # first occurrence
+
+    @triton.jit
+    def _accept_kernel(choice_ptr, drafts_ptr, accepted_ptr, bonus_ptr, K, stride_d):
+        """One program per row: leading drafts equal to the target's choices, then the bonus."""
         row = tl.program_id(0).to(tl.int64)
         acc = tl.zeros([], tl.int64)
         alive = tl.full([], 1, tl.int64)
         bonus = tl.zeros([], tl.int64)
         for j in range(0, K + 1):
-            base = logits_ptr + row * stride_b + j * stride_q
-            best = tl.full([BLOCK], float("-inf"), tl.float32)
-            best_idx = tl.zeros([BLOCK], tl.int64)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-                better = x > best  # strict: each lane keeps its first maximum
-                best = tl.where(better, x, best)
-                best_idx = tl.where(better, cols.to(tl.int64), best_idx)
-            m = tl.max(best, 0)
-            idx = tl.min(tl.where(best == m, best_idx, V), 0)  # first occurrence overall
+            idx = tl.load(choice_ptr + row * (K + 1) + j)
             has_draft = j < K
             d = tl.load(drafts_ptr + row * stride_d + j, mask=has_draft, other=-1)
             match = (d == idx) & has_draft
@@ -58,6 +66,7 @@ if triton is not None:
 
 
 def greedy_verify_triton(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two launches: argmax per (row, position) in parallel, then the per-row acceptance scan."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, q, V = logits.shape
@@ -67,11 +76,13 @@ def greedy_verify_triton(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[to
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     drafts = drafts.contiguous()
+    choice = torch.empty(B, q, dtype=torch.long, device=logits.device)
     accepted = torch.empty(B, dtype=torch.long, device=logits.device)
     bonus = torch.empty(B, dtype=torch.long, device=logits.device)
     if B:
-        _greedy_verify_kernel[(B,)](logits, drafts, accepted, bonus, V, k, logits.stride(0), logits.stride(1),
-                                    max(drafts.stride(0), 1), BLOCK=min(4096, triton.next_power_of_2(V)))
+        _argmax_kernel[(B, q)](logits, choice, V, q, logits.stride(0), logits.stride(1),
+                               BLOCK=min(4096, triton.next_power_of_2(V)))
+        _accept_kernel[(B,)](choice, drafts, accepted, bonus, k, max(drafts.stride(0), 1))
     return accepted, bonus
 
 
