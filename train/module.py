@@ -6,7 +6,7 @@ import math
 import lightning as L
 import torch
 
-from inference.acceptance import acceptance_from_histogram, accepted_lengths, length_histogram
+from inference.acceptance import acceptance_from_histogram, predicted_histogram
 from models.eagle3 import Eagle3Drafter
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
@@ -94,33 +94,10 @@ class DrafterModule(L.LightningModule):
             self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, out.aux, greedy)
 
-    @torch.no_grad()
     def predicted_histogram(self, ids, loss_mask, lengths, aux, greedy) -> torch.Tensor:
-        """Accepted-length histogram of greedy k-chains drafted exactly as a runtime drafts.
-
-        Chains start at anchors a whose bonus token x_{a+1} is assistant text; draft i is
-        judged against the target's full-vocab argmax given x_0..x_{a+1} and drafts 1..i-1.
-        """
-        k = self.evaluation.k
-        draft_ids = self.drafter.draft_ids()
-        steps = self.drafter.unroll(ids, aux, k, greedy=True)  # k x [B,T,Vd]
-        drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
-        hist = torch.zeros(k + 1, dtype=torch.long)
-        for b in range(ids.shape[0]):
-            n = int(lengths[b])
-            candidates = torch.nonzero(loss_mask[b, 1:n]).flatten()  # a with x_{a+1} assistant
-            if candidates.numel() == 0:
-                continue
-            m = min(self.evaluation.anchors_per_sequence, candidates.numel())
-            pick = torch.linspace(0, candidates.numel() - 1, m, device=ids.device).round().long()
-            anchors = candidates[pick]
-            chain = drafts[b, anchors]  # [m, k]
-            choice = torch.empty_like(chain)
-            choice[:, 0] = greedy[b, anchors + 1]
-            if k > 1:
-                choice[:, 1:] = self.target.greedy_after_chains(ids[b, :n], anchors, chain[:, : k - 1])
-            hist += length_histogram(accepted_lengths(chain, choice), k)
-        return hist
+        """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
+        return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
+                                   self.evaluation.anchors_per_sequence, aux=aux, greedy=greedy)
 
     def on_validation_epoch_end(self):
         hist = self._val_hist.to(self.device)
