@@ -1,0 +1,323 @@
+"""python -m inference.validate: does the acceptance promised in training hold when serving?
+
+    python -m inference.validate --drafter runs/eagle3/export --dataset mt-bench [-k 7] \
+        [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--out DIR]
+
+Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
+after the target's own first answer), measures per-position acceptance a_i and tau overall,
+per category and per turn, and compares them with the prediction stored in the export
+(`draftsmith.json`). Exit 1 when |tau_measured - tau_predicted| / tau_predicted > tolerance.
+
+Why a gap: the served answers are replayed through the training-time predictor (same
+function training uses, now on the text the runtime produced). Predicted-on-held-out vs
+replayed separates a data gap (held-out text unlike served text) from a runtime gap
+(replayed vs measured on the same text: export or runtime drafting differently from
+training). Replaying the prompts' text too tells prompt-like from answer-like text.
+
+Writes report.json, report.md, acceptance_per_position.png, tau_per_category.png and
+accepted_lengths.png to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+
+def tau_at(a: list[float], k: int) -> float:
+    """tau of a k-chain from per-position acceptance a_1..a_k (DESIGN.md definition)."""
+    tau, run = 1.0, 1.0
+    for x in a[:k]:
+        run *= x
+        tau += run
+    return tau
+
+
+def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[dict]:
+    """[{id, category, turns}] for a zoo benchmark, `sharegpt-heldout` or a JSON/JSONL file."""
+    from data.sources import load_prompts
+
+    if dataset == "sharegpt-heldout":
+        from data.chat import _is_heldout
+        from data.sources import load_conversations
+
+        data_cfg = provenance.get("training_config", {}).get("data", {})
+        fraction = data_cfg.get("heldout_fraction", 0.02)
+        rows = []
+        for i, conv in enumerate(load_conversations("sharegpt")):
+            if _is_heldout(conv, fraction):
+                turns = [m["content"] for m in conv if m["role"] == "user"]
+                if turns:
+                    rows.append({"id": f"sharegpt-{i}", "category": "sharegpt", "turns": turns})
+    else:
+        rows = load_prompts(dataset)
+    if not rows:
+        raise ValueError(f"--dataset {dataset}: no prompts")
+    return rows[:limit] if limit else rows
+
+
+def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
+            seed: int = 0, max_turns: int | None = None, progress: bool = True):
+    """Serve every question turn by turn; returns per-answer records with histograms."""
+    import torch
+    from tqdm import tqdm
+
+    from data.chat import encode_prompt
+    from inference.engine import cache_size, generate
+    from inference.proposers import Eagle3Proposer
+
+    device = rt.embed_tokens.weight.device
+    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
+    eos = tokenizer.eos_token_id
+    records = []
+    for q in tqdm(questions, desc="validating", unit="question", disable=not progress):
+        messages = []
+        for turn, text in enumerate(q["turns"][:max_turns]):
+            messages.append({"role": "user", "content": text})
+            prompt = encode_prompt(tokenizer, messages)
+            proposer = Eagle3Proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), target_config=rt.config)
+            outs, stats = generate(rt, [prompt], max_new_tokens, proposer=proposer, eos_ids=(eos,),
+                                   temperature=temperature, generator=generator)
+            answer = outs[0]
+            messages.append({"role": "assistant",
+                             "content": tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer,
+                                                         skip_special_tokens=True)})
+            records.append({"id": q["id"], "category": q["category"], "turn": turn + 1, "prompt": prompt,
+                            "answer": answer, "histogram": stats.histogram, "new_tokens": stats.new_tokens,
+                            "seconds": stats.total_seconds})
+    return records
+
+
+def replay(target, drafter, records: list[dict], k: int, anchors: int, part: str):
+    """Training's predictor on the served text: anchors in the answers or in the prompts."""
+    import torch
+
+    from inference.acceptance import predicted_histogram
+
+    device = next(target.parameters()).device
+    hist = torch.zeros(k + 1, dtype=torch.long)
+    for r in records:
+        ids = r["prompt"] + r["answer"]
+        mask = [0] * len(r["prompt"]) + [1] * len(r["answer"]) if part == "answer" else \
+            [1] * len(r["prompt"]) + [0] * len(r["answer"])
+        t = torch.as_tensor([ids], device=device)
+        hist += predicted_histogram(target, drafter, t, torch.as_tensor([mask], device=device),
+                                    torch.as_tensor([len(ids)]), k, anchors)
+    return hist
+
+
+def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
+             per_category: dict, tolerance: float) -> list[str]:
+    """Plain sentences saying where predicted and measured part, and what that points at."""
+    lines = []
+    tp, tm, tr = predicted["tau"], measured["tau"], replay_answers["tau"]
+    runtime_gap = (tm - tr) / tr if tr else 0.0
+    data_gap = (tr - tp) / tp if tp else 0.0
+    if abs(runtime_gap) > tolerance:
+        lines.append(f"Runtime gap: on the very text it served, training's predictor gives tau {tr:.3f} but the runtime "
+                     f"measured {tm:.3f} ({runtime_gap:+.1%}). The drafter drafts differently when served: check the "
+                     "export (norm flags, layer ids, draft vocabulary) with `python -m export.check`.")
+    else:
+        lines.append(f"No runtime gap: the runtime measured {tm:.3f} where training's predictor gives {tr:.3f} on the same "
+                     f"answers ({runtime_gap:+.1%}); the export drafts as it was trained.")
+    if abs(data_gap) > tolerance:
+        lines.append(f"Data gap: the promise ({tp:.3f}) was measured on held-out text unlike the served answers "
+                     f"(replayed {tr:.3f}, {data_gap:+.1%}). Train and predict on the target's own answers "
+                     "(`python -m data.regenerate`), or validate on data like the held-out set.")
+    diffs = [(i + 1, m - p) for i, (p, m) in enumerate(zip(predicted["a"], measured["a"]))]
+    off = [f"a_{i} {d:+.3f}" for i, d in diffs if abs(d) > tolerance * max(predicted["a"][i - 1], 1e-9)]
+    if off:
+        lines.append("Positions off by more than the tolerance: " + ", ".join(off) + ".")
+    worst = sorted(per_category.items(), key=lambda kv: kv[1]["tau"])
+    if len(worst) > 1:
+        lines.append("Lowest categories: " + ", ".join(f"{c} {s['tau']:.3f}" for c, s in worst[:3]) +
+                     "; highest: " + ", ".join(f"{c} {s['tau']:.3f}" for c, s in worst[-2:]) + ".")
+    if replay_prompts is not None:
+        lines.append(f"Text kind: drafting over the prompts' text replays at tau {replay_prompts['tau']:.3f}, over the "
+                     f"answers at {tr:.3f}.")
+    return lines
+
+
+def write_report(report: dict, dest: Path):
+    """report.json, report.md and the charts, written into a temporary folder renamed into place."""
+    from export.io import atomic_folder, write_json
+
+    with atomic_folder(dest) as out:
+        write_json(out / "report.json", report)
+        _write_markdown(report, out)
+        _charts(report, out)
+
+
+def _write_markdown(report: dict, out: Path):
+    p, m, r = report["predicted"], report["measured"], report["replay_answers"]
+    rows = ["| position | predicted a_i | replayed a_i | measured a_i |", "|---|---|---|---|"]
+    rows += [f"| {i + 1} | {p['a'][i]:.3f} | {r['a'][i]:.3f} | {m['a'][i]:.3f} |" for i in range(report["k"])]
+    cats = ["| category | tau | chains |", "|---|---|---|"]
+    cats += [f"| {c} | {s['tau']:.3f} | {s['num_chains']} |" for c, s in sorted(report["per_category"].items())]
+    turns = [f"| turn {t} | {s['tau']:.3f} | {s['num_chains']} |" for t, s in sorted(report["per_turn"].items())]
+    verdict = "PASS" if report["pass"] else "FAIL"
+    md = [f"# Acceptance validation: {verdict}", "",
+          f"Drafter `{report['drafter']}` on target `{report['target']}`, {report['dataset']} "
+          f"({report['num_questions']} questions, {report['num_answers']} answers), k = {report['k']}, "
+          f"T = {report['temperature']}, device {report['device']}.", "",
+          f"- predicted tau (from the export, {p.get('source', 'held-out data')}): **{p['tau']:.3f}**",
+          f"- measured tau (runtime): **{m['tau']:.3f}** ({report['relative_gap']:+.1%}; tolerance ±{report['tolerance']:.0%})",
+          f"- replayed tau (training's predictor on the served answers): {r['tau']:.3f}", "",
+          "## Why", "", *[f"- {line}" for line in report["diagnosis"]], "",
+          "## Per position", "", *rows, "", "## Per category and turn", "", *cats, *turns, "",
+          "Charts: acceptance_per_position.png, tau_per_category.png, accepted_lengths.png.", ""]
+    (out / "report.md").write_text("\n".join(md))
+
+
+def _charts(report: dict, out: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = report["k"]
+    xs = list(range(1, k + 1))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for name, style in (("predicted", "o--"), ("replay_answers", "s:"), ("measured", "^-")):
+        ax.plot(xs, report[name]["a"][:k], style, label=name.replace("_", " "))
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("a_i (conditional acceptance)")
+    ax.set_ylim(0, 1.05)
+    ax.legend()
+    ax.set_title(f"tau predicted {report['predicted']['tau']:.2f} / measured {report['measured']['tau']:.2f}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_per_position.png", dpi=110)
+    plt.close(fig)
+
+    cats = sorted(report["per_category"])
+    fig, ax = plt.subplots(figsize=(6, 0.35 * len(cats) + 1.5))
+    ax.barh(cats, [report["per_category"][c]["tau"] for c in cats], color="#4878a8")
+    ax.axvline(report["predicted"]["tau"], color="#c44", linestyle="--", label="predicted")
+    ax.set_xlabel("measured tau")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "tau_per_category.png", dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    width = 0.4
+    for j, name in enumerate(("predicted", "measured")):
+        hist = report[name].get("histogram")
+        if hist:
+            total = max(sum(hist), 1)
+            ax.bar([x + (j - 0.5) * width for x in range(len(hist))], [h / total for h in hist], width, label=name)
+    ax.set_xlabel("accepted drafts per step")
+    ax.set_ylabel("fraction of steps")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "accepted_lengths.png", dpi=110)
+    plt.close(fig)
+
+
+def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int | None = None,
+             temperature: float = 0.0, tolerance: float = 0.1, num_prompts: int | None = None,
+             max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
+             anchors: int = 64, max_turns: int | None = None, progress: bool = True) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from export.speculators import load_speculators
+    from inference.acceptance import acceptance_from_histogram
+    from inference.model import RuntimeModel
+    from models.target import Target
+    from models.zoo import resolve_target
+
+    folder = Path(drafter_dir)
+    prov_path = folder / "draftsmith.json"
+    if not prov_path.is_file():
+        raise FileNotFoundError(f"--drafter: {folder} has no draftsmith.json (the prediction to validate against)")
+    provenance = json.loads(prov_path.read_text())
+    predicted = provenance.get("predicted_acceptance") or {}
+    if "a" not in predicted:
+        raise ValueError(f"--drafter: {prov_path} holds no predicted acceptance")
+    k = k or predicted.get("k", len(predicted["a"]))
+    if k > len(predicted["a"]):
+        raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted['a'])}")
+    target = target or provenance.get("target")
+    if not target:
+        raise ValueError("--target: the export does not name its target; pass --target")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    path = resolve_target(target)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    rt = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
+    drafter = load_speculators(folder, dtype=dtype).to(device)
+    questions = load_prompts_for(dataset, provenance, num_prompts)
+
+    records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
+                      progress=progress)
+    total = torch.zeros(k + 1, dtype=torch.long)
+    by_cat, by_turn = defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long)), defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long))
+    for r in records:
+        h = torch.as_tensor(r["histogram"])
+        total += h
+        by_cat[r["category"]] += h
+        by_turn[r["turn"]] += h
+    measured = acceptance_from_histogram(total)
+    measured["tokens_per_s"] = sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+
+    del rt
+    tgt = Target.load(target, drafter.config.aux_layer_ids, dtype=dtype, device=device)
+    replay_answers = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "answer"))
+    replay_prompts = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "prompt"))
+
+    pred = {"a": predicted["a"][:k], "tau": tau_at(predicted["a"], k), "histogram": predicted.get("histogram")
+            if k == len(predicted["a"]) else None, "source": f"held-out {predicted.get('dataset', 'training data')}"}
+    per_category = {c: acceptance_from_histogram(h) for c, h in by_cat.items()}
+    gap = (measured["tau"] - pred["tau"]) / pred["tau"]
+    report = {
+        "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "num_questions": len(questions), "num_answers": len(records), "max_new_tokens": max_new_tokens,
+        "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
+        "per_category": per_category, "per_turn": {t: acceptance_from_histogram(h) for t, h in by_turn.items()},
+        "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
+    }
+    report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance)
+    write_report(report, Path(out))
+    return report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--drafter", required=True, help="export folder (with draftsmith.json)")
+    ap.add_argument("--dataset", required=True, help="mt-bench, humaneval, sharegpt-heldout or a JSON/JSONL file")
+    ap.add_argument("--target", help="default: the target named in the export")
+    ap.add_argument("-k", type=int, default=None, help="chain length (default: the predicted one)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--tolerance", type=float, default=0.1, help="largest accepted relative tau gap")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-turns", type=int, default=None)
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default="validation")
+    args = ap.parse_args(argv)
+    from data.sources import DataError
+    from models.zoo import AssetError
+
+    if args.k is not None and args.k <= 0 or args.tolerance < 0 or args.temperature < 0:
+        print("error: -k must be positive, --tolerance and --temperature not negative", file=sys.stderr)
+        return 2
+    try:
+        report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
+                          args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns)
+    except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    p, m = report["predicted"]["tau"], report["measured"]["tau"]
+    print(f"tau predicted {p:.3f}, measured {m:.3f} ({report['relative_gap']:+.1%}, tolerance ±{args.tolerance:.0%}): "
+          f"{'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
+    for line in report["diagnosis"]:
+        print("  " + line)
+    return 0 if report["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Acceptance validation on a tiny trained drafter: report files, verdict, diagnosis."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from inference.validate import diagnose, tau_at
+from tests.conftest import tiny_overrides
+from train.config import load_config
+from train.run import run
+
+
+@pytest.fixture(scope="module")
+def tiny_export(tmp_path_factory):
+    from tests.conftest import make_conversations
+
+    root = tmp_path_factory.mktemp("validate")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
+    run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2})))
+    return root / "run" / "export"
+
+
+def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench",
+           "--num-prompts", "3", "--max-new-tokens", "12", "--out", str(out), "--tolerance", "100"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "PASS" in res.stdout
+    for name in ("report.json", "report.md", "acceptance_per_position.png", "tau_per_category.png", "accepted_lengths.png"):
+        assert (out / name).stat().st_size > 0, name
+    report = json.loads((out / "report.json").read_text())
+    assert report["num_questions"] == 3 and report["num_answers"] == 6  # mt-bench: both turns
+    assert set(report["per_turn"]) == {"1", "2"}
+    assert report["measured"]["num_chains"] > 0 and len(report["measured"]["a"]) == report["k"] == 3
+    assert report["replay_answers"]["num_chains"] > 0 and report["diagnosis"]
+    predicted = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
+    assert report["predicted"]["tau"] == pytest.approx(predicted["tau"])
+
+    # an export that promised far more than it delivers fails with exit 1 and says why
+    import shutil
+
+    promised = tmp_path / "promised"
+    shutil.copytree(tiny_export, promised)
+    meta = json.loads((promised / "draftsmith.json").read_text())
+    meta["predicted_acceptance"].update(a=[0.9, 0.9, 0.9], histogram=None)
+    (promised / "draftsmith.json").write_text(json.dumps(meta))
+    cmd[cmd.index(str(tiny_export))] = str(promised)
+    res = subprocess.run(cmd[:-2] + ["--tolerance", "0.1", "--max-turns", "1", "--out", str(tmp_path / "strict")],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 1 and "FAIL" in res.stdout and "Data gap" in res.stdout, res.stdout + res.stderr[-1000:]
+
+
+def test_bad_input_is_one_line(tiny_export, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tmp_path), "--dataset", "mt-bench"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "draftsmith.json" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench",
+                          "-k", "9"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "at most 3" in res.stderr
+
+
+def test_tau_at_matches_the_definition():
+    assert tau_at([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert tau_at([0.5, 0.5, 0.9], 1) == pytest.approx(1.5)
+
+
+def test_diagnosis_separates_runtime_and_data_gaps():
+    def acc(tau, a):
+        return {"tau": tau, "a": a}
+
+    predicted = acc(3.0, [0.8, 0.8])
+    cats = {"writing": acc(1.5, [0.3, 0.3]), "coding": acc(2.5, [0.7, 0.7])}
+    runtime = diagnose(predicted, acc(1.5, [0.4, 0.3]), acc(3.0, [0.8, 0.8]), None, cats, 0.1)
+    assert runtime[0].startswith("Runtime gap") and not any(line.startswith("Data gap") for line in runtime)
+    data = diagnose(predicted, acc(1.5, [0.4, 0.3]), acc(1.55, [0.4, 0.3]), acc(1.2, [0.1, 0.1]), cats, 0.1)
+    assert data[0].startswith("No runtime gap") and any(line.startswith("Data gap") for line in data)
+    assert any("a_1" in line for line in data) and any(line.startswith("Lowest categories: writing") for line in data)
