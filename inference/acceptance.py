@@ -38,21 +38,22 @@ def acceptance_from_histogram(hist) -> dict:
 
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int,
-                        aux=None, greedy=None) -> torch.Tensor:
+                        features=None, greedy=None) -> torch.Tensor:
     """Accepted-length histogram of greedy k-chains drafted exactly as a runtime drafts.
 
     ids, loss_mask [B,T], lengths [B]. Chains start at anchors a whose bonus token x_{a+1} is
     loss-masked (answer) text, evenly spaced, at most `anchors_per_sequence` per row; draft i
     is judged against the target's full-vocabulary argmax given x_0..x_{a+1} and drafts
-    1..i-1 (`target.greedy_after_chains`). `aux`, `greedy` may come from a target pass the
-    caller already made. Used by training (held-out data) and validation (replaying answers).
+    1..i-1 (`target.greedy_after_chains`). `features` (what the drafter reads) and `greedy`
+    may come from a target pass the caller already made. Used by training (held-out data) and
+    validation (replaying answers).
     """
-    if aux is None or greedy is None:
+    if features is None or greedy is None:
         out = target(ids)
-        aux = out.aux
+        features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
     draft_ids = drafter.draft_ids()
-    steps = drafter.unroll(ids, aux, k, greedy=True)  # k x [B,T,Vd]
+    steps = drafter.unroll(ids, features, k, greedy=True)  # k x [B,T,Vd]
     drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
     hist = torch.zeros(k + 1, dtype=torch.long)
     for b in range(ids.shape[0]):

@@ -186,6 +186,18 @@ class Eagle3Drafter(nn.Module):
         """[Vd] target id of each draft-vocab row."""
         return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
 
+    # ------------------------------------------------------------------ drafter interface
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.config.aux_layer_ids
+
+    def features(self, target_out) -> torch.Tensor:
+        """What the drafter reads from a target pass: the aux layers concatenated [B,T,n*Ht]."""
+        return target_out.aux
+
+    def train_steps(self, requested: int) -> int:
+        return requested  # the TTT unroll length
+
     # ------------------------------------------------------------------ forward pieces
     def fuse(self, aux: torch.Tensor) -> torch.Tensor:
         """aux [B,T,n*Ht] (low, mid, high concatenated) → fused feature [B,T,H]."""

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class DrafterConfig:
     method: str = "eagle3"
-    """Drafter family. Only `eagle3` exists so far."""
+    """Drafter family: `eagle3` or `medusa`."""
     aux_layer_ids: list[int] | None = None
     """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
     draft_vocab_size: int = 16384
@@ -32,6 +32,10 @@ class DrafterConfig:
     """Residual around the drafter's attention is the normed feature (True) or pre-norm (False)."""
     norm_before_fc: bool = False
     """RMSNorm over the concatenated aux features before fc."""
+    medusa_heads: int = 4
+    """Medusa: K heads; head k (1-based) predicts the token k+1 positions after the last verified one."""
+    medusa_layers: int = 1
+    """Medusa: residual blocks per head."""
 
 
 @dataclass
@@ -97,7 +101,8 @@ class RunConfig:
     out_dir: str = "runs/quickstart"
     seed: int = 0
     checkpoint_every_n_steps: int = 100
-    export_format: str = "speculators"
+    export_format: str = "auto"
+    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, Medusa: medusa)."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -233,12 +238,21 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
+METHODS = ("eagle3", "medusa")
+EXPORT_FORMATS = {"eagle3": "speculators", "medusa": "medusa"}
+
+
 def validate(cfg: RunConfig):
     """Checks that need the file system or the target's shape, but no model weights."""
     from models import zoo
 
-    if cfg.drafter.method != "eagle3":
-        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available (eagle3)")
+    if cfg.drafter.method not in METHODS:
+        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(METHODS)})")
+    if cfg.drafter.method == "medusa":
+        if cfg.drafter.medusa_heads < 1 or cfg.drafter.medusa_layers < 0:
+            raise ConfigError("drafter.medusa_heads must be >= 1 and drafter.medusa_layers >= 0")
+        if cfg.eval.k > cfg.drafter.medusa_heads:
+            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} Medusa heads; drafter.medusa_heads is {cfg.drafter.medusa_heads}")
     if cfg.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
     if not zoo.target_exists(cfg.target):
@@ -258,8 +272,9 @@ def validate(cfg: RunConfig):
             raise ConfigError(f"{key}: must be positive, got {v}")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         raise ConfigError(f"data.heldout_fraction: must be in [0, 1), got {cfg.data.heldout_fraction}")
-    if cfg.export_format != "speculators":
-        raise ConfigError(f"export_format: {cfg.export_format!r} is not available here (speculators)")
+    if cfg.export_format not in ("auto", EXPORT_FORMATS[cfg.drafter.method]):
+        raise ConfigError(f"export_format: {cfg.export_format!r} cannot carry a {cfg.drafter.method} drafter "
+                          f"(use auto or {EXPORT_FORMATS[cfg.drafter.method]})")
     layers = zoo.target_num_layers(cfg.target)
     if layers is not None and cfg.drafter.aux_layer_ids is not None:
         for i, layer in enumerate(cfg.drafter.aux_layer_ids):

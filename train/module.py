@@ -7,21 +7,21 @@ import lightning as L
 import torch
 
 from inference.acceptance import acceptance_from_histogram, predicted_histogram
-from models.eagle3 import Eagle3Drafter
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
 from train.losses import soft_kl, ttt_slices, ttt_step_weights
 
 
 class DrafterModule(L.LightningModule):
-    def __init__(self, target: Target, drafter: Eagle3Drafter, objective: ObjectiveConfig,
+    def __init__(self, target: Target, drafter: torch.nn.Module, objective: ObjectiveConfig,
                  optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None):
         super().__init__()
         self.target = target.requires_grad_(False)
         self.drafter = drafter
         self.objective, self.optim, self.evaluation = objective, optim, evaluation
         self.schedule_steps = schedule_steps  # LR schedule length
-        self.step_weights = ttt_step_weights(objective.ttt_steps, objective.ttt_decay)
+        self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
+        self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)
         self.predicted: dict | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
@@ -69,7 +69,7 @@ class DrafterModule(L.LightningModule):
     def training_step(self, batch, batch_idx):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         out, teacher, greedy = self._target_pass(ids)
-        logits = self.drafter.unroll(ids, out.aux, self.objective.ttt_steps)
+        logits = self.drafter.unroll(ids, self.drafter.features(out), self.steps)
         total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
         self.log("train/loss", total, prog_bar=True)
         self.log("train/acc0", accs[0], prog_bar=True)
@@ -86,18 +86,18 @@ class DrafterModule(L.LightningModule):
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         out, teacher, greedy = self._target_pass(ids)
-        logits = self.drafter.unroll(ids, out.aux, self.objective.ttt_steps)
+        logits = self.drafter.unroll(ids, self.drafter.features(out), self.steps)
         total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
         self.log("val/loss", total, prog_bar=True, batch_size=ids.shape[0])
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
             self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
-        self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, out.aux, greedy)
+        self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out), greedy)
 
-    def predicted_histogram(self, ids, loss_mask, lengths, aux, greedy) -> torch.Tensor:
+    def predicted_histogram(self, ids, loss_mask, lengths, features, greedy) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
         return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
-                                   self.evaluation.anchors_per_sequence, aux=aux, greedy=greedy)
+                                   self.evaluation.anchors_per_sequence, features=features, greedy=greedy)
 
     def on_validation_epoch_end(self):
         hist = self._val_hist.to(self.device)

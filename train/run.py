@@ -120,9 +120,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     from transformers import AutoConfig, AutoTokenizer
 
     from data.module import ChatDataModule
-    from export.speculators import export_speculators
     from export.io import atomic_write_json
-    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from export.medusa import export_medusa
+    from export.speculators import export_speculators
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
@@ -147,11 +147,8 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         print(f"prepared: target {target_path}, {len(train)} training conversations; {sizes}")
         return {}
 
-    dcfg = Eagle3Config.from_target(hf_config, d2t.numel(), cfg.drafter.aux_layer_ids,
-                                    norm_before_residual=cfg.drafter.norm_before_residual,
-                                    norm_before_fc=cfg.drafter.norm_before_fc)
-    target = Target.load(cfg.target, dcfg.aux_layer_ids, dtype=dtype)
-    drafter = Eagle3Drafter(dcfg)
+    drafter = build_drafter(cfg, hf_config, d2t.numel())
+    target = Target.load(cfg.target, drafter.aux_layer_ids, dtype=dtype)
     drafter.init_from_target(target.model, d2t, t2d)
 
     fast = bool(cfg.trainer.get("fast_dev_run"))
@@ -187,15 +184,32 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     if trainer.is_global_zero:
         atomic_write_json(out_dir / "predicted.json", summary)
         export_dir = out_dir / "export"
-        export_speculators(module.drafter, export_dir, target_name=cfg.target,
-                           target_arch=list(hf_config.architectures or []), k=cfg.eval.k,
-                           provenance={"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
-                                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted})
+        provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
+                      "training_config": cfg.to_dict(), "predicted_acceptance": predicted}
+        if cfg.drafter.method == "medusa":
+            export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
+        else:
+            export_speculators(module.drafter, export_dir, target_name=cfg.target,
+                               target_arch=list(hf_config.architectures or []), k=cfg.eval.k, provenance=provenance)
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}")
         print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
     return summary
+
+
+def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int):
+    """The drafter of `drafter.method`, shaped for this target (weights initialised later)."""
+    if cfg.drafter.method == "medusa":
+        from models.medusa import MedusaConfig, MedusaDrafter
+
+        return MedusaDrafter(MedusaConfig.from_target(hf_config, draft_vocab_size, cfg.drafter.medusa_heads,
+                                                      cfg.drafter.medusa_layers))
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    return Eagle3Drafter(Eagle3Config.from_target(hf_config, draft_vocab_size, cfg.drafter.aux_layer_ids,
+                                                  norm_before_residual=cfg.drafter.norm_before_residual,
+                                                  norm_before_fc=cfg.drafter.norm_before_fc))
 
 
 def _weights_hash(target_path: str) -> str | None:

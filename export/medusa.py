@@ -1,0 +1,88 @@
+"""vLLM's Medusa layout (`MedusaModel`, FORMATS.md): config.json + model.safetensors +
+draftsmith.json. Tensors `blocks.{i}.layers.{j}.weight/.bias`, `lm_heads.{i}.weight` and, for a
+draft vocabulary smaller than the target's, `token_map` [Vd] (the target id of each row).
+
+vLLM drops unknown keys silently and loads block biases only with `medusa_fc_bias: true`: the
+config always says so, since draftsmith's residual blocks have biases.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.io import atomic_folder, write_json
+from models.medusa import MedusaConfig, MedusaDrafter
+
+
+def medusa_config(cfg: MedusaConfig, target_name: str) -> dict:
+    return {
+        "architectures": ["MedusaModel"],
+        "model_type": "medusa",
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "num_heads": cfg.num_heads,
+        "num_hidden_layers": cfg.num_layers,
+        "truncated_vocab_size": cfg.draft_vocab_size,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "base_model_name_or_path": target_name,
+    }
+
+
+def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
+                  provenance: dict | None = None) -> Path:
+    cfg = drafter.config
+    state = drafter.state_dict()
+    tensors = {n: t.detach().cpu().to(dtype).contiguous() for n, t in state.items() if n not in ("d2t", "t2d")}
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        tensors["token_map"] = drafter.draft_ids().detach().cpu().contiguous()
+    with atomic_folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", medusa_config(cfg, target_name))
+        write_json(tmp / "draftsmith.json", {
+            "format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict(),
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            **(provenance or {}),
+        })
+    return Path(out_dir)
+
+
+def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> MedusaDrafter:
+    """Read the layout back strictly: every tensor present with its shape, nothing else."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    meta_path = folder / "draftsmith.json"
+    if meta_path.is_file():
+        cfg = MedusaConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
+    else:  # an export made elsewhere: the config says everything this module needs
+        cfg = MedusaConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("truncated_vocab_size") or config["vocab_size"],
+                           hidden_size=config["hidden_size"], target_num_layers=0, num_heads=config["num_heads"],
+                           num_layers=config["num_hidden_layers"])
+    if not config.get("medusa_fc_bias", False) and cfg.num_layers:
+        raise ValueError(f"{folder}/config.json: medusa_fc_bias is not true, so a server would drop the block biases")
+    drafter = MedusaDrafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    token_map = state.pop("token_map", None)
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        if token_map is None:
+            raise KeyError(f"{folder}: token_map is missing for a draft vocabulary of {cfg.draft_vocab_size} < {cfg.vocab_size}")
+        if token_map.shape != (cfg.draft_vocab_size,):
+            raise ValueError(f"{folder}: token_map has shape {tuple(token_map.shape)}, expected ({cfg.draft_vocab_size},)")
+        state["d2t"] = token_map.long() - torch.arange(cfg.draft_vocab_size)
+        state["t2d"] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, token_map.long(), True)
+    else:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    expected = drafter.state_dict()
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise KeyError(f"{folder}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
+    drafter.load_state_dict(state, strict=True)
+    return drafter.to(dtype)

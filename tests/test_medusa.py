@@ -1,0 +1,113 @@
+"""Medusa: shapes, alignment, the frozen target, the CLI recipe and its export round trip."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from models.medusa import MedusaConfig, MedusaDrafter
+from tests.conftest import tiny_overrides
+
+
+def tiny_medusa(heads=3, layers=1, V=300, Vd=64, H=32, seed=0):
+    torch.manual_seed(seed)
+    d = MedusaDrafter(MedusaConfig(vocab_size=V, draft_vocab_size=Vd, hidden_size=H, target_num_layers=2,
+                                   num_heads=heads, num_layers=layers))
+    ids = torch.randperm(V)[:Vd].sort().values
+    d.d2t.copy_(ids - torch.arange(Vd))
+    d.t2d.zero_()
+    d.t2d[ids] = True
+    for head in d.lm_heads:
+        torch.nn.init.normal_(head.weight)
+    return d
+
+
+def test_heads_shapes_and_a_fresh_drafter_is_the_targets_head():
+    d = tiny_medusa()
+    hidden = torch.randn(2, 5, 32)
+    logits = d.unroll(torch.zeros(2, 5, dtype=torch.long), hidden, 3)
+    assert len(logits) == 3 and all(x.shape == (2, 5, 64) for x in logits)
+    # zero-initialised residual blocks: each head is exactly its linear head on h_t
+    for s in range(3):
+        torch.testing.assert_close(logits[s], hidden @ d.lm_heads[s].weight.T)
+    with pytest.raises(ValueError, match="needs 4 Medusa heads"):
+        d.unroll(None, hidden, 4)
+
+
+def test_heads_read_no_tokens_and_no_future_position():
+    """Head s at position t sees only h_t: changing h at t+1 or any token changes nothing at t."""
+    d = tiny_medusa()
+    for block in d.blocks:
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.1)
+    hidden = torch.randn(1, 6, 32)
+    base = d.unroll(torch.zeros(1, 6, dtype=torch.long), hidden, 3)
+    changed = hidden.clone()
+    changed[:, 4:] += 1.0
+    other = d.unroll(torch.ones(1, 6, dtype=torch.long), changed, 3)
+    for a, b in zip(base, other):
+        torch.testing.assert_close(a[:, :4], b[:, :4])
+        assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_medusa_recipe_cli_fast_dev_run_and_export_round_trip(chat_file, tmp_path):
+    from export.medusa import load_medusa
+
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
+                          *tiny_overrides(chat_file, out), "trainer.fast_dev_run=true", "trainer.precision=32-true"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    config = json.loads((out / "export" / "config.json").read_text())
+    assert config["architectures"] == ["MedusaModel"] and config["medusa_fc_bias"] is True
+    assert config["num_heads"] == 4 and config["truncated_vocab_size"] == 256
+    reloaded = load_medusa(out / "export")
+    assert torch.equal(reloaded.draft_ids()[:5], reloaded.draft_ids().sort().values[:5])
+    hidden = torch.randn(1, 7, reloaded.config.hidden_size)
+    # reload → export again → reload: same outputs for the same inputs
+    from export.medusa import export_medusa
+
+    export_medusa(reloaded, tmp_path / "again", target_name="tiny-random-llama", dtype=torch.float32)
+    again = load_medusa(tmp_path / "again")
+    for a, b in zip(reloaded.unroll(None, hidden, 4), again.unroll(None, hidden, 4)):
+        torch.testing.assert_close(a, b)
+    assert torch.equal(reloaded.draft_ids(), again.draft_ids())
+
+
+def test_medusa_module_step_trains_heads_and_leaves_the_frozen_target_alone(tiny_target):
+    """Through the shared LightningModule: gradients reach the heads, never the target, and
+    the loss falls when one batch is overfitted."""
+    from models.target import Target
+    from train.config import EvalConfig, ObjectiveConfig, OptimConfig
+    from train.module import DrafterModule
+
+    target = Target.load("tiny-random-llama", [])
+    hf = target.model.config
+    d = MedusaDrafter(MedusaConfig.from_target(hf, hf.vocab_size, num_heads=3))
+    d.init_from_target(target.model, torch.zeros(hf.vocab_size, dtype=torch.long), torch.ones(hf.vocab_size, dtype=torch.bool))
+    module = DrafterModule(target, d, ObjectiveConfig(ttt_steps=7), OptimConfig(), EvalConfig(k=3), 100)
+    assert module.steps == 3  # every head, whatever ttt_steps says
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, hf.vocab_size, (2, 24)), "loss_mask": torch.ones(2, 24, dtype=torch.long),
+             "lengths": torch.tensor([24, 24])}
+    module.log = lambda *a, **k: None
+    before = {n: p.clone() for n, p in target.named_parameters()}
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(30):
+        opt.zero_grad()
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(p.grad is None for p in target.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
+    assert d.blocks[0].layers[0].weight.abs().sum() > 0  # the zero-initialised blocks moved
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_eval_k_beyond_the_heads_is_a_config_error(chat_file, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
+                          *tiny_overrides(chat_file, tmp_path), "eval.k=6"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
