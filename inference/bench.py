@@ -57,7 +57,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     from data.sources import load_prompts
     from inference.engine import cache_size, generate
     from inference.model import RuntimeModel
-    from inference.proposers import Eagle3Proposer, NgramProposer, SuffixProposer
+    from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -69,10 +69,10 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     rt = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
     drafter_module = None
     if drafter:
-        from export.speculators import load_speculators
+        from export.load import load_export
 
-        drafter_module = load_speculators(drafter, dtype=dtype).to(device)
-        Eagle3Proposer(drafter_module, k, 1, 8, target_config=rt.config)  # refuses a drafter for another target
+        drafter_module = load_export(drafter, dtype=dtype).to(device)
+        drafter_proposer(drafter_module, k, 1, 8, rt.config)  # refuses a drafter for another target
 
     def hf_generate(**kw):
         outs = []
@@ -108,8 +108,9 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     if hf_static:
         rows["transformers static cache (compiled)"] = lambda: hf_generate(cache_implementation="static")
     if drafter_module is not None:
-        rows[f"runtime EAGLE-3 (k={k})"] = lambda: runtime(
-            lambda p: Eagle3Proposer(drafter_module, k, 1, cache_size([p], max_new, k), target_config=rt.config))
+        name = type(drafter_module).__name__.removesuffix("Drafter").replace("Eagle3", "EAGLE-3")
+        rows[f"runtime {name} (k={k})"] = lambda: runtime(
+            lambda p: drafter_proposer(drafter_module, k, 1, cache_size([p], max_new, k), rt.config))
 
     from inference.acceptance import acceptance_from_histogram
 

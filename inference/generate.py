@@ -1,6 +1,6 @@
 """python -m inference.generate: a prompt (or a chat file) in, the target's answer out.
 
-    python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|eagle3|none]
+    python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|drafter|none]
         [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
         [--chat chat.json] [--stats]
 
@@ -32,8 +32,9 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3"])
-    ap.add_argument("--drafter", help="EAGLE-3 export folder (speculators layout written by draftsmith)")
+    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3", "medusa", "drafter"],
+                    help="drafter / eagle3 / medusa: the trained drafter in --drafter (its kind read from the export)")
+    ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperature", type=float, default=0.0,
@@ -47,8 +48,8 @@ def main(argv=None) -> int:
         return _fail(f"--temperature: must be >= 0, got {args.temperature}")
     if args.k < 1 and args.proposer != "none":
         return _fail(f"-k: must be at least 1 with a proposer, got {args.k}")
-    if args.proposer == "eagle3" and not args.drafter:
-        return _fail("--drafter: the eagle3 proposer needs an export folder")
+    if args.proposer in ("eagle3", "medusa", "drafter") and not args.drafter:
+        return _fail(f"--drafter: the {args.proposer} proposer needs an export folder")
     if args.drafter and not (Path(args.drafter) / "config.json").is_file():
         return _fail(f"--drafter: {args.drafter} is not an export folder (no config.json)")
     if args.chat:
@@ -66,7 +67,7 @@ def main(argv=None) -> int:
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
     from inference.model import RuntimeModel
-    from inference.proposers import Eagle3Proposer, NgramProposer, SuffixProposer
+    from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -85,12 +86,12 @@ def main(argv=None) -> int:
         proposer = NgramProposer(k)
     elif args.proposer == "suffix":
         proposer = SuffixProposer(k)
-    elif args.proposer == "eagle3":
-        from export.speculators import load_speculators
+    elif args.proposer in ("eagle3", "medusa", "drafter"):
+        from export.load import load_export
 
         try:
-            drafter = load_speculators(args.drafter, dtype=dtype).to(device)
-            proposer = Eagle3Proposer(drafter, k, 1, max_len, target_config=model.config)
+            drafter = load_export(args.drafter, dtype=dtype).to(device)
+            proposer = drafter_proposer(drafter, k, 1, max_len, model.config)
         except (ValueError, KeyError, FileNotFoundError) as e:
             return _fail(f"--drafter: {e}")
     outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,

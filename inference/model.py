@@ -292,6 +292,12 @@ class RuntimeModel(nn.Module):
             rows = torch.arange(B, device=x.device)
             x, residual = x[rows, logits_at][:, None], residual[rows, logits_at][:, None]
         x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
+        if cfg.num_layers in aux_layers:
+            # id L: the final normed hidden state, what the head reads (Medusa's input); with
+            # logits_at it is taken at those positions only, like the logits
+            if len(aux_layers) > 1:
+                raise ValueError(f"aux layer {cfg.num_layers} (the final hidden state) cannot be mixed with other layers")
+            return self.lm_head(x), x
         logits = self.lm_head(x)
         return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)
 

@@ -264,3 +264,49 @@ class SuffixProposer:
         """Finished responses join the global cache for later requests."""
         for o in outputs:
             self.global_trie.insert(o)
+
+
+class MedusaProposer:
+    """Medusa drafting: one draft per head from the target's final hidden state at the last
+    verified position (the state whose head output is the bonus token), exactly the chain
+    training's predictor drafts. Needs no cache of its own."""
+
+    def __init__(self, drafter, k: int, target_config):
+        cfg = drafter.config
+        problems = []
+        if cfg.vocab_size != target_config.vocab_size:
+            problems.append(f"vocab {cfg.vocab_size} vs the target's {target_config.vocab_size}")
+        if cfg.hidden_size != target_config.hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} vs {target_config.hidden_size}")
+        if problems:
+            raise ValueError("this Medusa drafter was trained for another target: " + "; ".join(problems))
+        if not 1 <= k <= cfg.num_heads:
+            raise ValueError(f"k={k}: this Medusa drafter has {cfg.num_heads} heads, one draft each")
+        self.drafter, self.k = drafter.eval(), k
+        self.aux_layers = (target_config.num_layers,)  # the runtime's id for the final normed hidden state
+        self.hidden = None  # [B,H]
+
+    @torch.no_grad()
+    def begin(self, prompts, aux, first):
+        self.hidden = aux[:, 0]  # prefill asks for the last prompt position only
+
+    @torch.no_grad()
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        draft_ids = self.drafter.draft_ids()
+        logits = self.drafter.unroll(None, self.hidden[:, None], self.k)
+        drafts = torch.stack([draft_ids[x[:, 0].argmax(-1)] for x in logits], 1)  # [B,k]
+        return drafts.tolist()
+
+    @torch.no_grad()
+    def accepted(self, fed, aux, counts, active):
+        n = torch.as_tensor([c for c, _ in counts], device=aux.device)
+        self.hidden = aux[torch.arange(aux.shape[0], device=aux.device), n]
+
+
+def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
+    """The runtime proposer for a trained drafter module (EAGLE-3 or Medusa)."""
+    from models.medusa import MedusaDrafter
+
+    if isinstance(drafter, MedusaDrafter):
+        return MedusaProposer(drafter, k, target_config)
+    return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)

@@ -66,7 +66,7 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
 
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
-    from inference.proposers import Eagle3Proposer
+    from inference.proposers import drafter_proposer
 
     device = rt.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
@@ -77,7 +77,7 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
         for turn, text in enumerate(q["turns"][:max_turns]):
             messages.append({"role": "user", "content": text})
             prompt = encode_prompt(tokenizer, messages)
-            proposer = Eagle3Proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), target_config=rt.config)
+            proposer = drafter_proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), rt.config)
             outs, stats = generate(rt, [prompt], max_new_tokens, proposer=proposer, eos_ids=(eos,),
                                    temperature=temperature, generator=generator)
             answer = outs[0]
@@ -223,7 +223,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     import torch
     from transformers import AutoTokenizer
 
-    from export.speculators import load_speculators
+    from export.load import load_export
     from inference.acceptance import acceptance_from_histogram
     from inference.model import RuntimeModel
     from models.target import Target
@@ -248,7 +248,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     path = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rt = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
-    drafter = load_speculators(folder, dtype=dtype).to(device)
+    drafter = load_export(folder, dtype=dtype).to(device)
     questions = load_prompts_for(dataset, provenance, num_prompts)
 
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
@@ -264,7 +264,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     measured["tokens_per_s"] = sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
 
     del rt
-    tgt = Target.load(target, drafter.config.aux_layer_ids, dtype=dtype, device=device)
+    tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
     replay_answers = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "answer"))
     replay_prompts = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "prompt"))
 

@@ -111,3 +111,55 @@ def test_eval_k_beyond_the_heads_is_a_config_error(chat_file, tmp_path):
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
                           *tiny_overrides(chat_file, tmp_path), "eval.k=6"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
+
+
+def _medusa_for(tiny_target, seed=0):
+    from models.target import Target
+
+    target = Target.load(tiny_target, [])
+    hf = target.model.config
+    torch.manual_seed(seed)
+    d = MedusaDrafter(MedusaConfig.from_target(hf, 512, num_heads=3))
+    ids = torch.randperm(hf.vocab_size)[:512].sort().values
+    d.init_from_target(target.model, ids - torch.arange(512), torch.zeros(hf.vocab_size, dtype=torch.bool).index_fill_(0, ids, True))
+    for block in d.blocks:
+        for layer in block.layers:
+            torch.nn.init.normal_(layer.weight, std=0.05)
+    return target, d.eval()
+
+
+def test_runtime_medusa_drafts_what_training_predicts_and_is_lossless(tiny_target):
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+    from inference.proposers import MedusaProposer
+
+    target, d = _medusa_for(tiny_target)
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (7, 3, 12)]
+    # the first proposal after prefill: heads on the target's final hidden state at the last prompt token
+    proposer = MedusaProposer(d, 3, rt.config)
+    with torch.no_grad():
+        logits, aux = rt(torch.tensor([prompts[0]]), torch.arange(7)[None], rt.new_cache(1, 16), proposer.aux_layers,
+                         logits_at=torch.tensor([6]))
+        proposer.begin([prompts[0]], aux, None)
+        hidden = target(torch.tensor([prompts[0]])).last_hidden[:, -1:]
+        expected = [d.draft_ids()[x[0, 0].argmax()].item() for x in d.unroll(None, hidden, 3)]
+    assert proposer.propose([prompts[0]]) == [expected]
+    plain, _ = generate(rt, prompts, 24)
+    spec, stats = generate(rt, prompts, 24, proposer=MedusaProposer(d, 3, rt.config))
+    assert spec == plain and sum(stats.histogram) > 0
+
+
+def test_medusa_proposer_refuses_a_foreign_target_or_too_many_drafts(tiny_target):
+    from types import SimpleNamespace
+
+    from inference.proposers import MedusaProposer
+
+    _, d = _medusa_for(tiny_target)
+    other = SimpleNamespace(vocab_size=d.config.vocab_size + 1, hidden_size=d.config.hidden_size, num_layers=2)
+    with pytest.raises(ValueError, match="another target"):
+        MedusaProposer(d, 2, other)
+    same = SimpleNamespace(vocab_size=d.config.vocab_size, hidden_size=d.config.hidden_size, num_layers=2)
+    with pytest.raises(ValueError, match="3 heads"):
+        MedusaProposer(d, 4, same)

@@ -78,3 +78,24 @@ def test_diagnosis_separates_runtime_and_data_gaps():
     data = diagnose(predicted, acc(1.5, [0.4, 0.3]), acc(1.55, [0.4, 0.3]), acc(1.2, [0.1, 0.1]), cats, 0.1)
     assert data[0].startswith("No runtime gap") and any(line.startswith("Data gap") for line in data)
     assert any("a_1" in line for line in data) and any(line.startswith("Lowest categories: writing") for line in data)
+
+
+def test_validate_and_generate_serve_a_medusa_export(tmp_path):
+    from tests.conftest import make_conversations
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
+    run(load_config("configs/medusa1.yaml", tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2,
+                                                                                            "trainer.precision": "32-true"})))
+    export = tmp_path / "run" / "export"
+    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(export), "--dataset", "mt-bench",
+                          "--num-prompts", "2", "--max-turns", "1", "--max-new-tokens", "10", "--tolerance", "100",
+                          "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-2000:]
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["measured"]["num_chains"] > 0 and report["k"] == 3
+    res = subprocess.run([sys.executable, "-m", "inference.generate", "--target", "tiny-random-llama", "--prompt", "hi",
+                          "--proposer", "drafter", "--drafter", str(export), "-k", "3", "--max-new-tokens", "8", "--stats"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert '"acceptance"' in res.stderr

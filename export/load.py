@@ -1,0 +1,26 @@
+"""Read any export draftsmith writes back into its module, chosen by config.json's architecture."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+READERS = {"Eagle3DraftModel": "speculators", "MedusaModel": "medusa"}
+
+
+def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
+    folder = Path(folder)
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} is not an export folder (no config.json)")
+    arch = (json.loads(config_path.read_text()).get("architectures") or [None])[0]
+    if arch == "Eagle3DraftModel":
+        from export.speculators import load_speculators
+
+        return load_speculators(folder, dtype=dtype)
+    if arch == "MedusaModel":
+        from export.medusa import load_medusa
+
+        return load_medusa(folder, dtype=dtype)
+    raise ValueError(f"{config_path}: architecture {arch!r} has no reader ({', '.join(READERS)})")
