@@ -24,7 +24,7 @@ def test_generate_prints_text_and_stats(tiny_target, temperature, tmp_path):
     (["--prompt", "x", "--temperature", "-1"], "--temperature: must be >= 0"),
     (["--prompt", "x", "--proposer", "eagle3"], "--drafter: the eagle3 proposer needs an export folder"),
     (["--prompt", "x", "--drafter", "/no/such"], "--drafter: /no/such is not an export folder"),
-    (["--prompt", "x", "--proposer", "medusa"], "invalid choice: 'medusa'"),
+    (["--prompt", "x", "--proposer", "dflash"], "invalid choice: 'dflash'"),
     (["--chat", "/no/such.json"], "--chat: /no/such.json is not a JSON list"),
     (["--prompt", "x", "-k", "0"], "-k: must be at least 1"),
 ])
