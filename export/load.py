@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-READERS = {"Eagle3DraftModel": "speculators", "MedusaModel": "medusa"}
+READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle": "eagle", "MedusaModel": "medusa"}
 
 
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
@@ -19,6 +19,10 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
         from export.speculators import load_speculators
 
         return load_speculators(folder, dtype=dtype)
+    if arch == "LlamaForCausalLMEagle":
+        from export.eagle1 import load_eagle1
+
+        return load_eagle1(folder, dtype=dtype)
     if arch == "MedusaModel":
         from export.medusa import load_medusa
 

@@ -288,16 +288,18 @@ class RuntimeModel(nn.Module):
             x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill)
             if i in aux_layers:
                 captured[i] = x + residual  # the hidden state after layer i
+        if cfg.num_layers in aux_layers:
+            # id L: the final normed hidden state, what the head reads (EAGLE-1's and Medusa's
+            # input), at every position like the other aux layers
+            if len(aux_layers) > 1:
+                raise ValueError(f"aux layer {cfg.num_layers} (the final hidden state) cannot be mixed with other layers")
+            final, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
+            rows = torch.arange(B, device=x.device)
+            return self.lm_head(final if logits_at is None else final[rows, logits_at][:, None]), final
         if logits_at is not None:
             rows = torch.arange(B, device=x.device)
             x, residual = x[rows, logits_at][:, None], residual[rows, logits_at][:, None]
         x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
-        if cfg.num_layers in aux_layers:
-            # id L: the final normed hidden state, what the head reads (Medusa's input); with
-            # logits_at it is taken at those positions only, like the logits
-            if len(aux_layers) > 1:
-                raise ValueError(f"aux layer {cfg.num_layers} (the final hidden state) cannot be mixed with other layers")
-            return self.lm_head(x), x
         logits = self.lm_head(x)
         return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)
 

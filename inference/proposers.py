@@ -73,7 +73,7 @@ class NgramProposer:
 
 
 class Eagle3Proposer:
-    """EAGLE-3 drafting with its own KV cache, exactly as the TTT unroll trains it.
+    """EAGLE-3 (and EAGLE-1) drafting with its own KV cache, exactly as the TTT unroll trains it.
 
     The drafter's cache holds, at position t, the entry computed from (token t_{t+1}, target
     feature g_t) (the "step 0" of training). A chain from the last such position t0 feeds
@@ -87,14 +87,16 @@ class Eagle3Proposer:
             problems = []
             if cfg.vocab_size != target_config.vocab_size:
                 problems.append(f"vocab {cfg.vocab_size} vs the target's {target_config.vocab_size}")
-            if cfg.target_hidden_size != target_config.hidden_size:
-                problems.append(f"target hidden size {cfg.target_hidden_size} vs {target_config.hidden_size}")
-            if max(cfg.aux_layer_ids) >= target_config.num_layers:
-                problems.append(f"aux layer {max(cfg.aux_layer_ids)} of a {target_config.num_layers}-layer target")
+            if getattr(cfg, "target_hidden_size", cfg.hidden_size) != target_config.hidden_size:
+                problems.append(f"target hidden size {getattr(cfg, 'target_hidden_size', cfg.hidden_size)} vs {target_config.hidden_size}")
+            if drafter.aux_layer_ids and max(drafter.aux_layer_ids) >= target_config.num_layers:
+                problems.append(f"aux layer {max(drafter.aux_layer_ids)} of a {target_config.num_layers}-layer target")
             if problems:
-                raise ValueError("this EAGLE-3 drafter was trained for another target: " + "; ".join(problems))
+                raise ValueError("this EAGLE drafter was trained for another target: " + "; ".join(problems))
         self.drafter, self.k = drafter.eval(), k
-        self.aux_layers = tuple(cfg.aux_layer_ids)
+        # EAGLE-3 reads its aux layers; EAGLE-1 the final hidden state (the runtime's id L)
+        self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers if target_config is not None
+                                                             else drafter.config.target_num_layers,)
         p = drafter.fc.weight
         shape = (batch, cfg.num_attention_heads, max_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -288,7 +290,8 @@ class MedusaProposer:
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
-        self.hidden = aux[:, 0]  # prefill asks for the last prompt position only
+        last = torch.as_tensor([len(p) - 1 for p in prompts], device=aux.device)
+        self.hidden = aux[torch.arange(aux.shape[0], device=aux.device), last]
 
     @torch.no_grad()
     def propose(self, tokens: list[list[int]]) -> list[list[int]]:
@@ -304,7 +307,7 @@ class MedusaProposer:
 
 
 def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
-    """The runtime proposer for a trained drafter module (EAGLE-3 or Medusa)."""
+    """The runtime proposer for a trained drafter module (EAGLE-3, EAGLE-1 or Medusa)."""
     from models.medusa import MedusaDrafter
 
     if isinstance(drafter, MedusaDrafter):

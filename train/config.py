@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class DrafterConfig:
     method: str = "eagle3"
-    """Drafter family: `eagle3` or `medusa`."""
+    """Drafter family: `eagle3`, `eagle1` or `medusa`."""
     aux_layer_ids: list[int] | None = None
     """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
     draft_vocab_size: int = 16384
@@ -60,6 +60,11 @@ class ObjectiveConfig:
     """Training-time-test unroll length."""
     ttt_decay: float = 0.8
     """Loss weight of unroll step s is decay**s."""
+    token_loss: str = "kl"
+    """kl: soft labels, the target's distribution over the draft vocab; ce: hard labels, the data's next tokens."""
+    token_weight: float = 1.0
+    feature_weight: float = 0.0
+    """Smooth-L1 regression of the target's next feature (EAGLE-1), weighted against the token loss."""
 
 
 @dataclass
@@ -102,7 +107,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every_n_steps: int = 100
     export_format: str = "auto"
-    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, Medusa: medusa)."""
+    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, EAGLE-1: eagle, Medusa: medusa)."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -238,8 +243,8 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-METHODS = ("eagle3", "medusa")
-EXPORT_FORMATS = {"eagle3": "speculators", "medusa": "medusa"}
+METHODS = ("eagle3", "eagle1", "medusa")
+EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa"}
 
 
 def validate(cfg: RunConfig):
@@ -248,6 +253,13 @@ def validate(cfg: RunConfig):
 
     if cfg.drafter.method not in METHODS:
         raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(METHODS)})")
+    if cfg.objective.token_loss not in ("kl", "ce"):
+        raise ConfigError(f"objective.token_loss: {cfg.objective.token_loss!r} is not one of kl, ce")
+    if cfg.objective.feature_weight < 0 or cfg.objective.token_weight < 0:
+        raise ConfigError("objective.token_weight and objective.feature_weight must not be negative")
+    if cfg.objective.feature_weight > 0 and cfg.drafter.method != "eagle1":
+        raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
+                          f"features (eagle1), not {cfg.drafter.method}")
     if cfg.drafter.method == "medusa":
         if cfg.drafter.medusa_heads < 1 or cfg.drafter.medusa_layers < 0:
             raise ConfigError("drafter.medusa_heads must be >= 1 and drafter.medusa_layers >= 0")

@@ -22,3 +22,25 @@ def ttt_slices(T: int, step: int) -> tuple[slice, slice, slice]:
     """
     n = max(T - 2 - step, 0)
     return slice(0, n), slice(1 + step, 1 + step + n), slice(2 + step, 2 + step + n)
+
+
+def feature_smooth_l1(predicted, target, mask):
+    """Smooth-L1 between predicted and target features, summed over the hidden size and
+    averaged over selected positions (EAGLE-1's regression). predicted, target [..., H];
+    mask [...] bool."""
+    import torch.nn.functional as F
+
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").sum(-1)
+    mask = mask.to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)
+
+
+def hard_ce(logits, labels, mask):
+    """Cross-entropy to hard labels (indices into the logits' vocabulary, -1 = not in it),
+    averaged over selected positions whose label exists. logits [..., Vd]; labels, mask [...]."""
+    import torch.nn.functional as F
+
+    keep = mask.bool() & (labels >= 0)
+    per_position = F.cross_entropy(logits.float().flatten(0, -2), labels.clamp_min(0).flatten(), reduction="none")
+    keep = keep.flatten().to(per_position.dtype)
+    return (per_position * keep).sum() / keep.sum().clamp_min(1)

@@ -9,7 +9,7 @@ import torch
 from inference.acceptance import acceptance_from_histogram, predicted_histogram
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
-from train.losses import soft_kl, ttt_slices, ttt_step_weights
+from train.losses import feature_smooth_l1, hard_ce, soft_kl, ttt_slices, ttt_step_weights
 
 
 class DrafterModule(L.LightningModule):
@@ -51,26 +51,44 @@ class DrafterModule(L.LightningModule):
             teacher, greedy = self.target.head_outputs(out.last_hidden, self.drafter.draft_ids())
         return out, teacher, greedy
 
-    def _ttt_losses(self, logits_per_step, teacher, greedy, loss_mask):
-        """Per-step KL and accuracy (draft argmax == target's full-vocab argmax)."""
+    def _objective(self, ids, loss_mask, out, teacher, greedy):
+        """Per-step token loss (+ feature regression where configured) and accuracy (draft
+        argmax == target's full-vocab argmax), weighted decay**step. Step s at index t drafts
+        x_{t+2+s}: its teacher and feature target sit at t+1+s, its label at t+2+s."""
+        obj = self.objective
+        features = self.drafter.features(out)
+        if obj.feature_weight > 0:
+            logits_per_step, predicted = self.drafter.unroll(ids, features, self.steps, with_features=True)
+            feature_targets = self.drafter.feature_targets(out)
+        else:
+            logits_per_step = self.drafter.unroll(ids, features, self.steps)
         T = loss_mask.shape[1]
-        losses, accs = [], []
         draft_ids = self.drafter.draft_ids()
+        if obj.token_loss == "ce":
+            to_draft = torch.full((self.drafter.config.vocab_size,), -1, dtype=torch.long, device=ids.device)
+            to_draft[draft_ids] = torch.arange(draft_ids.numel(), device=ids.device)
+        losses, accs, total = [], [], 0.0
         for s, logits in enumerate(logits_per_step):
             d, t, y = ttt_slices(T, s)
             mask = loss_mask[:, y].bool()
-            losses.append(soft_kl(logits[:, d], teacher[:, t], mask))
+            if obj.token_loss == "ce":
+                loss = hard_ce(logits[:, d], to_draft[ids[:, y]], mask)
+            else:
+                loss = soft_kl(logits[:, d], teacher[:, t], mask)
+            loss = obj.token_weight * loss
+            if obj.feature_weight > 0:
+                loss = loss + obj.feature_weight * feature_smooth_l1(predicted[s][:, d], feature_targets[:, t], mask)
+            losses.append(loss)
+            total = total + self.step_weights[s] * loss
             with torch.no_grad():
                 hit = (draft_ids[logits[:, d].argmax(-1)] == greedy[:, t]) & mask
                 accs.append(hit.sum().float() / mask.sum().clamp_min(1))
-        total = sum(w * l for w, l in zip(self.step_weights, losses))
         return total, losses, accs
 
     def training_step(self, batch, batch_idx):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         out, teacher, greedy = self._target_pass(ids)
-        logits = self.drafter.unroll(ids, self.drafter.features(out), self.steps)
-        total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
+        total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
         self.log("train/loss", total, prog_bar=True)
         self.log("train/acc0", accs[0], prog_bar=True)
         for s, (l, a) in enumerate(zip(losses, accs)):
@@ -86,8 +104,7 @@ class DrafterModule(L.LightningModule):
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         out, teacher, greedy = self._target_pass(ids)
-        logits = self.drafter.unroll(ids, self.drafter.features(out), self.steps)
-        total, losses, accs = self._ttt_losses(logits, teacher, greedy, loss_mask)
+        total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
         self.log("val/loss", total, prog_bar=True, batch_size=ids.shape[0])
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])

@@ -121,6 +121,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
     from data.module import ChatDataModule
     from export.io import atomic_write_json
+    from export.eagle1 import export_eagle1
     from export.medusa import export_medusa
     from export.speculators import export_speculators
     from models.target import Target
@@ -188,6 +189,8 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted}
         if cfg.drafter.method == "medusa":
             export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
+        elif cfg.drafter.method == "eagle1":
+            export_eagle1(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         else:
             export_speculators(module.drafter, export_dir, target_name=cfg.target,
                                target_arch=list(hf_config.architectures or []), k=cfg.eval.k, provenance=provenance)
@@ -200,6 +203,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
 def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int):
     """The drafter of `drafter.method`, shaped for this target (weights initialised later)."""
+    if cfg.drafter.method == "eagle1":
+        from models.eagle1 import Eagle1Config, Eagle1Drafter
+
+        return Eagle1Drafter(Eagle1Config.from_target(hf_config, draft_vocab_size))
     if cfg.drafter.method == "medusa":
         from models.medusa import MedusaConfig, MedusaDrafter
 

@@ -1,0 +1,103 @@
+"""EAGLE-1 checkpoint layout (SafeAILab EAGLE / SGLang `LlamaForCausalLMEagle`, FORMATS.md):
+config.json (a one-layer Llama config) + model.safetensors with `embed_tokens`, `fc` (with
+bias), `layers.0.*` (no input norm) and no head or final norm: the server uses the target's
+head. A draft vocabulary smaller than the target's adds `d2t`/`t2d`, which only draftsmith's
+runtime reads: the layout itself drafts over the full vocabulary, so train with Vd = V to
+serve it elsewhere unchanged.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.io import atomic_folder, write_json
+from models.eagle1 import Eagle1Config, Eagle1Drafter
+
+
+def eagle1_config(cfg: Eagle1Config, target_name: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu", "bias": True, "draft_vocab_size": cfg.draft_vocab_size,
+        "base_model_name_or_path": target_name,
+    }
+
+
+def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
+                  provenance: dict | None = None) -> Path:
+    cfg = drafter.config
+    tensors = {n: t.detach().cpu() for n, t in drafter.state_dict().items() if n != "lm_head.weight"}
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.pop("d2t"), tensors.pop("t2d")
+    with atomic_folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", eagle1_config(cfg, target_name))
+        write_json(tmp / "draftsmith.json", {
+            "format": "eagle", "method": "eagle1", "drafter_config": cfg.to_dict(),
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            **(provenance or {}),
+        })
+    return Path(out_dir)
+
+
+def target_head(target: str) -> torch.Tensor:
+    """The target's output head [V, H] (its tied embedding when it has no separate head)."""
+    from models.zoo import resolve_target
+
+    files = sorted(Path(resolve_target(target)).glob("*.safetensors"))
+    state = {}
+    for f in files:
+        state.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
+    head = state.get("lm_head.weight", state.get("model.embed_tokens.weight"))
+    if head is None:
+        raise KeyError(f"target {target}: neither lm_head.weight nor model.embed_tokens.weight found")
+    return head
+
+
+def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> Eagle1Drafter:
+    """Read the layout back strictly; the head comes from the target (named in draftsmith.json
+    unless given), restricted to the draft vocabulary."""
+    folder = Path(folder)
+    meta = json.loads((folder / "draftsmith.json").read_text()) if (folder / "draftsmith.json").is_file() else {}
+    config = json.loads((folder / "config.json").read_text())
+    if "drafter_config" in meta:
+        cfg = Eagle1Config.from_dict(meta["drafter_config"])
+    else:
+        cfg = Eagle1Config(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+                           hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                           num_attention_heads=config["num_attention_heads"],
+                           num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                           target_num_layers=0, rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                           rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
+    target = target or meta.get("target") or config.get("base_model_name_or_path")
+    if not target:
+        raise ValueError(f"{folder}: an EAGLE-1 export uses its target's head; name the target")
+    drafter = Eagle1Drafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    expected = {n for n in drafter.state_dict() if n != "lm_head.weight"}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise KeyError(f"{folder}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+    shapes = drafter.state_dict()
+    for name, t in state.items():
+        if t.shape != shapes[name].shape:
+            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
+    head = target_head(target)
+    if head.shape != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"target {target}: head of shape {tuple(head.shape)}, the drafter needs ({cfg.vocab_size}, {cfg.hidden_size})")
+    drafter.load_state_dict({**state, "lm_head.weight": torch.zeros_like(shapes["lm_head.weight"])}, strict=True)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
+    return drafter.to(dtype)

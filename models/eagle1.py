@@ -1,0 +1,171 @@
+"""EAGLE-1 drafter: one decoder layer over fc([embedding; top feature]) that regresses the
+target's next feature; the target's own head turns a feature into tokens.
+
+Shapes: B batch, T positions, H hidden (the target's), Vd draft vocab.
+
+Alignment (shared with EAGLE-3): the target's feature f_t (its final normed hidden state,
+what its head reads to produce x_{t+1}) is paired with token x_{t+1}; the drafter outputs
+f̂, an estimate of f_{t+1}, and head(f̂) predicts x_{t+2}. A chain feeds f̂ back with its own
+drafted token at t+1, t+2, ...; training unrolls the same way (`objective.ttt_steps`; EAGLE-1's
+original training is the single teacher-forced step, ttt_steps = 1).
+
+Layout as FORMATS.md describes the EAGLE-1 checkpoint: `fc` Linear(2H -> H) with bias, one
+decoder layer without an input norm, no final norm, the target's head (frozen here, restricted
+to the draft vocabulary; Vd = V serves the layout as is).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.eagle3 import shift_left, ttt_attend
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class Eagle1Config:
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int) -> "Eagle1Config":
+        theta, scaling = rope_config(hf_config)  # the target's RoPE base, never a default
+        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
+                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+                   target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
+                   rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Eagle1Config":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown EAGLE-1 config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class Eagle1Attention(nn.Module):
+    def __init__(self, cfg: Eagle1Config):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
+class Eagle1Layer(nn.Module):
+    """A Llama decoder layer without the input norm (EAGLE-1 feeds fc's output straight in)."""
+
+    def __init__(self, cfg: Eagle1Config):
+        super().__init__()
+        self.self_attn = Eagle1Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, attend):
+        h = x + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle1Drafter(nn.Module):
+    aux_layer_ids: list[int] = []  # reads the target's final hidden state only
+
+    def __init__(self, cfg: Eagle1Config):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # frozen copy of the target's
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layers = nn.ModuleList([Eagle1Layer(cfg)])
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's head rows, frozen
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def features(self, target_out) -> torch.Tensor:
+        """The target's final normed hidden state [B,T,H] (its head's input)."""
+        return target_out.last_hidden
+
+    def feature_targets(self, target_out) -> torch.Tensor:
+        """What a draft step's output regresses to: f_{t+1+s} at step s, index t."""
+        return target_out.last_hidden
+
+    def train_steps(self, requested: int) -> int:
+        return requested
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The runtime's entry point (shared with EAGLE-3): EAGLE-1 reads the feature as is."""
+        return features.to(self.fc.weight.dtype)
+
+    def step(self, tokens, feature, positions, attend):
+        """tokens [B,T], feature [B,T,H] → predicted next feature [B,T,H]."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, feature.dtype)
+        x = self.fc(torch.cat([self.embed_tokens(tokens).to(feature.dtype), feature], dim=-1))  # embedding first
+        return self.layers[0](x, cos, sin, attend)
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(feature)
+
+    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False, with_features: bool = False):
+        """`steps` chained draft steps at every position (as EAGLE-3's TTT): step s at index t
+        reads token x_{t+1+s} (or the step s-1 draft, greedy) and its previous feature, and
+        drafts x_{t+2+s}. Returns logits [B,T,Vd] per step (and the predicted features)."""
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        feature = features.to(self.fc.weight.dtype)
+        attend = ttt_attend([])
+        logits, predicted = [], []
+        tokens = shift_left(input_ids, 1)
+        for s in range(steps):
+            if s > 0:
+                tokens = self.draft_ids()[logits[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
+            feature = self.step(tokens, feature, position_ids + s, attend)
+            predicted.append(feature)
+            logits.append(self.logits(feature))
+        return (logits, predicted) if with_features else logits
