@@ -14,7 +14,12 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} is not an export folder (no config.json)")
-    arch = (json.loads(config_path.read_text()).get("architectures") or [None])[0]
+    config = json.loads(config_path.read_text())
+    arch = (config.get("architectures") or [None])[0]
+    if config.get("num_nextn_predict_layers"):
+        from export.mtp import load_mtp
+
+        return load_mtp(folder, dtype=dtype)
     if arch == "Eagle3DraftModel":
         from export.speculators import load_speculators
 

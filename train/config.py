@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class DrafterConfig:
     method: str = "eagle3"
-    """Drafter family: `eagle3`, `eagle1` or `medusa`."""
+    """Drafter family: `eagle3`, `eagle1`, `medusa` or `mtp`."""
     aux_layer_ids: list[int] | None = None
     """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
     draft_vocab_size: int = 16384
@@ -36,6 +36,8 @@ class DrafterConfig:
     """Medusa: K heads; head k (1-based) predicts the token k+1 positions after the last verified one."""
     medusa_layers: int = 1
     """Medusa: residual blocks per head."""
+    mtp_modules: int = 3
+    """MTP: D sequential modules; module d predicts the token d+1 positions after the last verified one."""
 
 
 @dataclass
@@ -107,7 +109,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every_n_steps: int = 100
     export_format: str = "auto"
-    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, EAGLE-1: eagle, Medusa: medusa)."""
+    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, EAGLE-1: eagle, Medusa: medusa, MTP: mtp)."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -243,8 +245,8 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-METHODS = ("eagle3", "eagle1", "medusa")
-EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa"}
+METHODS = ("eagle3", "eagle1", "medusa", "mtp")
+EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa", "mtp": "mtp"}
 
 
 def validate(cfg: RunConfig):
@@ -260,6 +262,11 @@ def validate(cfg: RunConfig):
     if cfg.objective.feature_weight > 0 and cfg.drafter.method != "eagle1":
         raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
                           f"features (eagle1), not {cfg.drafter.method}")
+    if cfg.drafter.method == "mtp":
+        if cfg.drafter.mtp_modules < 1:
+            raise ConfigError("drafter.mtp_modules must be >= 1")
+        if cfg.eval.k > cfg.drafter.mtp_modules:
+            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} MTP modules; drafter.mtp_modules is {cfg.drafter.mtp_modules}")
     if cfg.drafter.method == "medusa":
         if cfg.drafter.medusa_heads < 1 or cfg.drafter.medusa_layers < 0:
             raise ConfigError("drafter.medusa_heads must be >= 1 and drafter.medusa_layers >= 0")

@@ -123,6 +123,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     from export.io import atomic_write_json
     from export.eagle1 import export_eagle1
     from export.medusa import export_medusa
+    from export.mtp import export_mtp
     from export.speculators import export_speculators
     from models.target import Target
     from models.zoo import resolve_target
@@ -189,6 +190,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted}
         if cfg.drafter.method == "medusa":
             export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
+        elif cfg.drafter.method == "mtp":
+            export_mtp(module.drafter, export_dir, target_name=cfg.target, target_config=hf_config.to_dict(),
+                       embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
+                       provenance=provenance)
         elif cfg.drafter.method == "eagle1":
             export_eagle1(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         else:
@@ -207,6 +212,10 @@ def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int):
         from models.eagle1 import Eagle1Config, Eagle1Drafter
 
         return Eagle1Drafter(Eagle1Config.from_target(hf_config, draft_vocab_size))
+    if cfg.drafter.method == "mtp":
+        from models.mtp import MTPConfig, MTPDrafter
+
+        return MTPDrafter(MTPConfig.from_target(hf_config, draft_vocab_size, cfg.drafter.mtp_modules))
     if cfg.drafter.method == "medusa":
         from models.medusa import MedusaConfig, MedusaDrafter
 

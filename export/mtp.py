@@ -1,0 +1,108 @@
+"""DeepSeek-V3 MTP layout (FORMATS.md): MTP module d is stored as an extra decoder layer of the
+target, index L + d: `model.layers.{L+d}.{embed_tokens, enorm, hnorm, eh_proj,
+shared_head.norm, shared_head.head, self_attn.*, mlp.*, input_layernorm,
+post_attention_layernorm}`; config.json is the target's with `num_nextn_predict_layers`.
+
+The embedding and head written are the target's full ones (each module carries a copy, as
+the layout wants). A drafter trained with a smaller draft vocabulary also writes `d2t`/`t2d`,
+read by draftsmith's runtime only: train with Vd = V to serve the layout elsewhere unchanged.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.io import atomic_folder, write_json
+from models.mtp import MTPConfig, MTPDrafter
+
+MODULE_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+                "shared_head.norm.weight": "shared_head_norm.weight"}
+LAYER_PARTS = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+               "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+               "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
+
+
+def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, target_config: dict,
+               embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype = torch.bfloat16, provenance: dict | None = None) -> Path:
+    """embed, head [V,H]: the target's full embedding and head (the layout stores them)."""
+    cfg = drafter.config
+    L = cfg.target_num_layers
+    tensors = {}
+    for d, module in enumerate(drafter.mtp):
+        p = f"model.layers.{L + d}."
+        state = module.state_dict()
+        for out_name, ours in MODULE_PARTS.items():
+            tensors[p + out_name] = state[ours]
+        for name in LAYER_PARTS:
+            tensors[p + name] = state[name]
+        tensors[p + "embed_tokens.weight"] = embed.detach().clone()  # a copy per module (safetensors shares nothing)
+        tensors[p + "shared_head.head.weight"] = head.detach().clone()
+    tensors = {n: t.detach().cpu().to(dtype).contiguous() for n, t in tensors.items()}
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        tensors["d2t"], tensors["t2d"] = drafter.d2t.cpu().contiguous(), drafter.t2d.cpu().contiguous()
+    config = {**target_config, "num_nextn_predict_layers": cfg.num_modules}
+    with atomic_folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", config)
+        write_json(tmp / "draftsmith.json", {
+            "format": "mtp", "method": "mtp", "drafter_config": cfg.to_dict(),
+            "layer_id_convention": {"mtp_module_d": f"model.layers.{{{L} + d}}"},
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            **(provenance or {}),
+        })
+    return Path(out_dir)
+
+
+def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32) -> MTPDrafter:
+    """Read the layout back strictly into draftsmith's module."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    meta_path = folder / "draftsmith.json"
+    if meta_path.is_file():
+        cfg = MTPConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
+    else:
+        cfg = MTPConfig.from_target(_Namespace(config), config["vocab_size"], config["num_nextn_predict_layers"])
+    L = cfg.target_num_layers
+    state = load_file(str(folder / "model.safetensors"))
+    drafter = MTPDrafter(cfg)
+    expected = {f"model.layers.{L + d}.{n}" for d in range(cfg.num_modules)
+                for n in [*MODULE_PARTS, *LAYER_PARTS, "embed_tokens.weight", "shared_head.head.weight"]}
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        expected |= {"d2t", "t2d"}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise KeyError(f"{folder}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
+    ours = {}
+    for d in range(cfg.num_modules):
+        p = f"model.layers.{L + d}."
+        for out_name, name in MODULE_PARTS.items():
+            ours[f"mtp.{d}.{name}"] = state[p + out_name]
+        for name in LAYER_PARTS:
+            ours[f"mtp.{d}.{name}"] = state[p + name]
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        ours["d2t"], ours["t2d"] = state["d2t"], state["t2d"]
+    else:
+        ours["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        ours["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    embed, head = state[f"model.layers.{L}.embed_tokens.weight"], state[f"model.layers.{L}.shared_head.head.weight"]
+    ours["embed_tokens.weight"] = embed
+    ours["lm_head.weight"] = torch.zeros(cfg.draft_vocab_size, cfg.hidden_size, dtype=head.dtype)
+    shapes = drafter.state_dict()
+    for name, t in ours.items():
+        if t.shape != shapes[name].shape:
+            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
+    drafter.load_state_dict(ours, strict=True)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
+    return drafter.to(dtype)
+
+
+class _Namespace:
+    """An HF-config-like view of a config.json dict."""
+
+    def __init__(self, d: dict):
+        self.__dict__.update(d)

@@ -1,0 +1,201 @@
+"""MTP drafter (DeepSeek-V3 form): D sequential modules; module d combines the embedding of
+token x_{t+d} with the previous module's hidden state at t and predicts x_{t+d+1}.
+
+Shapes: B batch, T positions, H hidden (the target's), Vd draft vocab, D modules.
+
+Module d (1-based): h^d_t = Layer_d(eh_proj_d([enorm_d(embed(x_{t+d})); hnorm_d(h^{d-1}_t)]))
+(embedding first, as vLLM loads it), logits = head(shared_head_norm_d(h^d_t)); h^0 is the
+target's final normed hidden state. Embedding and head are the target's, frozen.
+
+Alignment (shared with every drafter here): step s = d-1 at index t predicts x_{t+2+s}.
+Training is teacher-forced: module d reads the real x_{t+d} and attends causally over its own
+entries. Drafting a chain from the last verified position t (the bonus x_{t+1} known) reads
+the previous module's draft instead of x_{t+d}; module d then attends to its teacher-forced
+entries at positions t' <= t + 1 - d (those need x_{t'+d}, verified only that far; a runtime
+fills them as tokens are verified) and to its own drafted entry at t. `unroll(greedy=True)`
+computes exactly that, for every t at once, and is what predicted acceptance measures.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.eagle3 import shift_left
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+
+
+@dataclass
+class MTPConfig:
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_num_layers: int
+    num_modules: int = 3
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        if self.num_modules < 1:
+            raise ValueError(f"MTP needs at least one module, got {self.num_modules}")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, num_modules: int = 3) -> "MTPConfig":
+        theta, scaling = rope_config(hf_config)
+        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
+                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+                   target_num_layers=hf_config.num_hidden_layers, num_modules=num_modules,
+                   rms_norm_eps=hf_config.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
+                   max_position_embeddings=hf_config.max_position_embeddings)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "MTPConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown MTP config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class MTPAttention(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, context=None, lag: int = 1):
+        """x [B,T,H]. context None: causal attention over x's own keys. context (k, v) of the
+        teacher-forced stream [B,nh,T,d]: query t sees those keys at positions <= t - lag and
+        its own key at t. Returns (output [B,T,H], (k, v) of x)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        if context is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            k_ctx, v_ctx = context
+            before = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-lag)
+            mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=x.device)], dim=1)  # [T, 2T]
+            out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), (k, v)
+
+
+class MTPModule(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        H = cfg.hidden_size
+        self.enorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.self_attn = MTPAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(H, cfg.intermediate_size)
+        self.shared_head_norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(self, embeds, hidden, cos, sin, context=None, lag: int = 1):
+        """embeds, hidden [B,T,H] → (h^d [B,T,H], (k, v) of this stream)."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # embedding first
+        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, context, lag)
+        h = x + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class MTPDrafter(nn.Module):
+    aux_layer_ids: list[int] = []  # reads the target's final hidden state only
+
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.num_modules)])
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)  # the target's head rows, shared by every module
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
+        """Embedding and head from the target; each module's decoder layer from the target's
+        last layer and its head norm from the target's final norm (a warm start)."""
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        last = target_model.model.layers[-1]
+        for module in self.mtp:
+            module.shared_head_norm.weight.copy_(target_model.model.norm.weight)
+            for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
+                getattr(module, name).load_state_dict(getattr(last, name).state_dict())
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(module.self_attn, name).load_state_dict(getattr(last.self_attn, name).state_dict())
+
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def features(self, target_out) -> torch.Tensor:
+        return target_out.last_hidden
+
+    def train_steps(self, requested: int) -> int:
+        return self.config.num_modules  # every module is trained
+
+    def logits(self, module: MTPModule, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(module.shared_head_norm(hidden))
+
+    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False):
+        """Modules 1..steps at every position: a list of logits [B,T,Vd]; step s at index t
+        predicts x_{t+2+s}. greedy: each module reads the previous module's draft (module 1
+        reads x_{t+1}, the verified bonus) and sees the teacher-forced entries before t."""
+        if steps > self.config.num_modules:
+            raise ValueError(f"a chain of {steps} drafts needs {steps} MTP modules; this drafter has {self.config.num_modules}")
+        B, T = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        dtype = self.eh_dtype()
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, dtype)
+        h_tf = h_dr = features.to(dtype)
+        out, draft = [], None
+        for s in range(steps):
+            module = self.mtp[s]
+            real = shift_left(input_ids, 1 + s)  # x_{t+1+s}
+            h_tf, kv_tf = module(self.embed_tokens(real).to(dtype), h_tf, cos, sin)
+            if not greedy:
+                out.append(self.logits(module, h_tf))
+                continue
+            if s == 0:  # module 1 reads the verified bonus x_{t+1}: the teacher-forced pass itself
+                h_dr = h_tf
+            else:  # its entry at t' needs x_{t'+s+1}, known (<= x_{t+1}) only for t' <= t - s
+                h_dr, _ = module(self.embed_tokens(draft).to(dtype), h_dr, cos, sin, context=kv_tf, lag=s)
+            logits = self.logits(module, h_dr)
+            draft = self.draft_ids()[logits.argmax(-1)]
+            out.append(logits)
+        return out
+
+    def eh_dtype(self):
+        return self.mtp[0].eh_proj.weight.dtype
