@@ -186,8 +186,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     if trainer.is_global_zero:
         atomic_write_json(out_dir / "predicted.json", summary)
         export_dir = out_dir / "export"
+        last_ckpt = out_dir / "checkpoints" / "last.ckpt"
         provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
-                      "training_config": cfg.to_dict(), "predicted_acceptance": predicted}
+                      "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
+                      "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
         if cfg.drafter.method == "medusa":
             export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         elif cfg.drafter.method == "mtp":

@@ -1,0 +1,269 @@
+"""python -m export.check DIR [--target T] [--checkpoint CKPT]: catch an export that a server
+would load silently wrong. Four levels, each reported; exit 0 only when all hold.
+
+  (a) keys: every expected tensor present with its shape and dtype, nothing unexpected, the
+      safetensors file whole (the format's strict reader, plus a dtype census);
+  (b) semantics: config flags and layer ids agree with the drafter's own config and with the
+      target (depth, hidden size, vocabulary, RoPE base);
+  (c) parity: the reloaded drafter computes what the training checkpoint computes on the same
+      inputs (float32, the checkpoint's weights rounded to the export's dtype; max abs diff
+      reported, must be <= 1e-5);
+  (d) nothing random or defaulted: copied tensors equal the target's (embedding, frozen
+      heads), the draft vocabulary maps are consistent, no tensor is all zeros, and the flags
+      a reader would otherwise default are written out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+PARITY_TOLERANCE = 1e-5
+
+
+class Check:
+    def __init__(self, level: str, name: str):
+        self.level, self.name, self.problems, self.notes = level, name, [], []
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        status = "ok" if self.ok else "FAIL"
+        detail = "; ".join(self.problems or self.notes)
+        return f"({self.level}) {self.name}: {status}" + (f" - {detail}" if detail else "")
+
+
+def _method_and_config(folder: Path):
+    meta_path = folder / "draftsmith.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{folder}: no draftsmith.json (provenance and drafter config) to check against")
+    meta = json.loads(meta_path.read_text())
+    return meta.get("method"), meta
+
+
+def _drafter_class(method: str):
+    if method == "eagle3":
+        from models.eagle3 import Eagle3Config, Eagle3Drafter
+        return Eagle3Config, Eagle3Drafter
+    if method == "eagle1":
+        from models.eagle1 import Eagle1Config, Eagle1Drafter
+        return Eagle1Config, Eagle1Drafter
+    if method == "medusa":
+        from models.medusa import MedusaConfig, MedusaDrafter
+        return MedusaConfig, MedusaDrafter
+    if method == "mtp":
+        from models.mtp import MTPConfig, MTPDrafter
+        return MTPConfig, MTPDrafter
+    raise ValueError(f"draftsmith.json: unknown method {method!r}")
+
+
+def check_keys(folder: Path, meta: dict):
+    """(a) The format's strict reader, and one floating dtype throughout."""
+    from safetensors import safe_open
+
+    from export.load import load_export
+
+    c = Check("a", "tensors present, shaped and typed")
+    weights = folder / "model.safetensors"
+    try:
+        with safe_open(str(weights), "pt") as f:
+            dtypes = {f.get_slice(n).get_dtype() for n in f.keys() if n not in ("d2t", "t2d", "token_map")}
+    except Exception as e:  # a truncated or corrupt file: safetensors' own message names it
+        c.problems.append(f"{weights.name} is unreadable ({str(e).splitlines()[0]})")
+        return c, None
+    if len(dtypes) > 1:
+        c.problems.append(f"mixed floating dtypes {sorted(dtypes)}")
+    try:
+        drafter = load_export(folder, dtype=torch.float32)
+    except (KeyError, ValueError, FileNotFoundError) as e:
+        c.problems.append(str(e).strip("'\""))
+        return c, None
+    c.notes.append(f"{sum(1 for _ in drafter.state_dict())} tensors, dtype {next(iter(dtypes), '?')}")
+    return c, drafter
+
+
+def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
+    """(b) Flags and layer ids of config.json against the drafter's config and the target."""
+    c = Check("b", "flags and layer ids consistent with the target")
+    config = json.loads((folder / "config.json").read_text())
+    cfg = meta["drafter_config"]
+    method = meta["method"]
+    L = target_config.num_hidden_layers
+    expect = {"vocab_size": target_config.vocab_size}
+    if method == "eagle3":
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        if ids != [i + 1 for i in cfg["aux_layer_ids"]]:
+            c.problems.append(f"eagle_aux_hidden_state_layer_ids {ids} != output-of-layer ids {cfg['aux_layer_ids']} + 1")
+        if ids and max(ids) > L:
+            c.problems.append(f"aux hidden-state index {max(ids)} beyond the {L}-layer target")
+        for flag in ("norm_before_residual", "norm_before_fc"):
+            if config.get(flag) != cfg[flag]:
+                c.problems.append(f"{flag}: config.json says {config.get(flag)}, the trained drafter {cfg[flag]}")
+        layer = config.get("transformer_layer_config", {})
+        expect.update(target_hidden_size=target_config.hidden_size)
+        theta = layer.get("rope_theta")
+    elif method == "medusa":
+        for key, ours in (("num_heads", "num_heads"), ("num_hidden_layers", "num_layers"), ("truncated_vocab_size", "draft_vocab_size")):
+            if config.get(key) != cfg[ours]:
+                c.problems.append(f"{key}: config.json says {config.get(key)}, the trained drafter {cfg[ours]}")
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = None
+    elif method == "mtp":
+        if config.get("num_nextn_predict_layers") != cfg["num_modules"]:
+            c.problems.append(f"num_nextn_predict_layers {config.get('num_nextn_predict_layers')} != {cfg['num_modules']} modules")
+        if config.get("num_hidden_layers") != L or cfg["target_num_layers"] != L:
+            c.problems.append(f"modules stored after layer {config.get('num_hidden_layers')}, the target has {L} layers")
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = _theta(config)
+    else:  # eagle1
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = config.get("rope_theta")
+    for key, value in expect.items():
+        if config.get(key, (config.get("transformer_layer_config") or {}).get(key)) != value:
+            c.problems.append(f"{key}: config.json says {config.get(key)}, the target {value}")
+    if theta is not None:
+        from models.layers import rope_config
+
+        target_theta, _ = rope_config(target_config)
+        if float(theta) != float(target_theta):
+            c.problems.append(f"rope_theta {theta} != the target's {target_theta}")
+    if not c.problems:
+        c.notes.append(f"{method} against a {L}-layer target")
+    return c
+
+
+def _theta(config: dict):
+    """RoPE base of a config.json, in transformers 4 (rope_theta) or 5 (rope_parameters) form."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return config.get("rope_theta")
+
+
+def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> Check:
+    """(c) The reloaded export against the training checkpoint, same inputs, float32."""
+    c = Check("c", "forward parity with the training checkpoint")
+    checkpoint = checkpoint or meta.get("checkpoint")
+    if not checkpoint or not Path(checkpoint).is_file():
+        c.problems.append(f"no training checkpoint to compare with ({checkpoint or 'none recorded'}); pass --checkpoint")
+        return c
+    config_cls, drafter_cls = _drafter_class(meta["method"])
+    reference = drafter_cls(config_cls.from_dict(meta["drafter_config"]))
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    state = {k.removeprefix("drafter."): v for k, v in state.items()}
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        names = [n for n in f.keys() if n not in ("d2t", "t2d", "token_map")]
+        export_dtype = f.get_slice(names[0]).get_dtype() if names else "F32"
+    dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(export_dtype, torch.float32)
+    # the export's tensors went through its dtype; EAGLE-1's head is not stored (the reader
+    # takes the target's at full precision)
+    kept = {"lm_head.weight"} if meta["method"] == "eagle1" else set()
+    state = {k: (v.to(dtype).float() if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
+    reference.load_state_dict(state, strict=True)
+    reference.eval()
+    drafter.eval()
+    torch.manual_seed(0)
+    ids = torch.randint(0, reference.config.vocab_size, (2, 16))
+    width = reference.config.hidden_size * (len(getattr(reference.config, "aux_layer_ids", [])) or 1)
+    features = torch.randn(2, 16, width)
+    steps = {"medusa": getattr(reference.config, "num_heads", 1), "mtp": getattr(reference.config, "num_modules", 1)}.get(meta["method"], 3)
+    with torch.no_grad():
+        ref = reference.unroll(ids, features, steps, greedy=True)
+        got = drafter.unroll(ids, features, steps, greedy=True)
+    diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
+    note = f"max abs diff {diff:.2e} over {steps} steps"
+    (c.notes if diff <= PARITY_TOLERANCE else c.problems).append(note + ("" if diff <= PARITY_TOLERANCE else f" > {PARITY_TOLERANCE:g}"))
+    return c
+
+
+def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> Check:
+    """(d) Copies equal the target's, maps consistent, no all-zero tensor, flags written."""
+    from safetensors.torch import load_file
+
+    c = Check("d", "nothing random-initialised or defaulted")
+    target = {}
+    for f in sorted(Path(target_path).glob("*.safetensors")):
+        target.update({k: v for k, v in load_file(str(f)).items() if k in ("model.embed_tokens.weight", "lm_head.weight")})
+    embed = target.get("model.embed_tokens.weight")
+    head = target.get("lm_head.weight", embed)
+    draft_ids = drafter.draft_ids()
+    if not bool((draft_ids[1:] > draft_ids[:-1]).all()) or int(drafter.t2d.sum()) != draft_ids.numel() or not bool(drafter.t2d[draft_ids].all()):
+        c.problems.append("d2t and t2d disagree (draft ids not ascending, or t2d does not mark exactly them)")
+    with torch.no_grad():
+        for name, t in drafter.state_dict().items():
+            if t.is_floating_point() and t.numel() > 1 and not bool(t.abs().sum() > 0):
+                c.problems.append(f"{name} is all zeros")
+        if hasattr(drafter, "embed_tokens") and embed is not None:
+            ours, theirs = drafter.embed_tokens.weight, embed.to(drafter.embed_tokens.weight.dtype)
+            if ours.shape != theirs.shape or (ours - theirs.to(ours.dtype)).abs().max().item() > 1e-2 * max(1.0, theirs.abs().max().item()):
+                c.problems.append("embed_tokens differs from the target's embedding (random or another target's)")
+        if meta["method"] in ("eagle1", "mtp") and head is not None:
+            rows = head[draft_ids].to(drafter.lm_head.weight.dtype)
+            if (drafter.lm_head.weight - rows).abs().max().item() > 1e-2 * max(1.0, rows.abs().max().item()):
+                c.problems.append("the frozen head differs from the target's head rows")
+    config = json.loads((folder / "config.json").read_text())
+    required = {"eagle3": ["norm_before_residual", "norm_before_fc", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"],
+                "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
+                "mtp": ["num_nextn_predict_layers"]}[meta["method"]]
+    absent = [k for k in required if k not in config]
+    if meta["method"] == "mtp" and _theta(config) is None:
+        absent.append("rope_theta / rope_parameters")
+    if absent:
+        c.problems.append(f"config.json leaves {absent} to a reader's default")
+    return c
+
+
+def run_checks(folder: str | Path, target: str | None = None, checkpoint: str | None = None) -> list[Check]:
+    from transformers import AutoConfig
+
+    from models.zoo import resolve_target
+
+    folder = Path(folder)
+    method, meta = _method_and_config(folder)
+    keys, drafter = check_keys(folder, meta)
+    checks = [keys]
+    if drafter is None:
+        for level, name in (("b", "flags and layer ids consistent with the target"), ("c", "forward parity with the training checkpoint"),
+                            ("d", "nothing random-initialised or defaulted")):
+            skipped = Check(level, name)
+            skipped.problems.append("not checked: the export does not load")
+            checks.append(skipped)
+        return checks
+    target = target or meta.get("target")
+    target_path = resolve_target(target)
+    target_config = AutoConfig.from_pretrained(target_path)
+    checks.append(check_semantics(folder, meta, drafter, target_config))
+    checks.append(check_parity(folder, meta, drafter, checkpoint))
+    checks.append(check_not_defaulted(folder, meta, drafter, target_path))
+    return checks
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m export.check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder")
+    ap.add_argument("--target", help="default: the target named in draftsmith.json")
+    ap.add_argument("--checkpoint", help="training checkpoint for the parity level (default: the one recorded)")
+    args = ap.parse_args(argv)
+    from models.zoo import AssetError
+
+    try:
+        checks = run_checks(args.folder, args.target, args.checkpoint)
+    except (FileNotFoundError, ValueError, AssetError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for c in checks:
+        print(c.line())
+    ok = all(c.ok for c in checks)
+    print("export OK" if ok else "export has problems")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

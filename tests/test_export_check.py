@@ -1,0 +1,126 @@
+"""export.check: every method's export passes; each kind of corruption fails, named."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from export.check import run_checks
+from tests.conftest import make_conversations, tiny_overrides
+from train.config import load_config
+from train.run import run
+
+RECIPES = {"eagle3": (None, {}), "eagle1": ("configs/eagle1.yaml", {}), "medusa": ("configs/medusa1.yaml", {}),
+           "mtp": ("configs/mtp.yaml", {})}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    root = tmp_path_factory.mktemp("exports")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
+    out = {}
+    for method, (recipe, extra) in RECIPES.items():
+        overrides = tiny_overrides(str(chat), root / method, **{"trainer.max_steps": 2, "trainer.precision": "32-true", **extra})
+        if method in ("eagle1", "mtp"):
+            overrides.append("drafter.draft_vocab_size=49152")
+        run(load_config(recipe, overrides))
+        out[method] = root / method / "export"
+    return out
+
+
+@pytest.mark.parametrize("method", list(RECIPES))
+def test_every_methods_export_passes_all_four_levels(exports, method):
+    checks = run_checks(exports[method])
+    assert [c.level for c in checks] == ["a", "b", "c", "d"]
+    assert all(c.ok for c in checks), [c.line() for c in checks]
+    parity = next(c for c in checks if c.level == "c")
+    assert "max abs diff" in parity.notes[0]
+
+
+def _copy(exports, tmp_path, method="eagle3"):
+    folder = tmp_path / method
+    shutil.copytree(exports[method], folder)
+    return folder
+
+
+def _failing(folder):
+    res = subprocess.run([sys.executable, "-m", "export.check", str(folder)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_a_removed_tensor_is_named(exports, tmp_path):
+    folder = _copy(exports, tmp_path)
+    state = load_file(str(folder / "model.safetensors"))
+    del state["fc.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    out = _failing(folder)
+    assert "(a)" in out and "fc.weight" in out and "FAIL" in out
+
+
+def test_a_changed_shape_is_named(exports, tmp_path):
+    folder = _copy(exports, tmp_path, "medusa")
+    state = load_file(str(folder / "model.safetensors"))
+    state["lm_heads.1.weight"] = state["lm_heads.1.weight"][:-1].clone()
+    save_file(state, str(folder / "model.safetensors"))
+    out = _failing(folder)
+    assert "lm_heads.1.weight" in out and "shape" in out
+
+
+def test_a_changed_flag_is_named(exports, tmp_path):
+    folder = _copy(exports, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["norm_before_fc"] = not config["norm_before_fc"]
+    (folder / "config.json").write_text(json.dumps(config))
+    out = _failing(folder)
+    assert "(b)" in out and "norm_before_fc" in out
+
+
+def test_a_truncated_file_is_named(exports, tmp_path):
+    folder = _copy(exports, tmp_path, "mtp")
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    out = _failing(folder)
+    assert "model.safetensors is unreadable" in out
+
+
+def test_a_random_embedding_is_caught(exports, tmp_path):
+    import torch
+
+    folder = _copy(exports, tmp_path, "eagle1")
+    state = load_file(str(folder / "model.safetensors"))
+    state["embed_tokens.weight"] = torch.randn_like(state["embed_tokens.weight"])
+    save_file(state, str(folder / "model.safetensors"))
+    out = _failing(folder)
+    assert "(d)" in out and "embed_tokens differs" in out
+
+
+def test_an_interrupted_export_leaves_the_old_one_intact(exports, tmp_path):
+    from export.medusa import export_medusa, load_medusa
+
+    folder = _copy(exports, tmp_path, "medusa")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    drafter = load_medusa(folder)
+
+    class Boom(RuntimeError):
+        pass
+
+    import export.medusa as medusa_module
+
+    original = medusa_module.save_file
+
+    def dies_midway(tensors, path, metadata=None):
+        original(tensors, path, metadata=metadata)
+        raise Boom("interrupted after writing the weights")
+
+    medusa_module.save_file = dies_midway
+    try:
+        with pytest.raises(Boom):
+            export_medusa(drafter, folder, target_name="tiny-random-llama")
+    finally:
+        medusa_module.save_file = original
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".medusa")]  # no temporary left behind
