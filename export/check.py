@@ -59,6 +59,9 @@ def _drafter_class(method: str):
     if method == "mtp":
         from models.mtp import MTPConfig, MTPDrafter
         return MTPConfig, MTPDrafter
+    if method == "dflash":
+        from models.dflash import DFlashConfig, DFlashDrafter
+        return DFlashConfig, DFlashDrafter
     raise ValueError(f"draftsmith.json: unknown method {method!r}")
 
 
@@ -120,6 +123,19 @@ def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
             c.problems.append(f"modules stored after layer {config.get('num_hidden_layers')}, the target has {L} layers")
         expect.update(hidden_size=target_config.hidden_size)
         theta = _theta(config)
+    elif method == "dflash":
+        if config.get("num_target_layers") != L:
+            c.problems.append(f"num_target_layers {config.get('num_target_layers')} != the target's {L}")
+        d = config.get("dflash_config") or {}
+        if d.get("target_layer_ids") != cfg["target_layer_ids"] or max(d.get("target_layer_ids") or [0]) >= L:
+            c.problems.append(f"dflash_config.target_layer_ids {d.get('target_layer_ids')} != trained {cfg['target_layer_ids']} "
+                              f"(output-of-layer ids < {L})")
+        if d.get("mask_token_id") != cfg["mask_token_id"]:
+            c.problems.append(f"mask_token_id {d.get('mask_token_id')} != trained {cfg['mask_token_id']}")
+        if config.get("block_size") != cfg["block_size"]:
+            c.problems.append(f"block_size {config.get('block_size')} != trained {cfg['block_size']}")
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = config.get("rope_theta")
     else:  # eagle1
         expect.update(hidden_size=target_config.hidden_size)
         theta = config.get("rope_theta")
@@ -164,19 +180,25 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(export_dtype, torch.float32)
     # the export's tensors went through its dtype; EAGLE-1's head is not stored (the reader
     # takes the target's at full precision)
-    kept = {"lm_head.weight"} if meta["method"] == "eagle1" else set()
+    kept = {"eagle1": {"lm_head.weight"}, "dflash": {"lm_head.weight", "embed_tokens.weight"}}.get(meta["method"], set())
     state = {k: (v.to(dtype).float() if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
     reference.load_state_dict(state, strict=True)
     reference.eval()
     drafter.eval()
     torch.manual_seed(0)
     ids = torch.randint(0, reference.config.vocab_size, (2, 16))
-    width = reference.config.hidden_size * (len(getattr(reference.config, "aux_layer_ids", [])) or 1)
+    width = reference.config.hidden_size * (len(reference.aux_layer_ids) or 1)
     features = torch.randn(2, 16, width)
     steps = {"medusa": getattr(reference.config, "num_heads", 1), "mtp": getattr(reference.config, "num_modules", 1)}.get(meta["method"], 3)
     with torch.no_grad():
-        ref = reference.unroll(ids, features, steps, greedy=True)
-        got = drafter.unroll(ids, features, steps, greedy=True)
+        if meta["method"] == "dflash":  # one block per anchor
+            anchors = torch.tensor([0, 5, 9])
+            ref = [reference.block_logits(ids[0], features[0], anchors)]
+            got = [drafter.block_logits(ids[0], features[0], anchors)]
+            steps = reference.config.block_size - 1
+        else:
+            ref = reference.unroll(ids, features, steps, greedy=True)
+            got = drafter.unroll(ids, features, steps, greedy=True)
     diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
     note = f"max abs diff {diff:.2e} over {steps} steps"
     (c.notes if diff <= PARITY_TOLERANCE else c.problems).append(note + ("" if diff <= PARITY_TOLERANCE else f" > {PARITY_TOLERANCE:g}"))
@@ -204,14 +226,14 @@ def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> 
             ours, theirs = drafter.embed_tokens.weight, embed.to(drafter.embed_tokens.weight.dtype)
             if ours.shape != theirs.shape or (ours - theirs.to(ours.dtype)).abs().max().item() > 1e-2 * max(1.0, theirs.abs().max().item()):
                 c.problems.append("embed_tokens differs from the target's embedding (random or another target's)")
-        if meta["method"] in ("eagle1", "mtp") and head is not None:
+        if meta["method"] in ("eagle1", "mtp", "dflash") and head is not None:
             rows = head[draft_ids].to(drafter.lm_head.weight.dtype)
             if (drafter.lm_head.weight - rows).abs().max().item() > 1e-2 * max(1.0, rows.abs().max().item()):
                 c.problems.append("the frozen head differs from the target's head rows")
     config = json.loads((folder / "config.json").read_text())
     required = {"eagle3": ["norm_before_residual", "norm_before_fc", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"],
                 "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
-                "mtp": ["num_nextn_predict_layers"]}[meta["method"]]
+                "mtp": ["num_nextn_predict_layers"], "dflash": ["block_size", "num_target_layers", "dflash_config"]}[meta["method"]]
     absent = [k for k in required if k not in config]
     if meta["method"] == "mtp" and _theta(config) is None:
         absent.append("rope_theta / rope_parameters")

@@ -50,16 +50,22 @@ def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: s
 
 def target_head(target: str) -> torch.Tensor:
     """The target's output head [V, H] (its tied embedding when it has no separate head)."""
+    return target_embedding_and_head(target)[1]
+
+
+def target_embedding_and_head(target: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and output head, each [V, H], read from its weights."""
     from models.zoo import resolve_target
 
     files = sorted(Path(resolve_target(target)).glob("*.safetensors"))
     state = {}
     for f in files:
         state.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
-    head = state.get("lm_head.weight", state.get("model.embed_tokens.weight"))
-    if head is None:
-        raise KeyError(f"target {target}: neither lm_head.weight nor model.embed_tokens.weight found")
-    return head
+    embed = state.get("model.embed_tokens.weight")
+    head = state.get("lm_head.weight", embed)
+    if embed is None or head is None:
+        raise KeyError(f"target {target}: model.embed_tokens.weight (and lm_head.weight unless tied) not found")
+    return embed, head
 
 
 def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> Eagle1Drafter:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle": "eagle", "MedusaModel": "medusa"}
+READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle": "eagle", "MedusaModel": "medusa",
+           "DFlashDraftModel": "dflash"}
 
 
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
@@ -28,6 +29,10 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
         from export.eagle1 import load_eagle1
 
         return load_eagle1(folder, dtype=dtype)
+    if arch == "DFlashDraftModel":
+        from export.dflash import load_dflash
+
+        return load_dflash(folder, dtype=dtype)
     if arch == "MedusaModel":
         from export.medusa import load_medusa
 

@@ -52,9 +52,11 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         out = target(ids)
         features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
-    draft_ids = drafter.draft_ids()
-    steps = drafter.unroll(ids, features, k, greedy=True)  # k x [B,T,Vd]
-    drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
+    blockwise = hasattr(drafter, "draft_at")  # DFlash drafts a whole block per anchor
+    if not blockwise:
+        draft_ids = drafter.draft_ids()
+        steps = drafter.unroll(ids, features, k, greedy=True)  # k x [B,T,Vd]
+        drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
     hist = torch.zeros(k + 1, dtype=torch.long)
     for b in range(ids.shape[0]):
         n = int(lengths[b])
@@ -64,7 +66,7 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         m = min(anchors_per_sequence, candidates.numel())
         pick = torch.linspace(0, candidates.numel() - 1, m, device=ids.device).round().long()
         anchors = candidates[pick]
-        chain = drafts[b, anchors]  # [m, k]
+        chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]  # [m, k]
         choice = torch.empty_like(chain)
         choice[:, 0] = greedy[b, anchors + 1]
         if k > 1:

@@ -23,7 +23,7 @@ class ConfigError(ValueError):
 @dataclass
 class DrafterConfig:
     method: str = "eagle3"
-    """Drafter family: `eagle3`, `eagle1`, `medusa` or `mtp`."""
+    """Drafter family: `eagle3`, `eagle1`, `medusa`, `mtp` or `dflash`."""
     aux_layer_ids: list[int] | None = None
     """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
     draft_vocab_size: int = 16384
@@ -38,6 +38,13 @@ class DrafterConfig:
     """Medusa: residual blocks per head."""
     mtp_modules: int = 3
     """MTP: D sequential modules; module d predicts the token d+1 positions after the last verified one."""
+    dflash_block_size: int = 8
+    """DFlash: block size B (2..16); one forward drafts B-1 tokens."""
+    dflash_layers: int = 5
+    dflash_mask_token_id: int | None = None
+    """DFlash: the mask token (a real row of the target's embedding); default the tokenizer's pad (else eos) id."""
+    dflash_target_layers: int = 5
+    """DFlash: target layers fused into the context feature (evenly spaced)."""
 
 
 @dataclass
@@ -67,6 +74,8 @@ class ObjectiveConfig:
     token_weight: float = 1.0
     feature_weight: float = 0.0
     """Smooth-L1 regression of the target's next feature (EAGLE-1), weighted against the token loss."""
+    block_anchors: int = 64
+    """DFlash: random block anchors per training sequence (inside answers)."""
 
 
 @dataclass
@@ -109,7 +118,7 @@ class RunConfig:
     seed: int = 0
     checkpoint_every_n_steps: int = 100
     export_format: str = "auto"
-    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, EAGLE-1: eagle, Medusa: medusa, MTP: mtp)."""
+    """Layout of the export written at the end: auto = the method's own (EAGLE-3: speculators, EAGLE-1: eagle, Medusa: medusa, MTP: mtp, DFlash: dflash)."""
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
@@ -245,8 +254,8 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-METHODS = ("eagle3", "eagle1", "medusa", "mtp")
-EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa", "mtp": "mtp"}
+METHODS = ("eagle3", "eagle1", "medusa", "mtp", "dflash")
+EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa", "mtp": "mtp", "dflash": "dflash"}
 
 
 def validate(cfg: RunConfig):
@@ -262,6 +271,13 @@ def validate(cfg: RunConfig):
     if cfg.objective.feature_weight > 0 and cfg.drafter.method != "eagle1":
         raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
                           f"features (eagle1), not {cfg.drafter.method}")
+    if cfg.drafter.method == "dflash":
+        if not 2 <= cfg.drafter.dflash_block_size <= 16:
+            raise ConfigError(f"drafter.dflash_block_size: must be in 2..16, got {cfg.drafter.dflash_block_size}")
+        if cfg.eval.k > cfg.drafter.dflash_block_size - 1:
+            raise ConfigError(f"eval.k: a block of {cfg.drafter.dflash_block_size} drafts {cfg.drafter.dflash_block_size - 1} tokens, not {cfg.eval.k}")
+        if cfg.drafter.dflash_layers < 1 or cfg.drafter.dflash_target_layers < 1 or cfg.objective.block_anchors < 1:
+            raise ConfigError("drafter.dflash_layers, drafter.dflash_target_layers and objective.block_anchors must be >= 1")
     if cfg.drafter.method == "mtp":
         if cfg.drafter.mtp_modules < 1:
             raise ConfigError("drafter.mtp_modules must be >= 1")

@@ -21,7 +21,7 @@ class DrafterModule(L.LightningModule):
         self.objective, self.optim, self.evaluation = objective, optim, evaluation
         self.schedule_steps = schedule_steps  # LR schedule length
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
-        self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)
+        self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: dict | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
@@ -51,10 +51,52 @@ class DrafterModule(L.LightningModule):
             teacher, greedy = self.target.head_outputs(out.last_hidden, self.drafter.draft_ids())
         return out, teacher, greedy
 
+    def _block_objective(self, ids, loss_mask, out, teacher, greedy):
+        """DFlash: random anchors inside answers, every block of a row in one forward; block
+        position j (1-based) predicts x_{a+1+j}, teacher at a+j, weight exp(-(j-1)/gamma)."""
+        features = self.drafter.features(out)
+        T = ids.shape[1]
+        B = self.drafter.config.block_size
+        students, teachers, masks, choices = [[] for _ in range(B - 1)], [[] for _ in range(B - 1)], \
+            [[] for _ in range(B - 1)], [[] for _ in range(B - 1)]
+        for b in range(ids.shape[0]):
+            candidates = torch.nonzero(loss_mask[b, 2:]).flatten()  # a with x_{a+2} (draft 1) answer text
+            if candidates.numel() == 0:
+                continue
+            pick = torch.randperm(candidates.numel(), device=ids.device)[: self.objective.block_anchors]
+            anchors = candidates[pick].sort().values
+            logits = self.drafter.block_logits(ids[b], features[b], anchors)  # [m,B,Vd]
+            for j in range(1, B):
+                label = anchors + 1 + j
+                valid = label < T
+                label = label.clamp_max(T - 1)
+                students[j - 1].append(logits[:, j])
+                teachers[j - 1].append(teacher[b, label - 1])
+                masks[j - 1].append(valid & loss_mask[b, label].bool())
+                choices[j - 1].append(greedy[b, label - 1])
+        draft_ids = self.drafter.draft_ids()
+        losses, accs, total = [], [], 0.0
+        for j, w in enumerate(self.drafter.position_weights()):
+            if not students[j]:
+                zero = sum(p.sum() * 0 for p in self.drafter.parameters() if p.requires_grad)
+                losses.append(zero)
+                accs.append(torch.zeros((), device=ids.device))
+                continue
+            student, mask = torch.cat(students[j]), torch.cat(masks[j])
+            loss = soft_kl(student, torch.cat(teachers[j]), mask)
+            losses.append(loss)
+            total = total + w * loss
+            with torch.no_grad():
+                hit = (draft_ids[student.argmax(-1)] == torch.cat(choices[j])) & mask
+                accs.append(hit.sum().float() / mask.sum().clamp_min(1))
+        return total, losses, accs
+
     def _objective(self, ids, loss_mask, out, teacher, greedy):
         """Per-step token loss (+ feature regression where configured) and accuracy (draft
         argmax == target's full-vocab argmax), weighted decay**step. Step s at index t drafts
         x_{t+2+s}: its teacher and feature target sit at t+1+s, its label at t+2+s."""
+        if hasattr(self.drafter, "block_logits"):
+            return self._block_objective(ids, loss_mask, out, teacher, greedy)
         obj = self.objective
         features = self.drafter.features(out)
         if obj.feature_weight > 0:

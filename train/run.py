@@ -122,6 +122,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     from data.module import ChatDataModule
     from export.io import atomic_write_json
     from export.eagle1 import export_eagle1
+    from export.dflash import export_dflash
     from export.medusa import export_medusa
     from export.mtp import export_mtp
     from export.speculators import export_speculators
@@ -149,7 +150,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         print(f"prepared: target {target_path}, {len(train)} training conversations; {sizes}")
         return {}
 
-    drafter = build_drafter(cfg, hf_config, d2t.numel())
+    drafter = build_drafter(cfg, hf_config, d2t.numel(), mask_token_id=_mask_token(cfg, tokenizer))
     target = Target.load(cfg.target, drafter.aux_layer_ids, dtype=dtype)
     drafter.init_from_target(target.model, d2t, t2d)
 
@@ -192,6 +193,8 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
         if cfg.drafter.method == "medusa":
             export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
+        elif cfg.drafter.method == "dflash":
+            export_dflash(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         elif cfg.drafter.method == "mtp":
             export_mtp(module.drafter, export_dir, target_name=cfg.target, target_config=hf_config.to_dict(),
                        embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
@@ -208,8 +211,23 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     return summary
 
 
-def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int):
+def _mask_token(cfg: RunConfig, tokenizer) -> int:
+    if cfg.drafter.dflash_mask_token_id is not None:
+        return cfg.drafter.dflash_mask_token_id
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int, mask_token_id: int = 0):
     """The drafter of `drafter.method`, shaped for this target (weights initialised later)."""
+    if cfg.drafter.method == "dflash":
+        from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+
+        layer_ids = cfg.drafter.aux_layer_ids or default_target_layer_ids(hf_config.num_hidden_layers, cfg.drafter.dflash_target_layers)
+        try:
+            return DFlashDrafter(DFlashConfig.from_target(hf_config, draft_vocab_size, mask_token_id, cfg.drafter.dflash_layers,
+                                                          cfg.drafter.dflash_block_size, layer_ids))
+        except ValueError as e:
+            raise ConfigError(f"drafter: {e}") from None
     if cfg.drafter.method == "eagle1":
         from models.eagle1 import Eagle1Config, Eagle1Drafter
 

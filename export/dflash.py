@@ -1,0 +1,95 @@
+"""z-lab DFlash layout (FORMATS.md): a Qwen3-style decoder config with
+`architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
+`dflash_config: {mask_token_id, target_layer_ids}` (output-of-layer ids, as draftsmith counts),
+and tensors `layers.{i}.*` (with q_norm / k_norm), `norm`, `fc` [H, n*Ht], `hidden_norm`; no
+embedding and no head: the server uses the target's. A draft vocabulary smaller than the
+target's adds `d2t`/`t2d`, read by draftsmith only: train with Vd = V to serve elsewhere.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.eagle1 import target_embedding_and_head
+from export.io import atomic_folder, write_json
+from models.dflash import DFlashConfig, DFlashDrafter
+
+NOT_STORED = ("embed_tokens.weight", "lm_head.weight")
+
+
+def dflash_config(cfg: DFlashConfig, target_name: str) -> dict:
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "block_size": cfg.block_size,
+        "num_target_layers": cfg.target_num_layers, "draft_vocab_size": cfg.draft_vocab_size,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+        "base_model_name_or_path": target_name,
+    }
+
+
+def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
+                  provenance: dict | None = None) -> Path:
+    cfg = drafter.config
+    tensors = {n: t.detach().cpu() for n, t in drafter.state_dict().items() if n not in NOT_STORED}
+    tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.pop("d2t"), tensors.pop("t2d")
+    with atomic_folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", dflash_config(cfg, target_name))
+        write_json(tmp / "draftsmith.json", {
+            "format": "dflash", "method": "dflash", "drafter_config": cfg.to_dict(),
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            **(provenance or {}),
+        })
+    return Path(out_dir)
+
+
+def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> DFlashDrafter:
+    """Read the layout back strictly; embedding and head come from the target."""
+    folder = Path(folder)
+    meta = json.loads((folder / "draftsmith.json").read_text()) if (folder / "draftsmith.json").is_file() else {}
+    config = json.loads((folder / "config.json").read_text())
+    if "drafter_config" in meta:
+        cfg = DFlashConfig.from_dict(meta["drafter_config"])
+    else:
+        d = config["dflash_config"]
+        cfg = DFlashConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+                           hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                           num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+                           head_dim=config["head_dim"], target_num_layers=config["num_target_layers"],
+                           mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"],
+                           num_layers=config["num_hidden_layers"], block_size=config["block_size"],
+                           rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                           rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
+    target = target or meta.get("target") or config.get("base_model_name_or_path")
+    if not target:
+        raise ValueError(f"{folder}: a DFlash export uses its target's embedding and head; name the target")
+    drafter = DFlashDrafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    shapes = drafter.state_dict()
+    expected = {n for n in shapes if n not in NOT_STORED}
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise KeyError(f"{folder}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
+    for name, t in state.items():
+        if t.shape != shapes[name].shape:
+            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
+    embed, head = target_embedding_and_head(target)
+    if embed.shape != (cfg.vocab_size, cfg.hidden_size):
+        raise ValueError(f"target {target}: embedding of shape {tuple(embed.shape)}, the drafter needs ({cfg.vocab_size}, {cfg.hidden_size})")
+    drafter.load_state_dict({**state, "embed_tokens.weight": embed, "lm_head.weight": shapes["lm_head.weight"]}, strict=True)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
+    return drafter.to(dtype)

@@ -1,0 +1,215 @@
+"""DFlash drafter: a few decoder layers that draft a whole block in one forward, with the
+target's fused multi-layer features injected into the keys and values of every layer.
+
+Shapes: T context positions, m blocks (anchors), B block size, H hidden (the target's),
+n target layers fused, Vd draft vocab.
+
+Alignment (shared with every drafter here): a block anchored at index a continues the
+verified text x_0..x_{a+1}: its tokens are [x_{a+1}, MASK x (B-1)] at positions a+1..a+B,
+block position j >= 1 predicts x_{a+1+j} (draft j; draft 1 is x_{a+2}), and its context is
+the target's features at positions <= a (those exist once x_{a+1} is verified).
+
+Each layer: queries from the block's hidden states; keys and values projected from
+[context feature; block hidden states] (k_norm and RoPE on all keys), so the context enters
+every layer undiluted. Attention is bidirectional inside a block and sees the context up to
+its anchor; blocks never see each other. Embedding and head are the target's, frozen; the
+mask token is a real row of the target's embedding. Parameter names follow the z-lab layout
+(FORMATS.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+
+GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
+
+
+def default_target_layer_ids(num_layers: int, n: int = 5) -> list[int]:
+    """Evenly spaced output-of-layer ids round(1 + i (L-4)/(n-1)), clamped for tiny targets."""
+    if n == 1:
+        return [min(1, num_layers - 1)]
+    return [min(max(round(1 + i * (num_layers - 4) / (n - 1)), 0), num_layers - 1) for i in range(n)]
+
+
+@dataclass
+class DFlashConfig:
+    vocab_size: int
+    draft_vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_num_layers: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    num_layers: int = 5
+    block_size: int = 8
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        if not 2 <= self.block_size <= 16:
+            raise ValueError(f"block_size {self.block_size} must be in 2..16")
+        if not self.target_layer_ids:
+            self.target_layer_ids = default_target_layer_ids(self.target_num_layers)
+        for i in self.target_layer_ids:
+            if not 0 <= i < self.target_num_layers:
+                raise ValueError(f"target layer id {i} is out of range for a {self.target_num_layers}-layer target")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's embedding (0..{self.vocab_size - 1})")
+        if not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+
+    @property
+    def gamma(self) -> float:
+        return GAMMA_BY_BLOCK.get(self.block_size, 4.0 + 3.0 * (self.block_size - 8) / 8)
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, mask_token_id: int, num_layers: int = 5, block_size: int = 8,
+                    target_layer_ids: list[int] | None = None) -> "DFlashConfig":
+        theta, scaling = rope_config(hf_config)
+        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
+                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+                   target_num_layers=hf_config.num_hidden_layers, mask_token_id=mask_token_id,
+                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size,
+                   rms_norm_eps=hf_config.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
+                   max_position_embeddings=hf_config.max_position_embeddings)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DFlashConfig":
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown DFlash config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, x, context, rope_q, rope_k, mask):
+        """x [1,Q,H] block hidden states; context [1,T,H]; rope_q / rope_k: (cos, sin) for
+        the Q block positions and the T+Q key positions; mask [Q, T+Q] bool."""
+        _, Q, _ = x.shape
+        kv_in = torch.cat([context, x], dim=1)  # context keys first, then the blocks'
+        q = self.q_norm(self.q_proj(x).view(1, Q, self.nh, self.d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(1, -1, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(1, -1, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
+        if self.nkv != self.nh:
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(1, Q, self.nh * self.d))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DFlashAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, context, rope_q, rope_k, mask):
+        h = h + self.self_attn(self.input_layernorm(h), context, rope_q, rope_k, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList([DFlashLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+
+    # ------------------------------------------------------------------ drafter interface
+    @property
+    def aux_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
+
+    @torch.no_grad()
+    def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
+        """Embedding and head (frozen) from the target; the final norm from its final norm."""
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        self.norm.weight.copy_(target_model.model.norm.weight)
+
+    def draft_ids(self) -> torch.Tensor:
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def features(self, target_out) -> torch.Tensor:
+        return target_out.aux  # [B,T,n*H]
+
+    def train_steps(self, requested: int) -> int:
+        return self.config.block_size - 1
+
+    def position_weights(self) -> list[float]:
+        """exp(-(j-1)/gamma) for block positions j = 1..B-1."""
+        return [math.exp(-j / self.config.gamma) for j in range(self.config.block_size - 1)]
+
+    # ------------------------------------------------------------------ forward
+    def block_logits(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """One sequence, m blocks in one forward. ids [T], features [T,n*H], anchors [m]
+        (block i continues x_0..x_{a_i+1}; requires a_i + 1 < T) → logits [m, B, Vd]."""
+        cfg = self.config
+        B, m, T = cfg.block_size, anchors.numel(), ids.shape[0]
+        dev = ids.device
+        dtype = self.fc.weight.dtype
+        context = self.hidden_norm(self.fc(features.to(dtype)))[None]  # [1,T,H]
+        block = torch.full((m, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, 0] = ids[anchors + 1]
+        h = self.embed_tokens(block).to(dtype).view(1, m * B, -1)
+        block_pos = (anchors[:, None] + 1 + torch.arange(B, device=dev)).view(1, -1)  # [1, m*B]
+        key_pos = torch.cat([torch.arange(T, device=dev)[None], block_pos], 1)
+        rope_q = rope_cos_sin(self.inv_freq, block_pos, dtype)
+        rope_k = rope_cos_sin(self.inv_freq, key_pos, dtype)
+        owner = torch.arange(m, device=dev).repeat_interleave(B)  # block of each query / block key
+        sees_context = torch.arange(T, device=dev)[None, :] <= anchors[owner][:, None]  # [m*B, T]
+        same_block = owner[:, None] == owner[None, :]  # [m*B, m*B]
+        mask = torch.cat([sees_context, same_block], dim=1)
+        for layer in self.layers:
+            h = layer(h, context, rope_q, rope_k, mask)
+        return self.lm_head(self.norm(h)).view(m, B, -1)
+
+    def draft_at(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
+        """Greedy drafts of the blocks at these anchors: [m, k] target ids (k <= B-1)."""
+        if k > self.config.block_size - 1:
+            raise ValueError(f"a block of {self.config.block_size} drafts at most {self.config.block_size - 1} tokens, not {k}")
+        logits = self.block_logits(ids, features, anchors)[:, 1 : k + 1]
+        return self.draft_ids()[logits.argmax(-1)]
