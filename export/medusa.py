@@ -34,7 +34,9 @@ def medusa_config(cfg: MedusaConfig, target_name: str) -> dict:
 
 
 def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
-                  provenance: dict | None = None) -> Path:
+                  provenance: dict | None = None, target_model=None) -> Path:
+    """target_model (Medusa-2): the jointly trained target, saved beside the heads in target/
+    (an HF folder to serve in place of the original)."""
     cfg = drafter.config
     state = drafter.state_dict()
     tensors = {n: t.detach().cpu().to(dtype).contiguous() for n, t in state.items() if n not in ("d2t", "t2d")}
@@ -43,6 +45,8 @@ def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: s
     with atomic_folder(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json(tmp / "config.json", medusa_config(cfg, target_name))
+        if target_model is not None:
+            target_model.save_pretrained(tmp / "target")
         write_json(tmp / "draftsmith.json", {
             "format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict(),
             "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),

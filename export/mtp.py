@@ -27,8 +27,11 @@ LAYER_PARTS = ["input_layernorm.weight", "post_attention_layernorm.weight", "sel
 
 
 def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, target_config: dict,
-               embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype = torch.bfloat16, provenance: dict | None = None) -> Path:
-    """embed, head [V,H]: the target's full embedding and head (the layout stores them)."""
+               embed: torch.Tensor, head: torch.Tensor, dtype: torch.dtype = torch.bfloat16, provenance: dict | None = None,
+               target_model=None) -> Path:
+    """embed, head [V,H]: the target's full embedding and head (the layout stores them).
+    target_model (joint MTP): the trained target's own tensors are stitched in too, making one
+    HF checkpoint of the target with its MTP layers."""
     cfg = drafter.config
     L = cfg.target_num_layers
     tensors = {}
@@ -41,6 +44,11 @@ def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, ta
             tensors[p + name] = state[name]
         tensors[p + "embed_tokens.weight"] = embed.detach().clone()  # a copy per module (safetensors shares nothing)
         tensors[p + "shared_head.head.weight"] = head.detach().clone()
+    if target_model is not None:
+        own = {n: t for n, t in target_model.state_dict().items()}
+        if "lm_head.weight" in own and own["lm_head.weight"].data_ptr() == own["model.embed_tokens.weight"].data_ptr():
+            own.pop("lm_head.weight")  # tied: the config says so
+        tensors.update({n: t.detach().clone() for n, t in own.items()})
     tensors = {n: t.detach().cpu().to(dtype).contiguous() for n, t in tensors.items()}
     if cfg.draft_vocab_size < cfg.vocab_size:
         tensors["d2t"], tensors["t2d"] = drafter.d2t.cpu().contiguous(), drafter.t2d.cpu().contiguous()
@@ -73,7 +81,8 @@ def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32) -> MTPDraft
                 for n in [*MODULE_PARTS, *LAYER_PARTS, "embed_tokens.weight", "shared_head.head.weight"]}
     if cfg.draft_vocab_size < cfg.vocab_size:
         expected |= {"d2t", "t2d"}
-    missing, unexpected = expected - set(state), set(state) - expected
+    target_tensors = {n for n in state if n not in expected and _is_target_tensor(n, L)}  # a stitched joint export
+    missing, unexpected = expected - set(state), set(state) - expected - target_tensors
     if missing or unexpected:
         raise KeyError(f"{folder}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
     ours = {}
@@ -99,6 +108,13 @@ def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32) -> MTPDraft
     with torch.no_grad():
         drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
     return drafter.to(dtype)
+
+
+def _is_target_tensor(name: str, L: int) -> bool:
+    if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        return True
+    parts = name.split(".")
+    return name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < L
 
 
 class _Namespace:

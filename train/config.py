@@ -76,6 +76,12 @@ class ObjectiveConfig:
     """Smooth-L1 regression of the target's next feature (EAGLE-1), weighted against the token loss."""
     block_anchors: int = 64
     """DFlash: random block anchors per training sequence (inside answers)."""
+    joint: bool = False
+    """Train the target too (Medusa-2, joint MTP): loss = joint_lambda * drafter loss +
+    lm_weight * the target's next-token CE + keep_weight * KL(original target || target)."""
+    joint_lambda: float = 0.3
+    lm_weight: float = 1.0
+    keep_weight: float = 0.0
 
 
 @dataclass
@@ -85,6 +91,8 @@ class OptimConfig:
     warmup_steps: int = 50
     min_lr_ratio: float = 0.1
     """Cosine decay ends at lr * min_lr_ratio at schedule_steps."""
+    target_lr: float = 1.0e-5
+    """Joint modes: the target's learning rate (smaller than the drafter's)."""
     schedule_steps: int | None = None
     """Length of the LR schedule (default trainer.max_steps); set it to split one schedule
     over several shorter runs joined with --resume."""
@@ -271,6 +279,10 @@ def validate(cfg: RunConfig):
     if cfg.objective.feature_weight > 0 and cfg.drafter.method != "eagle1":
         raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
                           f"features (eagle1), not {cfg.drafter.method}")
+    if cfg.objective.joint and cfg.drafter.method not in ("medusa", "mtp"):
+        raise ConfigError(f"objective.joint: joint training is for medusa and mtp, not {cfg.drafter.method}")
+    if min(cfg.objective.joint_lambda, cfg.objective.lm_weight, cfg.objective.keep_weight) < 0:
+        raise ConfigError("objective.joint_lambda, lm_weight and keep_weight must not be negative")
     if cfg.drafter.method == "dflash":
         if not 2 <= cfg.drafter.dflash_block_size <= 16:
             raise ConfigError(f"drafter.dflash_block_size: must be in 2..16, got {cfg.drafter.dflash_block_size}")

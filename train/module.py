@@ -9,6 +9,7 @@ import torch
 from inference.acceptance import acceptance_from_histogram, predicted_histogram
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
+from train.joint import keep_close_kl, lm_loss
 from train.losses import feature_smooth_l1, hard_ce, soft_kl, ttt_slices, ttt_step_weights
 
 
@@ -16,7 +17,16 @@ class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: torch.nn.Module, objective: ObjectiveConfig,
                  optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None):
         super().__init__()
-        self.target = target.requires_grad_(False)
+        self.joint = objective.joint  # Medusa-2 / joint MTP: the target trains too
+        self.target = target.requires_grad_(self.joint)
+        if self.joint:  # its embedding and head stay: the drafters hold frozen copies of them
+            target.model.get_input_embeddings().requires_grad_(False)
+            target.model.get_output_embeddings().requires_grad_(False)
+        if self.joint and objective.keep_weight > 0:
+            import copy
+
+            # the original target, frozen: what keep_close_kl holds the trained one to
+            self.original = copy.deepcopy(target).requires_grad_(False)
         self.drafter = drafter
         self.objective, self.optim, self.evaluation = objective, optim, evaluation
         self.schedule_steps = schedule_steps  # LR schedule length
@@ -27,29 +37,58 @@ class DrafterModule(L.LightningModule):
         self._val_hist = None
 
     # ----------------------------------------------------------------- checkpoint contents
-    # The frozen target is rebuilt from its source, so checkpoints hold the drafter only; the
-    # load is strict on exactly those keys.
+    # A frozen target is rebuilt from its source, so checkpoints hold the drafter only (and the
+    # target too in joint modes); the load is strict on exactly those keys.
     def state_dict(self, *args, **kwargs):
-        return {f"drafter.{k}": v for k, v in self.drafter.state_dict().items()}
+        state = {f"drafter.{k}": v for k, v in self.drafter.state_dict().items()}
+        if self.joint:
+            state.update({f"target.{k}": v for k, v in self.target.model.state_dict().items()})
+        return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        prefix = "drafter."
-        foreign = [k for k in state_dict if not k.startswith(prefix)]
+        allowed = ("drafter.", "target.") if self.joint else ("drafter.",)
+        foreign = [k for k in state_dict if not k.startswith(allowed)]
         if foreign:
-            raise KeyError(f"checkpoint has keys outside the drafter: {foreign[:5]}")
-        return self.drafter.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items()}, strict=True, assign=assign)
+            raise KeyError(f"checkpoint has keys outside the {'drafter and target' if self.joint else 'drafter'}: {foreign[:5]}")
+        if self.joint:
+            target_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
+            if not target_state:
+                raise KeyError("a joint-mode checkpoint must hold the trained target (target.* keys)")
+            self.target.model.load_state_dict(target_state, strict=True, assign=assign)
+        return self.drafter.load_state_dict({k[len("drafter."):]: v for k, v in state_dict.items() if k.startswith("drafter.")},
+                                            strict=True, assign=assign)
 
     def train(self, mode: bool = True):
         super().train(mode)
-        self.target.eval()  # the frozen target never switches to training behaviour
+        self.target.eval()  # no dropout-style behaviour in the target, even when it trains
+        if hasattr(self, "original"):
+            self.original.eval()
         return self
 
     # ----------------------------------------------------------------- shared computation
     def _target_pass(self, ids):
-        with torch.no_grad():
+        with torch.set_grad_enabled(self.joint and self.training):
             out = self.target(ids)
-            teacher, greedy = self.target.head_outputs(out.last_hidden, self.drafter.draft_ids())
+        with torch.no_grad():
+            teacher, greedy = self.target.head_outputs(out.last_hidden.detach(), self.drafter.draft_ids())
+        if self.joint and self.training:
+            # the heads' loss reaches the target through its features (that is what joint
+            # training means); the target's own terms reuse this pass
+            self._target_out = out
         return out, teacher, greedy
+
+    def _joint_losses(self, ids, loss_mask) -> dict:
+        """The target's own terms in joint modes (on the pass `_target_pass` kept with grad)."""
+        out = self._target_out
+        terms = {}
+        if self.objective.lm_weight > 0:
+            terms["lm"] = lm_loss(out.last_hidden, self.target.head_weight, ids, loss_mask)
+        if self.objective.keep_weight > 0:
+            with torch.no_grad():
+                original = self.original(ids)
+            terms["keep_kl"] = keep_close_kl(out.last_hidden, original.last_hidden, self.target.head_weight,
+                                             self.original.head_weight, loss_mask)
+        return terms
 
     def _block_objective(self, ids, loss_mask, out, teacher, greedy):
         """DFlash: random anchors inside answers, every block of a row in one forward; block
@@ -131,6 +170,12 @@ class DrafterModule(L.LightningModule):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         out, teacher, greedy = self._target_pass(ids)
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
+        if self.joint:
+            terms = self._joint_losses(ids, loss_mask)
+            total = self.objective.joint_lambda * total + self.objective.lm_weight * terms.get("lm", 0.0) \
+                + self.objective.keep_weight * terms.get("keep_kl", 0.0)
+            for name, value in terms.items():
+                self.log(f"train/target_{name}", value)
         self.log("train/loss", total, prog_bar=True)
         self.log("train/acc0", accs[0], prog_bar=True)
         for s, (l, a) in enumerate(zip(losses, accs)):
@@ -175,8 +220,10 @@ class DrafterModule(L.LightningModule):
 
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas))
+        groups = [{"params": [p for p in self.drafter.parameters() if p.requires_grad], "lr": self.optim.lr}]
+        if self.joint:  # the target moves at its own, smaller learning rate
+            groups.append({"params": [p for p in self.target.parameters() if p.requires_grad], "lr": self.optim.target_lr})
+        opt = torch.optim.AdamW(groups, lr=self.optim.lr, weight_decay=self.optim.weight_decay, betas=tuple(self.optim.betas))
         warmup, total, floor = self.optim.warmup_steps, max(self.schedule_steps, 1), self.optim.min_lr_ratio
 
         def schedule(step):

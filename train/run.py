@@ -161,6 +161,12 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
+    perplexity = {}
+    if cfg.objective.joint:  # the price of joint training, measured on the held-out answers
+        from train.joint import heldout_perplexity
+
+        heldout_batches = lambda: datamodule._heldout_loader(next(iter(heldouts.values())))  # noqa: E731
+        perplexity["before"] = heldout_perplexity(target, heldout_batches())
     t0 = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     fit_seconds = time.time() - t0
@@ -176,6 +182,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     if module.predicted is None or module.predicted["step"] != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     predicted = dict(module.predicted or {})
+    if cfg.objective.joint:
+        perplexity["after"] = heldout_perplexity(target, heldout_batches())
+        perplexity["relative_change"] = perplexity["after"] / perplexity["before"] - 1
     summary = {
         "predicted": predicted,
         "dataset": cfg.data.dataset,
@@ -184,21 +193,25 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         "fit_seconds": round(fit_seconds, 1),
         "throughput": next(c for c in trainer.callbacks if isinstance(c, Throughput)).summary(),
     }
+    if perplexity:
+        summary["target_perplexity"] = perplexity
     if trainer.is_global_zero:
         atomic_write_json(out_dir / "predicted.json", summary)
         export_dir = out_dir / "export"
         last_ckpt = out_dir / "checkpoints" / "last.ckpt"
         provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
+                      "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
+        joint_target = target.model if cfg.objective.joint else None  # the trained target travels with it
         if cfg.drafter.method == "medusa":
-            export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
+            export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance, target_model=joint_target)
         elif cfg.drafter.method == "dflash":
             export_dflash(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         elif cfg.drafter.method == "mtp":
             export_mtp(module.drafter, export_dir, target_name=cfg.target, target_config=hf_config.to_dict(),
                        embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
-                       provenance=provenance)
+                       provenance=provenance, target_model=joint_target)
         elif cfg.drafter.method == "eagle1":
             export_eagle1(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
         else:
@@ -207,6 +220,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}")
+        if perplexity:
+            print(f"target held-out perplexity: {perplexity['before']:.3f} before, {perplexity['after']:.3f} after "
+                  f"({perplexity['relative_change']:+.2%})")
         print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
     return summary
 
