@@ -12,7 +12,8 @@ import torch
 
 from inference.acceptance import acceptance_from_histogram
 from inference.model import GraphedStep, RuntimeModel
-from inference.verify import NO_DRAFT, greedy_verify, rejection_verify
+from inference.verify import (NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs,
+                              synthetic_verify)
 
 
 @dataclass
@@ -66,15 +67,18 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
              cuda_graphs: bool = True, temperature: float = 0.0,
              generator: torch.Generator | None = None,
              k_table: list[list[int]] | None = None,
-             fast_plain: bool = True) -> tuple[list[list[int]], GenerationStats]:
+             fast_plain: bool = True, top_k: int = 0, top_p: float = 1.0,
+             verification: str = "standard") -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
     the same size (`cache_size` gives it). On a GPU the decode/verify step (fixed shape
     [B, k+1]) runs as a CUDA graph unless cuda_graphs=False.
 
-    temperature > 0 samples from softmax(logits / temperature) and verifies drafts by
-    rejection sampling (drafts taken as certain, q = 1), which reproduces that distribution.
+    temperature > 0 samples from softmax(logits / temperature), restricted by top_k / top_p,
+    and verifies drafts by `verification`: "standard" rejection sampling or "block"
+    verification (drafts taken as certain, q = 1), both reproducing that distribution; or
+    "synthetic:RATE", benchmarks only: each draft accepted with probability RATE.
 
     k_table [[min_bs, max_bs, k], ...] picks the draft length by batch size (k = 0 turns
     drafting off: large batches are compute-bound and gain little from speculation).
@@ -107,8 +111,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     last = torch.as_tensor(lengths, device=device) - 1
     logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last,
                         causal_prefill=True)
+    if verification not in ("standard", "block") and not verification.startswith("synthetic:"):
+        raise ValueError(f"verification {verification!r} is not one of standard, block, synthetic:RATE")
     if temperature > 0:
-        nxt = torch.multinomial(torch.softmax(logits[:, 0].float() / temperature, -1), 1, generator=generator)[:, 0].tolist()
+        nxt = torch.multinomial(sampling_probs(logits[:, 0], temperature, top_k, top_p), 1, generator=generator)[:, 0].tolist()
     else:
         nxt = logits[:, 0].argmax(-1).tolist()
     if proposer is None and temperature == 0 and fast_plain:
@@ -152,8 +158,11 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
             logits, aux = step_fn(step, positions)
         else:
             logits, aux = model(step, positions, cache, aux_layers)
-        if temperature > 0:
-            accepted, bonus = rejection_verify(draft_t, None, torch.softmax(logits.float() / temperature, -1), generator)
+        if verification.startswith("synthetic:"):
+            accepted, bonus = synthetic_verify(draft_t, float(verification.split(":", 1)[1]), logits, generator)
+        elif temperature > 0:
+            verify = block_verify if verification == "block" else rejection_verify
+            accepted, bonus = verify(draft_t, None, sampling_probs(logits, temperature, top_k, top_p), generator)
         else:
             accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()

@@ -37,6 +37,10 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass")
+    ap.add_argument("--verification", default="standard", choices=["standard", "block"],
+                    help="how drafts are verified when sampling (both keep the target's distribution)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -46,6 +50,8 @@ def main(argv=None) -> int:
 
     if args.temperature < 0:
         return _fail(f"--temperature: must be >= 0, got {args.temperature}")
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        return _fail("--top-k must be >= 0 and --top-p in (0, 1]")
     if args.k < 1 and args.proposer != "none":
         return _fail(f"-k: must be at least 1 with a proposer, got {args.k}")
     if args.proposer in ("eagle3", "medusa", "drafter") and not args.drafter:
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
         except (ValueError, KeyError, FileNotFoundError) as e:
             return _fail(f"--drafter: {e}")
     outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,
-                              eos_ids=(tokenizer.eos_token_id,), max_len=max_len, temperature=args.temperature)
+                              eos_ids=(tokenizer.eos_token_id,), max_len=max_len, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, verification=args.verification)
     print(tokenizer.decode(outputs[0], skip_special_tokens=True))
     if args.stats:
         print(json.dumps(stats.summary()), file=sys.stderr)

@@ -59,7 +59,7 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[
 
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
-            seed: int = 0, max_turns: int | None = None, progress: bool = True):
+            seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard"):
     """Serve every question turn by turn; returns per-answer records with histograms."""
     import torch
     from tqdm import tqdm
@@ -79,7 +79,7 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
             prompt = encode_prompt(tokenizer, messages)
             proposer = drafter_proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), rt.config)
             outs, stats = generate(rt, [prompt], max_new_tokens, proposer=proposer, eos_ids=(eos,),
-                                   temperature=temperature, generator=generator)
+                                   temperature=temperature, generator=generator, verification=verification)
             answer = outs[0]
             messages.append({"role": "assistant",
                              "content": tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer,
@@ -219,7 +219,7 @@ def _charts(report: dict, out: Path):
 def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int | None = None,
              temperature: float = 0.0, tolerance: float = 0.1, num_prompts: int | None = None,
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
-             anchors: int = 64, max_turns: int | None = None, progress: bool = True) -> dict:
+             anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard") -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -252,7 +252,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     questions = load_prompts_for(dataset, provenance, num_prompts)
 
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
-                      progress=progress)
+                      progress=progress, verification=verification)
     total = torch.zeros(k + 1, dtype=torch.long)
     by_cat, by_turn = defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long)), defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long))
     for r in records:
@@ -273,7 +273,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     per_category = {c: acceptance_from_histogram(h) for c, h in by_cat.items()}
     gap = (measured["tau"] - pred["tau"]) / pred["tau"]
     report = {
-        "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature,
+        "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature, "verification": verification,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "num_questions": len(questions), "num_answers": len(records), "max_new_tokens": max_new_tokens,
         "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
@@ -292,6 +292,8 @@ def main(argv=None) -> int:
     ap.add_argument("--target", help="default: the target named in the export")
     ap.add_argument("-k", type=int, default=None, help="chain length (default: the predicted one)")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--verification", default="standard", choices=["standard", "block"],
+                    help="rejection sampling or block verification when --temperature > 0")
     ap.add_argument("--tolerance", type=float, default=0.1, help="largest accepted relative tau gap")
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -307,7 +309,8 @@ def main(argv=None) -> int:
         return 2
     try:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
-                          args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns)
+                          args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
+                          verification=args.verification)
     except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,3 +50,86 @@ def rejection_verify(drafts, draft_probs, target_probs, generator=None):
     source = torch.where((accepted == k)[:, None], p[:, k], residual)
     next_token = torch.multinomial(source, 1, generator=generator).squeeze(1)
     return accepted, next_token
+
+
+def block_verify(drafts, draft_probs, target_probs, generator=None):
+    """Block verification (Sun et al. 2024, arXiv 2403.10444): the drafted block is judged as
+    a whole, which accepts at least as many tokens as `rejection_verify` on average and
+    reproduces the same (target) distribution. Same signature and shapes.
+
+    With weights w_0 = 1, w_i = min(w_{i-1} p_i(d_i) / q_i(d_i), 1) and the residual mass
+    R_i = sum_x max(w_i p_{i+1}(x) - q_{i+1}(x), 0) after i drafts, prefix i is kept with
+    probability h_i = R_i / (R_i + 1 - w_i) (h = w at the last draft), independently per i,
+    and the accepted length is the largest kept i. The next token comes from the normalised
+    residual max(w_tau p_{tau+1} - q_{tau+1}, 0) (from p_{tau+1} itself after the whole block).
+    Empty slots end a row's block early.
+    """
+    B, k = drafts.shape
+    p = target_probs.float()
+    dev = drafts.device
+    rows = torch.arange(B, device=dev)
+    if k == 0:
+        return torch.zeros(B, dtype=torch.long, device=dev), torch.multinomial(p[:, 0], 1, generator=generator).squeeze(1)
+    valid = drafts >= 0
+    length = valid.long().cumprod(1).sum(1)  # [B] drafts up to the first empty slot
+    d = drafts.clamp_min(0)
+    if draft_probs is None:
+        q = torch.zeros_like(p[:, :k]).scatter_(2, d[..., None], 1.0)
+    else:
+        q = draft_probs.float()
+    p_d = p[:, :k].gather(2, d[..., None]).squeeze(-1)  # [B,k]
+    q_d = q.gather(2, d[..., None]).squeeze(-1).clamp_min(1e-30)
+    weights = [torch.ones(B, device=dev)]
+    for i in range(k):
+        weights.append(torch.minimum(weights[-1] * p_d[:, i] / q_d[:, i], torch.ones_like(weights[-1])))
+    w = torch.stack(weights, 1)  # [B,k+1], w[:, i] after i drafts
+    # residual after i drafts (i < k): max(w_i p_{i+1} - q_{i+1}, 0) over the vocabulary
+    residual = (w[:, :k, None] * p[:, :k] - q).clamp_min(0)  # [B,k,V]
+    mass = residual.sum(-1)  # [B,k]
+    idx = torch.arange(1, k + 1, device=dev)
+    denom = mass[:, 1:] + 1 - w[:, 1:k]  # i = 1..k-1
+    h_mid = torch.where(denom > 0, mass[:, 1:] / denom.clamp_min(1e-30), torch.ones_like(denom))
+    h = torch.cat([h_mid, torch.zeros(B, 1, device=dev)], 1)  # [B,k] for i = 1..k
+    last = idx[None] == length[:, None]
+    h = torch.where(last, w[:, 1:], h)  # at the end of a row's block: h = w
+    h = torch.where(idx[None] > length[:, None], torch.zeros_like(h), h)
+    eta = torch.rand(B, k, device=dev, generator=generator)
+    kept = (eta <= h) & valid
+    accepted = torch.where(kept.any(1), k - kept.flip(1).long().argmax(1), torch.zeros(B, dtype=torch.long, device=dev))
+    tau = accepted
+    j = tau.clamp_max(k - 1)
+    res = residual[rows, j]
+    res_mass = res.sum(-1, keepdim=True)
+    res = torch.where(res_mass > 0, res / res_mass.clamp_min(1e-30), p[rows, tau])
+    source = torch.where((tau == length)[:, None], p[rows, tau], res)
+    next_token = torch.multinomial(source, 1, generator=generator).squeeze(1)
+    return accepted, next_token
+
+
+def synthetic_verify(drafts, rate: float, target_logits, generator=None):
+    """Benchmark-only verification: each draft is accepted with probability `rate` (leading
+    run), the next token is the target's argmax there. Emits text the target would not: it
+    measures speed at a chosen acceptance, never quality."""
+    B, k = drafts.shape
+    ok = torch.rand(B, k, device=drafts.device, generator=generator) < rate
+    accepted = (ok & (drafts >= 0)).long().cumprod(1).sum(1)
+    bonus = target_logits.argmax(-1).gather(1, accepted[:, None]).squeeze(1)
+    return accepted, bonus
+
+
+def sampling_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0):
+    """softmax(logits / T) restricted to the top_k tokens and to the smallest set whose mass
+    reaches top_p (renormalised): the distribution sampling reproduces. logits [..., V]."""
+    logits = logits.float() / temperature
+    if top_k and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the better tokens
+        drop = before >= top_p  # the top token always stays
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs

@@ -77,8 +77,9 @@ class _FixedDrafts:
         pass
 
 
-@pytest.mark.parametrize("drafts", [[], [3, 5], [3, NO_DRAFT]])
-def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts):
+@pytest.mark.parametrize("drafts,verification", [([], "standard"), ([3, 5], "standard"), ([3, NO_DRAFT], "standard"),
+                                                  ([3, 5], "block"), ([3, NO_DRAFT], "block")])
+def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts, verification):
     """End to end through the engine on an 8-token vocabulary: the first two sampled tokens
     follow softmax(logits / T), with or without drafts."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -96,7 +97,8 @@ def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts):
     rt = RuntimeModel.from_pretrained(tmp_path)
     prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
     proposer = _FixedDrafts(drafts) if drafts else None
-    outs, _ = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T, generator=torch.Generator().manual_seed(1))
+    outs, _ = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T, generator=torch.Generator().manual_seed(1),
+                       verification=verification)
     first = torch.tensor([o[0] for o in outs])
     with torch.no_grad():
         p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
@@ -106,3 +108,118 @@ def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts):
     with torch.no_grad():
         p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
     assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
+
+
+def _two_token_sampler(verify, P, Q, k, N, g, with_q=True):
+    """Speculative sampling of the first two tokens of N sequences from a Markov 'target' P
+    [V+1, V] (row V = the start) with a Markov drafter Q, one or two verify steps."""
+    V = P.shape[1]
+    last = torch.full((N,), V)
+    first = torch.full((N,), -1)
+    second = torch.full((N,), -1)
+    accepted_first_step = None
+    for step in range(2):
+        todo = second < 0
+        n = int(todo.sum())
+        if n == 0:
+            break
+        ctx = last[todo]
+        drafts, qs, ps = [], [], [P[ctx]]
+        prev = ctx
+        for _ in range(k):
+            d = torch.multinomial(Q[prev], 1, generator=g).squeeze(1) if with_q else Q[prev].argmax(-1)
+            qs.append(Q[prev])
+            drafts.append(d)
+            ps.append(P[d])
+            prev = d
+        drafts = torch.stack(drafts, 1)
+        acc, nxt = verify(drafts, torch.stack(qs, 1) if with_q else None, torch.stack(ps, 1), generator=g)
+        if step == 0:
+            accepted_first_step = acc
+        emitted = torch.cat([drafts, nxt[:, None]], 1)
+        cols = torch.arange(k + 1)[None]
+        emitted = torch.where(cols < acc[:, None], emitted, torch.where(cols == acc[:, None], nxt[:, None], -1))
+        f, s = first[todo], second[todo]
+        for j in range(k + 1):
+            tok = emitted[:, j]
+            put_first = (f < 0) & (tok >= 0)
+            put_second = (f >= 0) & (s < 0) & (tok >= 0) & ~put_first
+            s = torch.where(put_second, tok, s)
+            f = torch.where(put_first, tok, f)
+        first[todo], second[todo] = f, s
+        last[todo] = torch.where(s >= 0, s, f)
+    return first, second, accepted_first_step
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_block_and_standard_verification_reproduce_the_target_over_two_tokens(with_q):
+    from inference.verify import block_verify
+
+    V, k, N = 4, 3, 150_000
+    g = torch.Generator().manual_seed(7)
+    P = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)
+    Q = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)
+    joint = (P[V][:, None] * P[:V]).flatten()  # p(x1) p(x2 | x1)
+    means = {}
+    for name, verify in (("standard", rejection_verify), ("block", block_verify)):
+        first, second, acc = _two_token_sampler(verify, P, Q, k, N, g, with_q)
+        assert (second >= 0).all()
+        counts = torch.bincount(first * V + second, minlength=V * V)
+        assert chi_square_p(counts, joint) > 0.01, name
+        means[name] = acc.float().mean().item()
+    assert means["block"] >= means["standard"] - 0.005, means  # never fewer accepted on average
+
+
+def test_block_verification_with_one_draft_is_standard_verification():
+    from inference.verify import block_verify
+
+    V, N = 5, 200_000
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(2, V, generator=g), -1)
+    q = torch.softmax(torch.randn(1, V, generator=g), -1)
+    drafts = torch.multinomial(q, N, replacement=True, generator=g).T
+    acc, _ = block_verify(drafts, q.expand(N, 1, V), p.expand(N, 2, V), generator=g)
+    assert abs(acc.float().mean() - torch.minimum(p[0], q[0]).sum()) < 0.01
+
+
+def test_top_k_and_top_p_restrict_the_distribution():
+    from inference.verify import sampling_probs
+
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
+    full = torch.softmax(logits, -1)
+    k2 = sampling_probs(logits, 1.0, top_k=2)
+    assert (k2[0, 2:] == 0).all() and torch.allclose(k2[0, :2], full[0, :2] / full[0, :2].sum())
+    p = sampling_probs(logits, 1.0, top_p=0.8)
+    kept = int((p > 0).sum())
+    assert full[0, : kept - 1].sum() < 0.8 <= full[0, :kept].sum() and torch.allclose(p.sum(), torch.tensor(1.0))
+    assert int((sampling_probs(logits, 1.0, top_p=0.01) > 0).sum()) == 1  # the best token always stays
+
+
+def test_engine_top_k_sampling_never_leaves_the_top_k(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    hf.save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    outs, _ = generate(rt, [[1, 2, 3]] * 2000, 1, temperature=1.0, top_k=2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        top2 = set(hf(torch.tensor([[1, 2, 3]])).logits[0, -1].topk(2).indices.tolist())
+    assert {o[0] for o in outs} == top2
+
+
+def test_synthetic_acceptance_hits_its_rate(tiny_target):
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    _, stats = generate(rt, [[5, 6, 7]] * 8, 40, proposer=_FixedDrafts([1, 2, 3]), verification="synthetic:0.5",
+                        generator=torch.Generator().manual_seed(0))
+    a = stats.summary()["acceptance"]["a"]
+    assert abs(a[0] - 0.5) < 0.1 and abs(a[1] - 0.5) < 0.15
+    with pytest.raises(ValueError, match="verification"):
+        generate(rt, [[5, 6]], 2, verification="blockwise")
