@@ -125,7 +125,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     from transformers import AutoTokenizer
 
     from data.sources import load_conversations
-    from inference.model import RuntimeModel
+    from inference.model import load_runtime
     from models.zoo import resolve_target
 
     out = Path(out)
@@ -144,7 +144,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     folder = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = RuntimeModel.from_pretrained(folder, dtype=dtype, device=device)
+    model = load_runtime(folder, dtype=dtype, device=device)
     t0 = time.time()
     stopped_early = False
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:

@@ -56,7 +56,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     from data.chat import encode_prompt
     from data.sources import load_prompts
     from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
+    from inference.model import load_runtime
     from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import resolve_target
 
@@ -66,7 +66,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     prompts = [encode_prompt(tok, [{"role": "user", "content": q["turns"][0]}]) for q in load_prompts(prompts_spec)[:num_prompts]]
     eos = (tok.eos_token_id,)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    rt = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
+    rt = load_runtime(path, dtype=dtype, device=device)
     drafter_module = None
     if drafter:
         from export.load import load_export

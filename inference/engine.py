@@ -120,7 +120,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     if proposer is None and temperature == 0 and fast_plain:
         first = logits[:, 0].argmax(-1)
         outputs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens, eos_ids,
-                                graphed=cuda_graphs and device.type == "cuda")
+                                graphed=cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True))
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.verify_seconds = stats.total_seconds
@@ -130,7 +130,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
     step_fn = None
-    if cuda_graphs and device.type == "cuda":
+    if cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True):
         graph = _reuse(model, ("step", id(cache), B, k + 1, aux_layers, _kernels_mode()),
                        lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
         step_fn = graph

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
 
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
+    from inference.model import load_runtime
     from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     try:
         path = resolve_target(args.target)
-        model = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
+        model = load_runtime(path, dtype=dtype, device=device)
     except (AssetError, ValueError, KeyError, FileNotFoundError) as e:
         return _fail(f"--target: {e}")
     tokenizer = AutoTokenizer.from_pretrained(path)

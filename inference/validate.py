@@ -225,7 +225,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
 
     from export.load import load_export
     from inference.acceptance import acceptance_from_histogram
-    from inference.model import RuntimeModel
+    from inference.model import load_runtime
     from models.target import Target
     from models.zoo import resolve_target
 
@@ -247,7 +247,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rt = RuntimeModel.from_pretrained(path, dtype=dtype, device=device)
+    rt = load_runtime(path, dtype=dtype, device=device)
     drafter = load_export(folder, dtype=dtype).to(device)
     questions = load_prompts_for(dataset, provenance, num_prompts)
 

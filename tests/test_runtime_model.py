@@ -129,3 +129,31 @@ def test_loading_names_a_missing_or_misshapen_tensor(tiny_target, tmp_path):
         save_file(state, str(weights))
         with pytest.raises((KeyError, ValueError), match=name.removeprefix("model.").replace(".", r"\.")):
             RuntimeModel.from_pretrained(folder)
+
+
+def test_unsupported_architecture_runs_on_the_transformers_slow_path(tmp_path, caplog):
+    """A GPT-2 target: logged once, greedy output equal to transformers' generate, and
+    speculative decoding on top of it stays lossless."""
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from inference.engine import generate
+    from inference.model import TransformersFallback, load_runtime
+    from inference.proposers import NgramProposer
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=2)).save_pretrained(tmp_path)
+    with caplog.at_level(logging.WARNING, logger="draftsmith.runtime"):
+        model = load_runtime(tmp_path)
+        load_runtime(tmp_path)
+    assert isinstance(model, TransformersFallback)
+    assert sum("slow path" in r.message for r in caplog.records) == 1
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    prompts = [[1, 2, 3, 1, 2], [7, 8]]
+    plain, _ = generate(model, prompts, 10)
+    for p, out in zip(prompts, plain):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        assert out == ref
+    spec, stats = generate(model, prompts, 10, proposer=NgramProposer(3))
+    assert spec == plain and sum(stats.histogram) > 0
