@@ -306,10 +306,71 @@ class MedusaProposer:
         self.hidden = aux[torch.arange(aux.shape[0], device=aux.device), n]
 
 
+class RecomputeProposer:
+    """Drafting by recomputation, for drafters without a cached runtime path yet (MTP,
+    DFlash): each step runs the drafter over a row's verified prefix and takes the chain at
+    its end, with the very function training's predictor uses (`unroll(greedy=True)`, or one
+    DFlash block), so it drafts exactly what training predicts. Cost grows with the context:
+    a correctness path, not a fast one.
+
+    Keeps per row the target's features at verified positions ([S, width] buffers)."""
+
+    def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
+        cfg = drafter.config
+        if cfg.vocab_size != target_config.vocab_size or cfg.hidden_size != target_config.hidden_size:
+            raise ValueError(f"this drafter was trained for another target: vocab {cfg.vocab_size} / hidden {cfg.hidden_size} "
+                             f"vs {target_config.vocab_size} / {target_config.hidden_size}")
+        capability = drafter.train_steps(k)
+        if k > capability:
+            raise ValueError(f"k={k}: this {type(drafter).__name__} drafts at most {capability} tokens per step")
+        self.drafter, self.k = drafter.eval(), k
+        self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers,)
+        self.max_len = max_len
+        self.features = None  # [B, S, width]
+
+    @torch.no_grad()
+    def begin(self, prompts, aux, first):
+        B, T, width = aux.shape
+        self.features = torch.zeros(B, self.max_len, width, dtype=aux.dtype, device=aux.device)
+        self.features[:, :T] = aux  # beyond a row's prompt: padding, overwritten as it is verified
+        self._start = [len(p) for p in prompts]  # first position whose feature is not verified yet
+
+    @torch.no_grad()
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        out = []
+        dev = self.features.device
+        for b, row in enumerate(tokens):
+            n = len(row)  # the chain continues x_0..x_{n-1}: anchor a = n - 2
+            ids = torch.as_tensor(row, device=dev)
+            feats = self.features[b, :n].to(self.drafter.lm_head.weight.dtype)
+            if hasattr(self.drafter, "draft_at"):
+                chain = self.drafter.draft_at(ids, feats, torch.tensor([n - 2], device=dev), self.k)[0]
+            else:
+                steps = self.drafter.unroll(ids[None], feats[None], self.k, greedy=True)
+                chain = torch.stack([self.drafter.draft_ids()[s[0, n - 2].argmax()] for s in steps])
+            out.append(chain.tolist())
+        return out
+
+    @torch.no_grad()
+    def accepted(self, fed, aux, counts, active):
+        # fed [B, k+1] sat at positions len-1 .. len-1+k; the last token and the accepted drafts
+        # now have verified features
+        for b, (n, _) in enumerate(counts):
+            if active[b]:
+                start = self._start[b]
+                self.features[b, start : start + n + 1] = aux[b, : n + 1]
+                self._start[b] = start + n + 1
+
+
 def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
-    """The runtime proposer for a trained drafter module (EAGLE-3, EAGLE-1 or Medusa)."""
+    """The runtime proposer for a trained drafter module: EAGLE-3 / EAGLE-1 (cached),
+    Medusa (cache-free), MTP and DFlash (recomputed)."""
+    from models.dflash import DFlashDrafter
     from models.medusa import MedusaDrafter
+    from models.mtp import MTPDrafter
 
     if isinstance(drafter, MedusaDrafter):
         return MedusaProposer(drafter, k, target_config)
+    if isinstance(drafter, (MTPDrafter, DFlashDrafter)):
+        return RecomputeProposer(drafter, k, batch, max_len, target_config)
     return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)

@@ -113,3 +113,46 @@ def test_eval_k_beyond_the_modules_is_a_config_error(chat_file, tmp_path):
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/mtp.yaml", *tiny_overrides(chat_file, tmp_path),
                           "eval.k=4"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "eval.k" in res.stderr and "MTP modules" in res.stderr
+
+
+@pytest.mark.parametrize("kind", ["mtp", "dflash"])
+def test_runtime_recompute_proposer_drafts_what_training_predicts_and_is_lossless(tiny_target, kind):
+    from inference.engine import cache_size, generate
+    from inference.model import RuntimeModel
+    from inference.proposers import drafter_proposer
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.target import Target
+    from tests.test_eagle3_runtime import Recording
+
+    hf_target = Target.load(tiny_target, [])
+    hf = hf_target.model.config
+    torch.manual_seed(0)
+    if kind == "mtp":
+        d = MTPDrafter(MTPConfig.from_target(hf, hf.vocab_size, 3))
+    else:
+        d = DFlashDrafter(DFlashConfig.from_target(hf, hf.vocab_size, 0, num_layers=1, block_size=4, target_layer_ids=[0, 1]))
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    d.init_from_target(hf_target.model, torch.zeros(hf.vocab_size, dtype=torch.long), torch.ones(hf.vocab_size, dtype=torch.bool))
+    d.eval()
+    target = Target(hf_target.model, d.aux_layer_ids)
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (5, 9)]
+    rec = Recording(drafter_proposer(d, 3, 2, cache_size(prompts, 12, 3), rt.config))
+    spec, _ = generate(rt, prompts, 12, proposer=rec)
+    assert spec == generate(rt, prompts, 12)[0]
+    checked = 0
+    for contexts, drafts in rec.calls:
+        for ctx, got in zip(contexts, drafts):
+            ids = torch.tensor([ctx])
+            with torch.no_grad():
+                out = target(ids)
+                feats = d.features(out)
+                a = len(ctx) - 2
+                if kind == "dflash":
+                    want = d.draft_at(ids[0], feats[0], torch.tensor([a]), 3)[0].tolist()
+                else:
+                    want = [int(d.draft_ids()[s[0, a].argmax()]) for s in d.unroll(ids, feats, 3, greedy=True)]
+            assert got == want
+            checked += 1
+    assert checked >= 6
