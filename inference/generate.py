@@ -32,9 +32,11 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3", "medusa", "drafter"],
+    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3", "medusa", "drafter", "draft-model"],
                     help="drafter / eagle3 / medusa: the trained drafter in --drafter (its kind read from the export)")
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
+    ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
+                    "vocabulary is mapped by token strings (greedy only)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
     from inference.model import load_runtime
-    from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
+    from inference.proposers import DraftModelProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -92,6 +94,19 @@ def main(argv=None) -> int:
         proposer = NgramProposer(k)
     elif args.proposer == "suffix":
         proposer = SuffixProposer(k)
+    elif args.proposer == "draft-model":
+        if not args.draft_model:
+            return _fail("--draft-model: the draft-model proposer needs a model")
+        try:
+            draft_path = resolve_target(args.draft_model)
+            draft = load_runtime(draft_path, dtype=dtype, device=device)
+            draft_tok = AutoTokenizer.from_pretrained(draft_path)
+        except (AssetError, ValueError, KeyError, OSError) as e:
+            return _fail(f"--draft-model: {e}")
+        same = draft_tok.get_vocab() == tokenizer.get_vocab()
+        if not same and args.temperature > 0:
+            return _fail("--draft-model: a draft model with another vocabulary drafts for greedy decoding only (--temperature 0)")
+        proposer = DraftModelProposer(draft, k, 1, max_len, model.config, *(() if same else (tokenizer, draft_tok)))
     elif args.proposer in ("eagle3", "medusa", "drafter"):
         from export.load import load_export
 

@@ -374,3 +374,95 @@ def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
     if isinstance(drafter, (MTPDrafter, DFlashDrafter)):
         return RecomputeProposer(drafter, k, batch, max_len, target_config)
     return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)
+
+
+def vocab_intersection(target_tokenizer, draft_tokenizer) -> torch.Tensor:
+    """[draft vocab] target id of each draft token with the same token string, -1 where the
+    target has none (such a draft ends a chain). Greedy drafting across vocabularies."""
+    target_vocab = target_tokenizer.get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    mapping = torch.full((max(draft_vocab.values()) + 1,), -1, dtype=torch.long)
+    for token, i in draft_vocab.items():
+        j = target_vocab.get(token)
+        if j is not None:
+            mapping[i] = j
+    return mapping
+
+
+class DraftModelProposer:
+    """A separate small LM drafts k tokens greedily.
+
+    Same vocabulary: the draft model keeps its own KV cache; each step feeds the tokens it has
+    not seen (the bonus, and the last accepted draft when all k were taken) and drafts k.
+    Different vocabulary (greedy verification only): each step re-tokenizes the verified text
+    with the draft tokenizer, drafts in the draft vocabulary and maps the drafts to target ids
+    by token string (`vocab_intersection`); a draft without a target counterpart ends the
+    chain. The second path recomputes the draft's prefix every step: exact, not fast."""
+
+    aux_layers = ()
+
+    def __init__(self, draft_model, k: int, batch: int, max_len: int, target_config=None,
+                 target_tokenizer=None, draft_tokenizer=None):
+        self.draft, self.k = draft_model, k
+        self.cross_vocab = draft_tokenizer is not None
+        if self.cross_vocab:
+            if target_tokenizer is None:
+                raise ValueError("a draft model with its own tokenizer needs the target's tokenizer too")
+            self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
+            self.to_target = vocab_intersection(target_tokenizer, draft_tokenizer).to(draft_model.embed_tokens.weight.device)
+        elif target_config is not None and draft_model.config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} differs from the target's "
+                             f"{target_config.vocab_size}: pass both tokenizers to draft across vocabularies")
+        self.cache = None if self.cross_vocab else draft_model.new_cache(batch, max_len + k)
+        self.fed = [0] * batch  # tokens of each row whose KV entries in the draft cache are valid
+        self._len = [0] * batch
+
+    def begin(self, prompts, aux, first):
+        self.fed = [0] * len(prompts)
+
+    @torch.no_grad()
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        if self.cross_vocab:
+            return [self._propose_cross(t) for t in tokens]
+        dev = self.draft.embed_tokens.weight.device
+        B = len(tokens)
+        new = [t[f:] for t, f in zip(tokens, self.fed)]
+        width = max(len(n) for n in new)
+        ids = torch.zeros(B, width, dtype=torch.long, device=dev)
+        for b, n in enumerate(new):
+            ids[b, : len(n)] = torch.as_tensor(n, device=dev)
+        positions = torch.as_tensor(self.fed, device=dev)[:, None] + torch.arange(width, device=dev)
+        last = torch.as_tensor([len(n) - 1 for n in new], device=dev)
+        logits, _ = self.draft(ids, positions, self.cache, logits_at=last)
+        drafts = [logits[:, 0].argmax(-1)]
+        self._len = [len(t) for t in tokens]
+        pos = torch.as_tensor(self._len, device=dev)
+        for s in range(1, self.k):
+            logits, _ = self.draft(drafts[-1][:, None], (pos + s - 1)[:, None], self.cache)
+            drafts.append(logits[:, 0].argmax(-1))
+        return torch.stack(drafts, 1).tolist()
+
+    def _propose_cross(self, row: list[int]) -> list[int]:
+        from inference.verify import NO_DRAFT
+
+        text = self.target_tokenizer.decode(row)
+        ids = self.draft_tokenizer(text, add_special_tokens=False)["input_ids"] or [0]
+        dev = self.draft.embed_tokens.weight.device
+        cache = self.draft.new_cache(1, len(ids) + self.k)
+        logits, _ = self.draft(torch.as_tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache,
+                               logits_at=torch.tensor([len(ids) - 1], device=dev))
+        out = []
+        for s in range(self.k):
+            d = logits[0, -1].argmax()
+            t = int(self.to_target[d]) if int(d) < self.to_target.numel() else -1
+            if t < 0:
+                break
+            out.append(t)
+            if s + 1 < self.k:
+                logits, _ = self.draft(d.view(1, 1), torch.tensor([[len(ids) + s]], device=dev), cache)
+        return out + [NO_DRAFT] * (self.k - len(out))
+
+    def accepted(self, fed, aux, counts, active):
+        if not self.cross_vocab:
+            # valid entries: the tokens fed so far plus drafts 1..k-1 where they were accepted
+            self.fed = [length + min(n, self.k - 1) for length, (n, _) in zip(self._len, counts)]

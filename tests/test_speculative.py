@@ -173,3 +173,58 @@ def test_device_side_plain_loop_equals_the_per_token_loop(tiny_target):
     assert fast == slow
     assert len(fast[1]) <= 6 and fast[1][-1] in eos and stats.new_tokens == sum(map(len, fast))
     assert generate(rt, prompts, 40)[0] == free_run
+
+
+def test_draft_model_proposer_same_vocabulary(tiny_target, tmp_path):
+    """The target drafting for itself accepts everything; another model with the same
+    vocabulary stays lossless; both keep their KV cache in step with acceptance."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.proposers import DraftModelProposer
+
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (4, 11, 7)]
+    plain, _ = generate(rt, prompts, 20)
+    own = DraftModelProposer(rt, 3, 3, 64, rt.config)
+    spec, stats = generate(rt, prompts, 20, proposer=own)
+    assert spec == plain and stats.summary()["acceptance"]["a"][0] == 1.0
+    cfg = LlamaConfig(vocab_size=rt.config.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    other = RuntimeModel.from_pretrained(tmp_path)
+    spec, _ = generate(rt, prompts, 20, proposer=DraftModelProposer(other, 4, 3, 64, rt.config))
+    assert spec == plain
+
+
+def test_draft_model_across_vocabularies(tiny_target, tokenizer, tmp_path):
+    """A draft model with its own word-level vocabulary: drafts mapped by token string,
+    unmapped drafts end the chain, output stays lossless."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from inference.proposers import DraftModelProposer, vocab_intersection
+
+    words = ["[UNK]", "the", "a", "cat", "zzzqqq", "Hello", "world"]
+    tk = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tk.pre_tokenizer = Whitespace()
+    draft_tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]")
+    mapping = vocab_intersection(tokenizer, draft_tok)
+    target_vocab = tokenizer.get_vocab()
+    for w, i in draft_tok.get_vocab().items():
+        assert int(mapping[i]) == target_vocab.get(w, -1)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    draft = RuntimeModel.from_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    prompts = [tokenizer("Hello world the cat")["input_ids"], tokenizer("a cat")["input_ids"]]
+    proposer = DraftModelProposer(draft, 3, 2, 64, rt.config, target_tokenizer=tokenizer, draft_tokenizer=draft_tok)
+    drafted = proposer.propose(prompts)
+    mapped = set(mapping[mapping >= 0].tolist())
+    for row in drafted:
+        assert len(row) == 3 and all(t in mapped or t == NO_DRAFT for t in row)
+        assert row == row[: sum(t != NO_DRAFT for t in row)] + [NO_DRAFT] * (3 - sum(t != NO_DRAFT for t in row))
+    assert generate(rt, prompts, 12, proposer=proposer)[0] == generate(rt, prompts, 12)[0]
