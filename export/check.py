@@ -98,7 +98,15 @@ def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
     method = meta["method"]
     L = target_config.num_hidden_layers
     expect = {"vocab_size": target_config.vocab_size}
-    if method == "eagle3":
+    if method == "eagle3" and meta.get("format") == "sglang":
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids != cfg["aux_layer_ids"] or max(ids or [L]) >= L:
+            c.problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} != trained {cfg['aux_layer_ids']} (< {L})")
+        if cfg["norm_before_residual"] or cfg["norm_before_fc"]:
+            c.problems.append("a norm_before_* drafter in the SGLang layout, which cannot express it")
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = config.get("rope_theta")
+    elif method == "eagle3":
         ids = config.get("eagle_aux_hidden_state_layer_ids")
         if ids != [i + 1 for i in cfg["aux_layer_ids"]]:
             c.problems.append(f"eagle_aux_hidden_state_layer_ids {ids} != output-of-layer ids {cfg['aux_layer_ids']} + 1")
@@ -231,7 +239,10 @@ def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> 
             if (drafter.lm_head.weight - rows).abs().max().item() > 1e-2 * max(1.0, rows.abs().max().item()):
                 c.problems.append("the frozen head differs from the target's head rows")
     config = json.loads((folder / "config.json").read_text())
-    required = {"eagle3": ["norm_before_residual", "norm_before_fc", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"],
+    sglang = meta.get("format") == "sglang"
+    required = {"eagle3": ["draft_vocab_size", "eagle_config", "rope_theta", "rms_norm_eps", "max_position_embeddings",
+                           "hidden_act", "num_key_value_heads"] if sglang else
+                ["norm_before_residual", "norm_before_fc", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"],
                 "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
                 "mtp": ["num_nextn_predict_layers"], "dflash": ["block_size", "num_target_layers", "dflash_config"]}[meta["method"]]
     absent = [k for k in required if k not in config]

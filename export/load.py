@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle": "eagle", "MedusaModel": "medusa",
-           "DFlashDraftModel": "dflash"}
+READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle3": "sglang", "LlamaForCausalLMEagle": "eagle",
+           "MedusaModel": "medusa", "DFlashDraftModel": "dflash"}
 
 
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
@@ -25,6 +25,10 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
         from export.speculators import load_speculators
 
         return load_speculators(folder, dtype=dtype)
+    if arch == "LlamaForCausalLMEagle3":
+        from export.sglang import load_sglang
+
+        return load_sglang(folder, dtype=dtype)
     if arch == "LlamaForCausalLMEagle":
         from export.eagle1 import load_eagle1
 

@@ -57,7 +57,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     from data.sources import load_prompts
     from inference.engine import cache_size, generate
     from inference.model import load_runtime
-    from inference.proposers import NgramProposer, SuffixProposer, drafter_proposer
+    from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -103,6 +103,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
         "runtime plain": lambda: runtime(lambda p: None),
         "runtime plain, torch ops (DRAFTSMITH_KERNELS=0)": lambda: _without_kernels(lambda: runtime(lambda p: None)),
         f"runtime n-gram (k={k})": lambda: runtime(lambda p: NgramProposer(k)),
+        f"runtime n-gram on the device (k={k})": lambda: runtime(
+            lambda p: GpuNgramProposer(k, 1, cache_size([p], max_new, k), device=device)),
         f"runtime suffix (k={k})": lambda: suffix_row(),
     }
     if hf_static:

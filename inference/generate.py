@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "suffix", "eagle3", "medusa", "drafter", "draft-model"],
+    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "ngram-gpu", "suffix", "eagle3", "medusa", "drafter", "draft-model"],
                     help="drafter / eagle3 / medusa: the trained drafter in --drafter (its kind read from the export)")
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
     from inference.model import load_runtime
-    from inference.proposers import DraftModelProposer, NgramProposer, SuffixProposer, drafter_proposer
+    from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -92,6 +92,8 @@ def main(argv=None) -> int:
     proposer = None
     if args.proposer == "ngram":
         proposer = NgramProposer(k)
+    elif args.proposer == "ngram-gpu":
+        proposer = GpuNgramProposer(k, 1, max_len, device=device)
     elif args.proposer == "suffix":
         proposer = SuffixProposer(k)
     elif args.proposer == "draft-model":

@@ -72,6 +72,63 @@ class NgramProposer:
         pass
 
 
+def ngram_drafts(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int) -> torch.Tensor:
+    """Vectorised prompt lookup over a batch on the device: for each row, the k tokens after
+    the most recent earlier occurrence of its longest suffix (min_n..max_n tokens), as
+    `longest_suffix_match` finds it; -1 where there is none or the row runs out.
+
+    buffer [B,S] token ids (beyond each row's length: anything), lengths [B] → [B,k]."""
+    B, S = buffer.shape
+    dev = buffer.device
+    rows = torch.arange(B, device=dev)
+    found = torch.zeros(B, dtype=torch.bool, device=dev)
+    cont = torch.zeros(B, dtype=torch.long, device=dev)  # where the continuation starts
+    for n in range(max_n, min_n - 1, -1):
+        if n >= S:
+            continue
+        windows = buffer.unfold(1, n, 1)  # [B, S-n+1, n]: windows[b, s] = buffer[b, s:s+n]
+        suffix_idx = (lengths - n).clamp_min(0)[:, None] + torch.arange(n, device=dev)
+        suffix = buffer.gather(1, suffix_idx)  # [B, n]
+        starts = torch.arange(windows.shape[1], device=dev)
+        match = (windows == suffix[:, None, :]).all(-1) & (starts[None] <= (lengths - n - 1)[:, None])
+        latest = torch.where(match, starts[None], -1).max(1).values  # most recent occurrence
+        new = (latest >= 0) & ~found & (lengths > n)
+        cont = torch.where(new, latest + n, cont)
+        found |= new
+    idx = cont[:, None] + torch.arange(k, device=dev)
+    drafts = buffer.gather(1, idx.clamp_max(S - 1))
+    ok = found[:, None] & (idx < lengths[:, None])
+    return torch.where(ok, drafts, torch.full_like(drafts, -1))
+
+
+class GpuNgramProposer:
+    """`NgramProposer` with the matching on the device: the rows' tokens live in a device
+    buffer extended as they are verified, and one vectorised search serves the batch."""
+
+    aux_layers: tuple = ()
+
+    def __init__(self, k: int, batch: int, max_len: int, min_n: int = 1, max_n: int = 4, device="cpu"):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.k, self.min_n, self.max_n = k, min_n, max_n
+        self.buffer = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.synced = [0] * batch
+
+    def begin(self, prompts, aux, first):
+        self.synced = [0] * len(prompts)
+
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        for b, row in enumerate(tokens):  # copy only what the buffer has not seen
+            if len(row) > self.synced[b]:
+                self.buffer[b, self.synced[b] : len(row)] = torch.as_tensor(row[self.synced[b]:], device=self.buffer.device)
+                self.synced[b] = len(row)
+        lengths = torch.as_tensor([len(t) for t in tokens], device=self.buffer.device)
+        return ngram_drafts(self.buffer, lengths, self.k, self.min_n, self.max_n).tolist()
+
+    def accepted(self, fed, aux, counts, active):
+        pass
+
+
 class Eagle3Proposer:
     """EAGLE-3 (and EAGLE-1) drafting with its own KV cache, exactly as the TTT unroll trains it.
 

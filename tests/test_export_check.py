@@ -124,3 +124,51 @@ def test_an_interrupted_export_leaves_the_old_one_intact(exports, tmp_path):
         medusa_module.save_file = original
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".medusa")]  # no temporary left behind
+
+
+def test_export_cli_writes_every_supported_pair_and_refuses_the_rest(exports, tmp_path, capsys):
+    """python -m export from a run folder: each (method, format) pair the format supports
+    passes export.check and drafts what the training checkpoint drafts; others fail clearly."""
+    import torch
+
+    from export.__main__ import FORMATS
+    from export.load import load_export
+
+    all_formats = sorted({f for fs in FORMATS.values() for f in fs})
+    for method, export_dir in exports.items():
+        run_dir = export_dir.parent
+        for fmt in all_formats:
+            out = tmp_path / f"{method}-{fmt}"
+            from export.__main__ import main as export_main
+
+            code = export_main(["--checkpoint", str(run_dir), "--format", fmt, "--out", str(out), "--dtype", "float32"])
+            err = capsys.readouterr().err
+            if fmt not in FORMATS[method]:
+                assert code == 2 and f"cannot carry a {method} drafter" in err and len(err.strip().splitlines()) == 1, err
+                assert not out.exists()
+                continue
+            assert code == 0, err[-2000:]
+            checks = run_checks(out)
+            assert all(c.ok for c in checks), (method, fmt, [c.line() for c in checks])
+            # (c) compared this export with the training checkpoint: same outputs within 1e-5 in
+            # float32, hence the same drafts; the runtime reads it through the same reader
+            parity = next(c for c in checks if c.level == "c")
+            assert float(parity.notes[0].split()[3]) <= 1e-5
+            from inference.proposers import drafter_proposer
+            from types import SimpleNamespace
+
+            drafter = load_export(out)
+            target_config = SimpleNamespace(vocab_size=drafter.config.vocab_size, hidden_size=drafter.config.hidden_size,
+                                            num_layers=2)
+            drafter_proposer(drafter, 2, 1, 64, target_config)  # the runtime accepts it
+
+
+def test_sglang_refuses_a_normed_drafter_naming_the_option(exports, tmp_path):
+    from export.sglang import UnsupportedOption, export_sglang
+    from export.speculators import load_speculators
+
+    drafter = load_speculators(exports["eagle3"])
+    drafter.config.norm_before_residual = True
+    with pytest.raises(UnsupportedOption, match="norm_before_residual.*speculators"):
+        export_sglang(drafter, tmp_path / "x", target_name="tiny-random-llama")
+    assert not (tmp_path / "x").exists()

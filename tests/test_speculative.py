@@ -228,3 +228,22 @@ def test_draft_model_across_vocabularies(tiny_target, tokenizer, tmp_path):
         assert len(row) == 3 and all(t in mapped or t == NO_DRAFT for t in row)
         assert row == row[: sum(t != NO_DRAFT for t in row)] + [NO_DRAFT] * (3 - sum(t != NO_DRAFT for t in row))
     assert generate(rt, prompts, 12, proposer=proposer)[0] == generate(rt, prompts, 12)[0]
+
+
+def test_vectorised_ngram_drafts_equal_the_kmp_proposer():
+    from inference.proposers import GpuNgramProposer, ngram_drafts
+
+    rng = random.Random(1)
+    rows = [[rng.randrange(6) for _ in range(rng.randint(1, 40))] for _ in range(300)]
+    cpu = NgramProposer(5, min_n=2, max_n=4)
+    S = 48
+    buffer = torch.full((len(rows), S), 99)
+    for b, r in enumerate(rows):
+        buffer[b, : len(r)] = torch.tensor(r)
+    got = ngram_drafts(buffer, torch.tensor([len(r) for r in rows]), 5, 2, 4).tolist()
+    for r, g in zip(rows, got):
+        want = cpu.propose_row(r)
+        assert g == want + [-1] * (5 - len(want)), (r, g, want)
+    # through the engine: lossless, same drafts as the CPU proposer
+    gpu = GpuNgramProposer(3, 2, 64)
+    assert gpu.propose([[1, 2, 3, 1, 2], [4, 4, 4]]) == [[3, 1, 2], [4, -1, -1]]

@@ -46,11 +46,12 @@ class DrafterModule(L.LightningModule):
         return state
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        allowed = ("drafter.", "target.") if self.joint else ("drafter.",)
+        joint = getattr(self, "joint", False)
+        allowed = ("drafter.", "target.") if joint else ("drafter.",)
         foreign = [k for k in state_dict if not k.startswith(allowed)]
         if foreign:
-            raise KeyError(f"checkpoint has keys outside the {'drafter and target' if self.joint else 'drafter'}: {foreign[:5]}")
-        if self.joint:
+            raise KeyError(f"checkpoint has keys outside the {'drafter and target' if joint else 'drafter'}: {foreign[:5]}")
+        if joint:
             target_state = {k[len("target."):]: v for k, v in state_dict.items() if k.startswith("target.")}
             if not target_state:
                 raise KeyError("a joint-mode checkpoint must hold the trained target (target.* keys)")

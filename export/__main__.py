@@ -1,0 +1,115 @@
+"""python -m export --checkpoint RUN_OR_CKPT --format FORMAT --out DIR
+
+Writes a trained drafter (a run folder, taking its checkpoints/last.ckpt, or a checkpoint file
+inside a run folder) in a serving stack's layout, atomically. Formats per method:
+
+    eagle3: speculators (vLLM), sglang (SGLang / EAGLE)     eagle1: eagle
+    medusa: medusa (vLLM)     mtp: mtp (DeepSeek-V3; joint runs: the target with its MTP layers)
+    dflash: dflash (z-lab)
+
+A pair the format cannot carry, or an option the layout cannot express, is one error line
+and exit code 2; nothing is written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "medusa": ("medusa",), "mtp": ("mtp",),
+           "dflash": ("dflash",)}
+
+
+def _run_and_checkpoint(spec: str) -> tuple[Path, Path]:
+    path = Path(spec)
+    if path.is_dir():
+        ckpt = path / "checkpoints" / "last.ckpt"
+        run_dir = path
+    else:
+        ckpt, run_dir = path, path.parent.parent
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"--checkpoint: {ckpt} does not exist")
+    if not (run_dir / "config.yaml").is_file():
+        raise FileNotFoundError(f"--checkpoint: {run_dir}/config.yaml (the run's resolved config) is missing")
+    return run_dir, ckpt
+
+
+def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16") -> Path:
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from models.target import Target
+    from models.zoo import resolve_target
+    from train.config import load_config
+    from train.run import _mask_token, _weights_hash, build_drafter
+
+    run_dir, ckpt = _run_and_checkpoint(spec)
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    method = cfg.drafter.method
+    if fmt not in FORMATS[method]:
+        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
+    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    drafter_state = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
+    target_path = resolve_target(cfg.target)
+    hf_config = AutoConfig.from_pretrained(target_path)
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
+    drafter = build_drafter(cfg, hf_config, drafter_state["d2t"].numel(), mask_token_id=_mask_token(cfg, tokenizer))
+    drafter.load_state_dict(drafter_state, strict=True)
+    predicted = json.loads((run_dir / "predicted.json").read_text()).get("predicted") if (run_dir / "predicted.json").is_file() else None
+    provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path), "training_config": cfg.to_dict(),
+                  "predicted_acceptance": predicted, "checkpoint": str(ckpt.resolve())}
+    dtype = getattr(torch, dtype_name)
+    if fmt == "speculators":
+        from export.speculators import export_speculators
+
+        return export_speculators(drafter, out, target_name=cfg.target, target_arch=list(hf_config.architectures or []),
+                                  k=cfg.eval.k, dtype=dtype, provenance=provenance)
+    if fmt == "sglang":
+        from export.sglang import export_sglang
+
+        return export_sglang(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
+    if fmt == "eagle":
+        from export.eagle1 import export_eagle1
+
+        return export_eagle1(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
+    if fmt == "medusa":
+        from export.medusa import export_medusa
+
+        return export_medusa(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
+    if fmt == "dflash":
+        from export.dflash import export_dflash
+
+        return export_dflash(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
+    from export.mtp import export_mtp
+
+    target = Target.load(cfg.target, [])
+    joint = any(k.startswith("target.") for k in state)
+    if joint:  # the trained target travels with its modules
+        target.model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})
+    return export_mtp(drafter, out, target_name=cfg.target, target_config=hf_config.to_dict(),
+                      embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
+                      dtype=dtype, provenance=provenance, target_model=target.model if joint else None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m export", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True, help="a run folder (its checkpoints/last.ckpt) or a checkpoint file")
+    ap.add_argument("--format", required=True, choices=sorted({f for fs in FORMATS.values() for f in fs}))
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = ap.parse_args(argv)
+    from models.zoo import AssetError
+    from train.config import ConfigError
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype)
+    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError) as e:
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} ({args.format}); check it with: python -m export.check {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""SGLang / EAGLE layout for EAGLE-3 (FORMATS.md): a flat one-layer LlamaConfig with
+`architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size` always written,
+`eagle_config: {eagle_aux_hidden_state_layer_ids (output-of-layer ids), use_aux_hidden_state}`,
+every value a reader would default written out, and tensors named `midlayer.*` instead of
+`layers.0.*`, with the embedding shipped (a missing one is random-initialised by the EAGLE
+reference loader without an error).
+
+The layout has no `input_norm` and its residual is always the pre-norm hidden state: a
+drafter trained with `norm_before_fc` or `norm_before_residual` cannot be written here, and
+the exporter refuses, naming the option and the layout that carries it (speculators).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from export.io import atomic_folder, write_json
+from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
+
+
+class UnsupportedOption(ValueError):
+    pass
+
+
+def sglang_config(cfg: Eagle3Config, target_name: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        "base_model_name_or_path": target_name,
+        **({"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size != cfg.hidden_size else {}),
+    }
+
+
+def check_expressible(cfg: Eagle3Config) -> list[str]:
+    """Reasons this drafter cannot be written faithfully in the SGLang layout (empty: it can)."""
+    problems = []
+    if cfg.norm_before_residual:
+        problems.append("drafter.norm_before_residual=true: the SGLang/EAGLE layout's residual is always the pre-norm "
+                        "hidden state (the speculators layout carries this option)")
+    if cfg.norm_before_fc:
+        problems.append("drafter.norm_before_fc=true: the SGLang/EAGLE layout has no input_norm (the speculators layout "
+                        "carries this option)")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if cfg.head_dim != head_dim:
+        problems.append(f"head_dim {cfg.head_dim}: EAGLE readers take hidden_size // num_attention_heads = {head_dim}")
+    if cfg.rope_scaling and set(cfg.rope_scaling) - {"type", "factor", "rope_type"}:
+        problems.append("rope_scaling beyond {type, factor}: the EAGLE reader cannot parse it (the speculators layout carries it)")
+    return problems
+
+
+def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
+                  provenance: dict | None = None) -> Path:
+    cfg = drafter.config
+    problems = check_expressible(cfg)
+    if problems:
+        raise UnsupportedOption("cannot export to sglang: " + "; ".join(problems))
+    tensors = {}
+    for name, t in drafter.state_dict().items():
+        tensors[name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.") else name] = t
+    tensors = {n: (t.detach().cpu().to(dtype) if t.is_floating_point() else t.detach().cpu()).contiguous()
+               for n, t in tensors.items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        tensors.pop("d2t"), tensors.pop("t2d")
+    notes = []
+    if list(cfg.aux_layer_ids) != default_aux_layer_ids(cfg.target_num_layers):
+        notes.append(f"aux layers {cfg.aux_layer_ids} are not the default {default_aux_layer_ids(cfg.target_num_layers)}: "
+                     "SGLang reads eagle_config, but the EAGLE reference loader ignores it and would feed other layers")
+    with atomic_folder(out_dir) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", sglang_config(cfg, target_name))
+        write_json(tmp / "draftsmith.json", {
+            "format": "sglang", "method": "eagle3", "drafter_config": cfg.to_dict(), "notes": notes,
+            "layer_id_convention": {"draftsmith": "output_of_layer", "config.json eagle_config": "output_of_layer"},
+            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
+            **(provenance or {}),
+        })
+    for note in notes:
+        print(f"note: {note}")
+    return Path(out_dir)
+
+
+def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    """Read the layout back strictly into draftsmith's EAGLE-3 module."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    meta_path = folder / "draftsmith.json"
+    if meta_path.is_file():
+        cfg = Eagle3Config.from_dict(json.loads(meta_path.read_text())["drafter_config"])
+    else:
+        if "draft_vocab_size" not in config:
+            raise KeyError(f"{folder}/config.json: draft_vocab_size is missing")
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if ids is None:
+            raise KeyError(f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is missing (name the layers)")
+        cfg = Eagle3Config(vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+                           hidden_size=config["hidden_size"], target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+                           intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+                           num_key_value_heads=config["num_key_value_heads"],
+                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                           aux_layer_ids=list(ids), target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
+                           rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
+                           max_position_embeddings=config["max_position_embeddings"])
+    drafter = Eagle3Drafter(cfg)
+    state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
+             for k, v in load_file(str(folder / "model.safetensors")).items()}
+    if cfg.draft_vocab_size == cfg.vocab_size:
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+    expected = drafter.state_dict()
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise KeyError(f"{folder}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
+    for name, t in state.items():
+        if t.shape != expected[name].shape:
+            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
+    drafter.load_state_dict(state, strict=True)
+    return drafter.to(dtype)
