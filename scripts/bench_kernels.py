@@ -43,6 +43,14 @@ def cases():
         drafts = logits.argmax(-1)[:, :k]
         yield f"greedy_verify [1,{k + 1},49152]", (lambda d=drafts, l=logits: greedy_verify_reference(d, l)), \
             (lambda d=drafts, l=logits: greedy_verify_triton(d, l))
+    from kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
+
+    for k in (1, 7):
+        p = torch.softmax(torch.randn(1, k + 1, 49152, device=dev), -1)
+        drafts = p[:, :k].argmax(-1)
+        ua, us = torch.rand(1, k, device=dev), torch.rand(1, device=dev)
+        yield f"rejection_sample [1,{k + 1},49152]", (lambda a=(drafts, None, p, ua, us): rejection_sample_reference(*a)), \
+            (lambda a=(drafts, None, p, ua, us): rejection_sample_triton(*a))
     student = torch.randn(8192, 16384, device=dev, dtype=bf, requires_grad=True)
     teacher = torch.softmax(torch.randn(8192, 16384, device=dev), -1).to(bf)
     mask = torch.rand(8192, device=dev) > 0.3

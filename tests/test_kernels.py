@@ -159,3 +159,25 @@ def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
     untouched = torch.ones(B, S, dtype=torch.bool, device=device)
     untouched.scatter_(1, positions, False)
     assert torch.equal(got_k.transpose(1, 2)[untouched], caches[0].transpose(1, 2)[untouched])
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,k,V,with_q", [(1, 1, 7, True), (33, 4, 1000, False), (3, 7, 4099, True), (5, 0, 50, False)])
+def test_rejection_sample_kernel_matches_reference(dtype, B, k, V, with_q):
+    from kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(B * 7 + k)
+    p = torch.softmax(torch.randn(B, k + 1, V, generator=g) * 2, -1).to(dtype).to(device)
+    q = torch.softmax(torch.randn(B, k, V, generator=g) * 2, -1).to(dtype).to(device) if with_q else None
+    drafts = torch.randint(0, V, (B, k), generator=g).to(device)
+    if k:
+        drafts[0, -1] = -1  # an empty slot
+        drafts[1 % B, 0] = p[1 % B, 0].float().argmax()  # a likely draft
+    u_accept = torch.rand(B, k, generator=g).to(device)
+    u_sample = torch.rand(B, generator=g).to(device)
+    ref = rejection_sample_reference(drafts, q, p, u_accept, u_sample)
+    got = rejection_sample_triton(drafts, q, p, u_accept, u_sample)
+    assert torch.equal(got[0], ref[0])
+    assert torch.equal(got[1], ref[1])
