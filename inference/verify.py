@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from kernels.greedy_verify import greedy_verify  # noqa: F401  (drafts [B,k], logits [B,k+1,V] → accepted, bonus)
+from kernels.block_sample import block_sample  # block verification from uniforms (Triton on GPU)
 from kernels.rejection_sample import rejection_sample  # the fused scan + residual draw (Triton on GPU)
 
 NO_DRAFT = -1  # fills draft slots a proposer left empty; never equals a target token
@@ -42,48 +43,13 @@ def block_verify(drafts, draft_probs, target_probs, generator=None):
     probability h_i = R_i / (R_i + 1 - w_i) (h = w at the last draft), independently per i,
     and the accepted length is the largest kept i. The next token comes from the normalised
     residual max(w_tau p_{tau+1} - q_{tau+1}, 0) (from p_{tau+1} itself after the whole block).
-    Empty slots end a row's block early.
+    Empty slots end a row's block early. The work is `kernels.block_sample` (one Triton
+    launch on GPU).
     """
     B, k = drafts.shape
-    p = target_probs.float()
-    dev = drafts.device
-    rows = torch.arange(B, device=dev)
-    if k == 0:
-        return torch.zeros(B, dtype=torch.long, device=dev), torch.multinomial(p[:, 0], 1, generator=generator).squeeze(1)
-    valid = drafts >= 0
-    length = valid.long().cumprod(1).sum(1)  # [B] drafts up to the first empty slot
-    d = drafts.clamp_min(0)
-    if draft_probs is None:
-        q = torch.zeros_like(p[:, :k]).scatter_(2, d[..., None], 1.0)
-    else:
-        q = draft_probs.float()
-    p_d = p[:, :k].gather(2, d[..., None]).squeeze(-1)  # [B,k]
-    q_d = q.gather(2, d[..., None]).squeeze(-1).clamp_min(1e-30)
-    weights = [torch.ones(B, device=dev)]
-    for i in range(k):
-        weights.append(torch.minimum(weights[-1] * p_d[:, i] / q_d[:, i], torch.ones_like(weights[-1])))
-    w = torch.stack(weights, 1)  # [B,k+1], w[:, i] after i drafts
-    # residual after i drafts (i < k): max(w_i p_{i+1} - q_{i+1}, 0) over the vocabulary
-    residual = (w[:, :k, None] * p[:, :k] - q).clamp_min(0)  # [B,k,V]
-    mass = residual.sum(-1)  # [B,k]
-    idx = torch.arange(1, k + 1, device=dev)
-    denom = mass[:, 1:] + 1 - w[:, 1:k]  # i = 1..k-1
-    h_mid = torch.where(denom > 0, mass[:, 1:] / denom.clamp_min(1e-30), torch.ones_like(denom))
-    h = torch.cat([h_mid, torch.zeros(B, 1, device=dev)], 1)  # [B,k] for i = 1..k
-    last = idx[None] == length[:, None]
-    h = torch.where(last, w[:, 1:], h)  # at the end of a row's block: h = w
-    h = torch.where(idx[None] > length[:, None], torch.zeros_like(h), h)
-    eta = torch.rand(B, k, device=dev, generator=generator)
-    kept = (eta <= h) & valid
-    accepted = torch.where(kept.any(1), k - kept.flip(1).long().argmax(1), torch.zeros(B, dtype=torch.long, device=dev))
-    tau = accepted
-    j = tau.clamp_max(k - 1)
-    res = residual[rows, j]
-    res_mass = res.sum(-1, keepdim=True)
-    res = torch.where(res_mass > 0, res / res_mass.clamp_min(1e-30), p[rows, tau])
-    source = torch.where((tau == length)[:, None], p[rows, tau], res)
-    next_token = torch.multinomial(source, 1, generator=generator).squeeze(1)
-    return accepted, next_token
+    eta = torch.rand(B, k, device=drafts.device, generator=generator)
+    u_sample = torch.rand(B, device=drafts.device, generator=generator)
+    return block_sample(drafts, draft_probs, target_probs, eta, u_sample)
 
 
 def synthetic_verify(drafts, rate: float, target_logits, generator=None):

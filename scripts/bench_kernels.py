@@ -51,6 +51,13 @@ def cases():
         ua, us = torch.rand(1, k, device=dev), torch.rand(1, device=dev)
         yield f"rejection_sample [1,{k + 1},49152]", (lambda a=(drafts, None, p, ua, us): rejection_sample_reference(*a)), \
             (lambda a=(drafts, None, p, ua, us): rejection_sample_triton(*a))
+    from kernels.block_sample import block_sample_reference, block_sample_triton
+
+    p = torch.softmax(torch.randn(1, 8, 49152, device=dev), -1)
+    drafts = p[:, :7].argmax(-1)
+    eta, us = torch.rand(1, 7, device=dev), torch.rand(1, device=dev)
+    yield "block_sample [1,8,49152]", (lambda: block_sample_reference(drafts, None, p, eta, us)), \
+        (lambda: block_sample_triton(drafts, None, p, eta, us))
     student = torch.randn(8192, 16384, device=dev, dtype=bf, requires_grad=True)
     teacher = torch.softmax(torch.randn(8192, 16384, device=dev), -1).to(bf)
     mask = torch.rand(8192, device=dev) > 0.3

@@ -181,3 +181,25 @@ def test_rejection_sample_kernel_matches_reference(dtype, B, k, V, with_q):
     got = rejection_sample_triton(drafts, q, p, u_accept, u_sample)
     assert torch.equal(got[0], ref[0])
     assert torch.equal(got[1], ref[1])
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("B,k,V,with_q", [(1, 1, 7, True), (33, 4, 1000, False), (3, 7, 4099, True), (5, 0, 50, False)])
+def test_block_sample_kernel_matches_reference(dtype, B, k, V, with_q):
+    from kernels.block_sample import block_sample_reference, block_sample_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(B * 11 + k)
+    p = torch.softmax(torch.randn(B, k + 1, V, generator=g) * 2, -1).to(dtype).to(device)
+    q = torch.softmax(torch.randn(B, k, V, generator=g) * 2, -1).to(dtype).to(device) if with_q else None
+    drafts = torch.randint(0, V, (B, k), generator=g).to(device)
+    if k:
+        drafts[0, -1] = -1
+        drafts[1 % B, 0] = p[1 % B, 0].float().argmax()
+    eta = torch.rand(B, k, generator=g).to(device)
+    u_sample = torch.rand(B, generator=g).to(device)
+    ref = block_sample_reference(drafts, q, p, eta, u_sample)
+    got = block_sample_triton(drafts, q, p, eta, u_sample)
+    assert torch.equal(got[0], ref[0])
+    assert torch.equal(got[1], ref[1])
