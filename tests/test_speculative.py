@@ -247,3 +247,54 @@ def test_vectorised_ngram_drafts_equal_the_kmp_proposer():
     # through the engine: lossless, same drafts as the CPU proposer
     gpu = GpuNgramProposer(3, 2, 64)
     assert gpu.propose([[1, 2, 3, 1, 2], [4, 4, 4]]) == [[3, 1, 2], [4, -1, -1]]
+
+
+@pytest.mark.slow
+def test_every_proposer_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer):
+    """float32, zoo target, 20+ real prompts in ragged batches of 5: each proposer's output
+    equals plain greedy output. Drafters are freshly initialised from the target (random
+    where they train), so this checks verification and bookkeeping, not acceptance."""
+    from transformers import AutoConfig
+
+    from inference.proposers import DraftModelProposer, GpuNgramProposer, drafter_proposer
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.eagle1 import Eagle1Config, Eagle1Drafter
+    from models.medusa import MedusaConfig, MedusaDrafter
+    from models.mtp import MTPConfig, MTPDrafter
+    from models.target import Target
+    from models.zoo import resolve_target
+
+    path = resolve_target("smollm2-135m-instruct")
+    model = RuntimeModel.from_pretrained(path, dtype=torch.float32)
+    hf_cfg = AutoConfig.from_pretrained(path)
+    target = Target.load(path, [])
+    V = hf_cfg.vocab_size
+    keep_all = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    torch.manual_seed(0)
+    drafters = {
+        "eagle1": Eagle1Drafter(Eagle1Config.from_target(hf_cfg, V)),
+        "medusa": MedusaDrafter(MedusaConfig.from_target(hf_cfg, V, 3)),
+        "mtp": MTPDrafter(MTPConfig.from_target(hf_cfg, V, 3)),
+        "dflash": DFlashDrafter(DFlashConfig.from_target(hf_cfg, V, 0, num_layers=1, block_size=4)),
+    }
+    for d in drafters.values():
+        for name, p in d.named_parameters():
+            if p.requires_grad and p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.02)
+        d.init_from_target(target.model, *keep_all)
+        d.eval()
+    prompts = _real_prompts(tokenizer)
+    eos = (tokenizer.eos_token_id,)
+    plain = []
+    for i in range(0, len(prompts), 5):
+        plain.extend(generate(model, prompts[i : i + 5], 12, eos_ids=eos)[0])
+    makers = {name: (lambda b, n, d=d: drafter_proposer(d, 3, b, n, model.config)) for name, d in drafters.items()}
+    makers["ngram-gpu"] = lambda b, n: GpuNgramProposer(3, b, n, max_n=3)
+    makers["draft-model (the target itself)"] = lambda b, n: DraftModelProposer(model, 3, b, n, model.config)
+    for name, make in makers.items():
+        got = []
+        for i in range(0, len(prompts), 5):
+            batch = prompts[i : i + 5]
+            n = max(len(p) for p in batch) + 12 + 4
+            got.extend(generate(model, batch, 12, proposer=make(len(batch), n), eos_ids=eos, max_len=n)[0])
+        assert got == plain, name
