@@ -110,3 +110,13 @@ def test_eval_k_beyond_the_block_is_a_config_error(chat_file, tmp_path):
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/dflash.yaml", *tiny_overrides(chat_file, tmp_path),
                           "drafter.dflash_block_size=4", "eval.k=4"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_default_mask_token_is_a_special_token_chat_text_never_uses(tokenizer):
+    from train.run import default_mask_token
+
+    mask = default_mask_token(tokenizer)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                             tokenize=True)
+    assert mask not in rendered and mask not in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
+    assert tokenizer.added_tokens_decoder[mask].special

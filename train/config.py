@@ -42,7 +42,7 @@ class DrafterConfig:
     """DFlash: block size B (2..16); one forward drafts B-1 tokens."""
     dflash_layers: int = 5
     dflash_mask_token_id: int | None = None
-    """DFlash: the mask token (a real row of the target's embedding); default the tokenizer's pad (else eos) id."""
+    """DFlash: the mask token (a real row of the target's embedding); default a special token chat text never uses."""
     dflash_target_layers: int = 5
     """DFlash: target layers fused into the context feature (evenly spaced)."""
 

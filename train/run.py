@@ -230,7 +230,27 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 def _mask_token(cfg: RunConfig, tokenizer) -> int:
     if cfg.drafter.dflash_mask_token_id is not None:
         return cfg.drafter.dflash_mask_token_id
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return default_mask_token(tokenizer)
+
+
+def default_mask_token(tokenizer) -> int:
+    """DFlash's mask: a special token of the target that chat text never uses (not bos / eos /
+    pad / unk, absent from a rendered conversation), so a MASK never reads as end-of-turn;
+    the unknown (else pad, else eos) token when there is none."""
+    taken = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    try:
+        sample = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        taken |= set(tokenizer.apply_chat_template(sample, tokenize=True))
+    except Exception:  # no chat template: only the named special tokens are excluded
+        pass
+    special = sorted(i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", False))
+    for i in special:
+        if i not in taken:
+            return i
+    for i in (tokenizer.unk_token_id, tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if i is not None:
+            return i
+    return 0
 
 
 def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int, mask_token_id: int = 0):
