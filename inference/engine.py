@@ -143,7 +143,14 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     while not all(done):
         t0 = time.perf_counter()
         drafts = [[NO_DRAFT] * k for _ in range(B)]
-        if k:
+        draft_probs = None
+        if k and temperature > 0 and hasattr(proposer, "propose_sampled"):
+            # drafters with distributions sample their drafts and hand q to verification
+            proposed, draft_probs = proposer.propose_sampled(tokens, temperature, generator)
+            for b, d in enumerate(proposed):
+                if not done[b]:
+                    drafts[b][: min(len(d), k)] = d[:k]
+        elif k:
             for b, d in enumerate(proposer.propose(tokens)):  # a proposer may draft more than k
                 if not done[b]:
                     drafts[b][: min(len(d), k)] = d[:k]
@@ -162,7 +169,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
             accepted, bonus = synthetic_verify(draft_t, float(verification.split(":", 1)[1]), logits, generator)
         elif temperature > 0:
             verify = block_verify if verification == "block" else rejection_verify
-            accepted, bonus = verify(draft_t, None, sampling_probs(logits, temperature, top_k, top_p), generator)
+            q = None if draft_probs is None else draft_probs[:, :k].to(logits.device)
+            accepted, bonus = verify(draft_t, q, sampling_probs(logits, temperature, top_k, top_p), generator)
         else:
             accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()

@@ -129,6 +129,12 @@ class GpuNgramProposer:
         pass
 
 
+def _to_target_vocab(probs: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B,Vd] probabilities over the draft vocabulary → [B,V] over the target's (zero elsewhere)."""
+    out = torch.zeros(probs.shape[0], vocab_size, dtype=probs.dtype, device=probs.device)
+    return out.index_copy_(1, draft_ids, probs)
+
+
 class Eagle3Proposer:
     """EAGLE-3 (and EAGLE-1) drafting with its own KV cache, exactly as the TTT unroll trains it.
 
@@ -189,15 +195,31 @@ class Eagle3Proposer:
 
     @torch.no_grad()
     def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        return self._chain(None, None)[0].tolist()
+
+    @torch.no_grad()
+    def propose_sampled(self, tokens, temperature: float, generator=None):
+        """Drafts sampled from the drafter's own softmax(logits / T), each step fed the last
+        sample, with their distributions q [B,k,V] for rejection sampling."""
+        drafts, q = self._chain(temperature, generator)
+        return drafts.tolist(), q
+
+    def _chain(self, temperature, generator):
         draft_ids = self.drafter.draft_ids()
         hidden = self.hidden[:, None]
-        drafts = []
+        drafts, qs = [], []
         for s in range(self.k):
-            d = draft_ids[self.drafter.logits(hidden)[:, -1].argmax(-1)]  # [B]
+            logits = self.drafter.logits(hidden)[:, -1]  # [B,Vd]
+            if temperature:
+                probs = torch.softmax(logits.float() / temperature, -1)
+                d = draft_ids[torch.multinomial(probs, 1, generator=generator)[:, 0]]
+                qs.append(_to_target_vocab(probs, draft_ids, self.drafter.config.vocab_size))
+            else:
+                d = draft_ids[logits.argmax(-1)]  # [B]
             drafts.append(d)
             if s + 1 < self.k:
                 hidden = self._run(d[:, None], hidden, (self.last + 1 + s)[:, None])
-        return torch.stack(drafts, 1).tolist()
+        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     @torch.no_grad()
     def accepted(self, fed, aux, counts, active):
@@ -356,6 +378,17 @@ class MedusaProposer:
         logits = self.drafter.unroll(None, self.hidden[:, None], self.k)
         drafts = torch.stack([draft_ids[x[:, 0].argmax(-1)] for x in logits], 1)  # [B,k]
         return drafts.tolist()
+
+    @torch.no_grad()
+    def propose_sampled(self, tokens, temperature: float, generator=None):
+        """One sample per head from softmax(head / T), with those distributions q [B,k,V]
+        (a head's draft does not depend on the previous ones: still a valid q for rejection
+        sampling)."""
+        draft_ids = self.drafter.draft_ids()
+        probs = [torch.softmax(x[:, 0].float() / temperature, -1) for x in self.drafter.unroll(None, self.hidden[:, None], self.k)]
+        drafts = torch.stack([draft_ids[torch.multinomial(p, 1, generator=generator)[:, 0]] for p in probs], 1)
+        q = torch.stack([_to_target_vocab(p, draft_ids, self.drafter.config.vocab_size) for p in probs], 1)
+        return drafts.tolist(), q
 
     @torch.no_grad()
     def accepted(self, fed, aux, counts, active):

@@ -223,3 +223,49 @@ def test_synthetic_acceptance_hits_its_rate(tiny_target):
     assert abs(a[0] - 0.5) < 0.1 and abs(a[1] - 0.5) < 0.15
     with pytest.raises(ValueError, match="verification"):
         generate(rt, [[5, 6]], 2, verification="blockwise")
+
+
+@pytest.mark.parametrize("kind,verification", [("eagle3", "standard"), ("eagle3", "block"), ("medusa", "standard")])
+def test_drafters_sampling_with_their_own_distribution_keep_the_target_distribution(tmp_path, kind, verification):
+    """EAGLE-3 and Medusa sample their drafts from their own softmax at T and hand q to
+    verification: the first two emitted tokens still follow the target (8-token vocabulary)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.engine import cache_size, generate
+    from inference.model import RuntimeModel
+    from inference.proposers import Eagle3Proposer, MedusaProposer
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.medusa import MedusaConfig, MedusaDrafter
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)
+    hf.save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    keep = (torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool))
+    prompt, T, N, k = [1, 2, 3, 4], 0.8, 20_000, 2
+    if kind == "eagle3":
+        d = Eagle3Drafter(Eagle3Config.from_target(cfg, 8))
+        for name, p in d.named_parameters():
+            torch.nn.init.normal_(p, std=0.5)
+        d.init_from_target(hf, *keep)
+        proposer = Eagle3Proposer(d.eval(), k, N, cache_size([prompt], 2, k), target_config=rt.config)
+    else:
+        d = MedusaDrafter(MedusaConfig.from_target(cfg, 8, num_heads=k))
+        d.init_from_target(hf, *keep)
+        proposer = MedusaProposer(d.eval(), k, rt.config)
+    outs, stats = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T,
+                           generator=torch.Generator().manual_seed(1), verification=verification)
+    assert sum(n * c for n, c in enumerate(stats.histogram)) > 1000  # drafts were accepted
+    first = torch.tensor([o[0] for o in outs])
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
+    mode = int(torch.bincount(first).argmax())
+    second = torch.tensor([o[1] for o in outs if o[0] == mode])
+    with torch.no_grad():
+        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
