@@ -17,8 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "medusa": ("medusa",), "mtp": ("mtp",),
-           "dflash": ("dflash",)}
+from export.formats import FORMATS, write_export
 
 
 def _run_and_checkpoint(spec: str) -> tuple[Path, Path]:
@@ -47,7 +46,7 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
     run_dir, ckpt = _run_and_checkpoint(spec)
     cfg = load_config(str(run_dir / "config.yaml"), [])
     method = cfg.drafter.method
-    if fmt not in FORMATS[method]:
+    if fmt not in FORMATS[method]:  # before anything loads
         raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     drafter_state = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
@@ -59,37 +58,15 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
     predicted = json.loads((run_dir / "predicted.json").read_text()).get("predicted") if (run_dir / "predicted.json").is_file() else None
     provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path), "training_config": cfg.to_dict(),
                   "predicted_acceptance": predicted, "checkpoint": str(ckpt.resolve())}
-    dtype = getattr(torch, dtype_name)
-    if fmt == "speculators":
-        from export.speculators import export_speculators
-
-        return export_speculators(drafter, out, target_name=cfg.target, target_arch=list(hf_config.architectures or []),
-                                  k=cfg.eval.k, dtype=dtype, provenance=provenance)
-    if fmt == "sglang":
-        from export.sglang import export_sglang
-
-        return export_sglang(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
-    if fmt == "eagle":
-        from export.eagle1 import export_eagle1
-
-        return export_eagle1(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
-    if fmt == "medusa":
-        from export.medusa import export_medusa
-
-        return export_medusa(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
-    if fmt == "dflash":
-        from export.dflash import export_dflash
-
-        return export_dflash(drafter, out, target_name=cfg.target, dtype=dtype, provenance=provenance)
-    from export.mtp import export_mtp
-
-    target = Target.load(cfg.target, [])
     joint = any(k.startswith("target.") for k in state)
-    if joint:  # the trained target travels with its modules
-        target.model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})
-    return export_mtp(drafter, out, target_name=cfg.target, target_config=hf_config.to_dict(),
-                      embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
-                      dtype=dtype, provenance=provenance, target_model=target.model if joint else None)
+    target_model = None
+    if method == "mtp" or joint:  # MTP stores the target's embedding and head; joint runs the trained target
+        target_model = Target.load(cfg.target, []).model
+        if joint:
+            target_model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})
+    return write_export(drafter, fmt, out, method=method, target_name=cfg.target, hf_config=hf_config,
+                        target_model=target_model, joint=joint, k=cfg.eval.k, provenance=provenance,
+                        dtype=getattr(torch, dtype_name))
 
 
 def main(argv=None) -> int:

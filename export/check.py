@@ -215,14 +215,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
 
 def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> Check:
     """(d) Copies equal the target's, maps consistent, no all-zero tensor, flags written."""
-    from safetensors.torch import load_file
+    from export.io import target_embedding_and_head
 
     c = Check("d", "nothing random-initialised or defaulted")
-    target = {}
-    for f in sorted(Path(target_path).glob("*.safetensors")):
-        target.update({k: v for k, v in load_file(str(f)).items() if k in ("model.embed_tokens.weight", "lm_head.weight")})
-    embed = target.get("model.embed_tokens.weight")
-    head = target.get("lm_head.weight", embed)
+    embed, head = target_embedding_and_head(target_path)
     draft_ids = drafter.draft_ids()
     if not bool((draft_ids[1:] > draft_ids[:-1]).all()) or int(drafter.t2d.sum()) != draft_ids.numel() or not bool(drafter.t2d[draft_ids].all()):
         c.problems.append("d2t and t2d disagree (draft ids not ascending, or t2d does not mark exactly them)")

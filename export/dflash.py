@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.eagle1 import target_embedding_and_head
-from export.io import atomic_folder, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_json
 from models.dflash import DFlashConfig, DFlashDrafter
 
 NOT_STORED = ("embed_tokens.weight", "lm_head.weight")
@@ -76,16 +75,9 @@ def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
     drafter = DFlashDrafter(cfg)
     state = load_file(str(folder / "model.safetensors"))
     if cfg.draft_vocab_size == cfg.vocab_size:
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        state.update(full_vocab_maps(cfg.vocab_size))
+    check_tensors(state, drafter, folder, NOT_STORED)
     shapes = drafter.state_dict()
-    expected = {n for n in shapes if n not in NOT_STORED}
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise KeyError(f"{folder}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
-    for name, t in state.items():
-        if t.shape != shapes[name].shape:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
     embed, head = target_embedding_and_head(target)
     if embed.shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(f"target {target}: embedding of shape {tuple(embed.shape)}, the drafter needs ({cfg.vocab_size}, {cfg.hidden_size})")

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.io import atomic_folder, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_json
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 
 
@@ -48,26 +48,6 @@ def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
-def target_head(target: str) -> torch.Tensor:
-    """The target's output head [V, H] (its tied embedding when it has no separate head)."""
-    return target_embedding_and_head(target)[1]
-
-
-def target_embedding_and_head(target: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's input embedding and output head, each [V, H], read from its weights."""
-    from models.zoo import resolve_target
-
-    files = sorted(Path(resolve_target(target)).glob("*.safetensors"))
-    state = {}
-    for f in files:
-        state.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
-    embed = state.get("model.embed_tokens.weight")
-    head = state.get("lm_head.weight", embed)
-    if embed is None or head is None:
-        raise KeyError(f"target {target}: model.embed_tokens.weight (and lm_head.weight unless tied) not found")
-    return embed, head
-
-
 def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> Eagle1Drafter:
     """Read the layout back strictly; the head comes from the target (named in draftsmith.json
     unless given), restricted to the draft vocabulary."""
@@ -90,17 +70,10 @@ def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
     drafter = Eagle1Drafter(cfg)
     state = load_file(str(folder / "model.safetensors"))
     if cfg.draft_vocab_size == cfg.vocab_size:
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    expected = {n for n in drafter.state_dict() if n != "lm_head.weight"}
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise KeyError(f"{folder}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
+        state.update(full_vocab_maps(cfg.vocab_size))
+    check_tensors(state, drafter, folder, ("lm_head.weight",))
     shapes = drafter.state_dict()
-    for name, t in state.items():
-        if t.shape != shapes[name].shape:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
-    head = target_head(target)
+    _, head = target_embedding_and_head(target)
     if head.shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(f"target {target}: head of shape {tuple(head.shape)}, the drafter needs ({cfg.vocab_size}, {cfg.hidden_size})")
     drafter.load_state_dict({**state, "lm_head.weight": torch.zeros_like(shapes["lm_head.weight"])}, strict=True)

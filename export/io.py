@@ -52,3 +52,39 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+def full_vocab_maps(vocab_size: int) -> dict:
+    """d2t / t2d of a draft vocabulary equal to the target's (layouts omit them then)."""
+    import torch
+
+    return {"d2t": torch.zeros(vocab_size, dtype=torch.long), "t2d": torch.ones(vocab_size, dtype=torch.bool)}
+
+
+def check_tensors(state: dict, module, source, not_stored=()) -> None:
+    """Strict reading: every tensor of `module` (but `not_stored`) present in `state` with its
+    shape, nothing else; an error naming the tensor otherwise."""
+    shapes = {n: t.shape for n, t in module.state_dict().items() if n not in not_stored}
+    missing, unexpected = set(shapes) - set(state), set(state) - set(shapes)
+    if missing or unexpected:
+        raise KeyError(f"{source}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
+    for name, t in state.items():
+        if t.shape != shapes[name]:
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
+
+
+def target_embedding_and_head(target: str):
+    """The target's input embedding and output head, each [V, H], read from its weights (the
+    head is the embedding when they are tied)."""
+    from safetensors.torch import load_file
+
+    from models.zoo import resolve_target
+
+    state = {}
+    for f in sorted(Path(resolve_target(target)).glob("*.safetensors")):
+        state.update({k: v for k, v in load_file(str(f)).items() if k in ("lm_head.weight", "model.embed_tokens.weight")})
+    embed = state.get("model.embed_tokens.weight")
+    head = state.get("lm_head.weight", embed)
+    if embed is None or head is None:
+        raise KeyError(f"target {target}: model.embed_tokens.weight (and lm_head.weight unless tied) not found")
+    return embed, head

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.io import atomic_folder, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
 from models.mtp import MTPConfig, MTPDrafter
 
 MODULE_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -95,15 +95,11 @@ def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32) -> MTPDraft
     if cfg.draft_vocab_size < cfg.vocab_size:
         ours["d2t"], ours["t2d"] = state["d2t"], state["t2d"]
     else:
-        ours["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        ours["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        ours.update(full_vocab_maps(cfg.vocab_size))
     embed, head = state[f"model.layers.{L}.embed_tokens.weight"], state[f"model.layers.{L}.shared_head.head.weight"]
     ours["embed_tokens.weight"] = embed
     ours["lm_head.weight"] = torch.zeros(cfg.draft_vocab_size, cfg.hidden_size, dtype=head.dtype)
-    shapes = drafter.state_dict()
-    for name, t in ours.items():
-        if t.shape != shapes[name].shape:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name].shape)}")
+    check_tensors(ours, drafter, folder)
     drafter.load_state_dict(ours, strict=True)
     with torch.no_grad():
         drafter.lm_head.weight.copy_(head[drafter.draft_ids()])

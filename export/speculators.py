@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from export.io import atomic_folder, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 
 SPECULATORS_VERSION = "0.2.0"
@@ -97,14 +97,7 @@ def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32) -> 
     drafter = Eagle3Drafter(cfg)
     state = load_file(str(folder / "model.safetensors"))
     if cfg.draft_vocab_size == cfg.vocab_size:
-        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
-    expected = drafter.state_dict()
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-    if missing or unexpected:
-        raise KeyError(f"{folder}: missing tensors {sorted(missing)}, unexpected tensors {sorted(unexpected)}")
-    for name, t in state.items():
-        if t.shape != expected[name].shape:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(expected[name].shape)}")
+        state.update(full_vocab_maps(cfg.vocab_size))
+    check_tensors(state, drafter, folder)
     drafter.load_state_dict(state, strict=True)
     return drafter.to(dtype) if dtype is not None else drafter

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels import use_kernel
+from kernels.rejection_sample import inverse_cdf
 
 try:
     import triton
@@ -25,21 +26,13 @@ except ImportError:
     triton = None
 
 
-def _inverse_cdf(source, u):
-    cdf = source.cumsum(-1)
-    goal = u[:, None] * cdf[:, -1:]
-    idx = (cdf > goal).long().argmax(-1)
-    last_nonzero = (source > 0).long().cumsum(-1).argmax(-1)
-    return torch.where((cdf > goal).any(-1), idx, last_nonzero)
-
-
 def block_sample_reference(drafts, draft_probs, target_probs, eta, u_sample):
     B, k = drafts.shape
     p = target_probs.float()
     dev = drafts.device
     rows = torch.arange(B, device=dev)
     if k == 0:
-        return torch.zeros(B, dtype=torch.long, device=dev), _inverse_cdf(p[:, 0], u_sample)
+        return torch.zeros(B, dtype=torch.long, device=dev), inverse_cdf(p[:, 0], u_sample)
     valid = drafts >= 0
     length = valid.long().cumprod(1).sum(1)
     d = drafts.clamp_min(0)
@@ -63,7 +56,7 @@ def block_sample_reference(drafts, draft_probs, target_probs, eta, u_sample):
     res = residual[rows, tau.clamp_max(k - 1)]
     res = torch.where(res.sum(-1, keepdim=True) > 0, res, p[rows, tau])
     source = torch.where((tau == length)[:, None], p[rows, tau], res)
-    return tau, _inverse_cdf(source, u_sample)
+    return tau, inverse_cdf(source, u_sample)
 
 
 if triton is not None:

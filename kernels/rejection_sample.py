@@ -55,13 +55,17 @@ def rejection_sample_reference(drafts, draft_probs, target_probs, u_accept, u_sa
         accepted = ok.long().cumprod(1).sum(1)
     else:
         accepted = torch.zeros(B, dtype=torch.long, device=drafts.device)
-    source = _source(drafts, draft_probs, target_probs, accepted)
+    return accepted, inverse_cdf(_source(drafts, draft_probs, target_probs, accepted), u_sample)
+
+
+def inverse_cdf(source, u):
+    """[B,V] unnormalised masses, u [B] → the first index whose running mass exceeds u * total
+    (the last nonzero one when rounding puts u * total at the very end)."""
     cdf = source.cumsum(-1)
-    target = u_sample[:, None] * cdf[:, -1:]
-    idx = (cdf > target).long().argmax(-1)  # first index past the drawn mass
-    last_nonzero = (source > 0).long().cumsum(-1).argmax(-1)  # rounding guard: u * total == total
-    idx = torch.where((cdf > target).any(-1), idx, last_nonzero)
-    return accepted, idx
+    goal = u[:, None] * cdf[:, -1:]
+    idx = (cdf > goal).long().argmax(-1)
+    last_nonzero = (source > 0).long().cumsum(-1).argmax(-1)
+    return torch.where((cdf > goal).any(-1), idx, last_nonzero)
 
 
 if triton is not None:

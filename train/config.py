@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from export.formats import FORMATS
+
 
 class ConfigError(ValueError):
     pass
@@ -262,8 +264,8 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-METHODS = ("eagle3", "eagle1", "medusa", "mtp", "dflash")
-EXPORT_FORMATS = {"eagle3": "speculators", "eagle1": "eagle", "medusa": "medusa", "mtp": "mtp", "dflash": "dflash"}
+METHODS = tuple(FORMATS)
+EXPORT_FORMATS = {method: layouts[0] for method, layouts in FORMATS.items()}  # the method's own layout
 
 
 def validate(cfg: RunConfig):

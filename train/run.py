@@ -121,11 +121,8 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
     from data.module import ChatDataModule
     from export.io import atomic_write_json
-    from export.eagle1 import export_eagle1
-    from export.dflash import export_dflash
-    from export.medusa import export_medusa
-    from export.mtp import export_mtp
-    from export.speculators import export_speculators
+    from export.formats import write_export
+    from train.config import EXPORT_FORMATS
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
@@ -203,20 +200,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
-        joint_target = target.model if cfg.objective.joint else None  # the trained target travels with it
-        if cfg.drafter.method == "medusa":
-            export_medusa(module.drafter, export_dir, target_name=cfg.target, provenance=provenance, target_model=joint_target)
-        elif cfg.drafter.method == "dflash":
-            export_dflash(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
-        elif cfg.drafter.method == "mtp":
-            export_mtp(module.drafter, export_dir, target_name=cfg.target, target_config=hf_config.to_dict(),
-                       embed=target.model.get_input_embeddings().weight, head=target.model.get_output_embeddings().weight,
-                       provenance=provenance, target_model=joint_target)
-        elif cfg.drafter.method == "eagle1":
-            export_eagle1(module.drafter, export_dir, target_name=cfg.target, provenance=provenance)
-        else:
-            export_speculators(module.drafter, export_dir, target_name=cfg.target,
-                               target_arch=list(hf_config.architectures or []), k=cfg.eval.k, provenance=provenance)
+        fmt = EXPORT_FORMATS[cfg.drafter.method] if cfg.export_format == "auto" else cfg.export_format
+        write_export(module.drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
+                     hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
+                     provenance=provenance)
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}")
