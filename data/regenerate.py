@@ -9,6 +9,12 @@ every conversation in the batch, then turn r+1 after those answers). A conversat
 the first turn whose prompt plus answer budget no longer fits --max-length (training truncates
 there anyway) or whose answer hit --max-new-tokens without ending; it keeps the turns before.
 
+Repetition loops: a small target decoding greedily often falls into a loop (the same sentence
+over and over) until the token budget cuts it. Left in, such answers teach nothing a drafter
+needs and make held-out acceptance look far better than serving will see (every drafter is
+right inside a loop). By default an answer cut at the budget that ends in a loop keeps one copy
+of the repeated unit and ends there (`--keep-loops` keeps them whole); the summary counts them.
+
 Output: OUT/conversations.jsonl, one line per source conversation in source order:
 {"id", "messages", "regenerated_turns", "truncated"} or {"id", "skipped": reason}. Lines are
 appended and flushed after each batch; re-running skips finished ids, and a line cut by an
@@ -58,11 +64,33 @@ def check_settings(out: Path, settings: dict):
         os.replace(tmp, path)
 
 
+def loop_start(ids: list[int], max_period: int = 256, min_repeat_tokens: int = 32) -> int | None:
+    """Where a trailing repetition loop begins: the smallest i such that ids[i:] repeats one unit
+    of P <= max_period tokens (ids[j] == ids[j - P] for every j >= i + P) at least twice over and
+    for at least min_repeat_tokens past the first copy. Returns i + P (the end of the first copy,
+    where the answer should stop), or None when the answer does not end in a loop."""
+    import numpy as np
+
+    a = np.asarray(ids)
+    n = len(a)
+    best = None
+    for period in range(1, min(max_period, n // 2) + 1):
+        same = a[period:] == a[:-period]  # same[j - P]: ids[j] == ids[j - P]
+        mismatch = np.flatnonzero(~same)
+        run = len(same) - (mismatch[-1] + 1 if len(mismatch) else 0)  # trailing repeats
+        if run >= max(period, min_repeat_tokens):
+            end_of_first_copy = n - run  # ids[n-run:] repeats ids[n-run-P : n-run]
+            if best is None or end_of_first_copy < best:
+                best = end_of_first_copy
+    return best
+
+
 def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, max_length: int,
-                     generate_fn=None) -> tuple[list[dict], int]:
+                     generate_fn=None, keep_loops: bool = False) -> tuple[list[dict], int]:
     """Answer every assistant turn of these conversations, turn by turn, batched across them.
 
-    Returns (one output record per conversation, number of tokens generated)."""
+    Returns (one output record per conversation, number of tokens generated); a record whose
+    last answer was a loop cut to its first copy carries "loop_cut": tokens removed."""
     from data.chat import encode_prompt
     from inference.engine import generate
 
@@ -72,6 +100,7 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
     cursor = [0] * len(conversations)  # next source message to copy
     answered = [0] * len(conversations)
     truncated = [False] * len(conversations)
+    loop_cut = [0] * len(conversations)
     open_rows = list(range(len(conversations)))
     generated = 0
     while open_rows:
@@ -97,6 +126,10 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
         for i, ids in zip(rows, outputs):
             ended = bool(ids) and ids[-1] == eos
             generated += len(ids)
+            cut = None if ended or keep_loops else loop_start(ids)
+            if cut is not None:
+                loop_cut[i] = len(ids) - cut
+                ids = ids[:cut]
             text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True).strip()
             out[i].append({"role": "assistant", "content": text})
             cursor[i] += 1
@@ -113,13 +146,14 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
         if answered[i] == 0:
             records.append({"skipped": f"first prompt does not fit {max_length} tokens with {max_new_tokens} new"})
         else:
-            records.append({"messages": msgs, "regenerated_turns": answered[i], "truncated": truncated[i]})
+            records.append({"messages": msgs, "regenerated_turns": answered[i], "truncated": truncated[i],
+                            **({"loop_cut": loop_cut[i]} if loop_cut[i] else {})})
     return records, generated
 
 
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
-               device: str | None = None, generate_fn=None) -> dict:
+               device: str | None = None, generate_fn=None, keep_loops: bool = False) -> dict:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -130,13 +164,14 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
     out = Path(out)
     settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
-                "max_length": max_length, "decoding": "greedy"}
+                "max_length": max_length, "decoding": "greedy", "loops": "kept" if keep_loops else "cut to one copy"}
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
     conversations = load_conversations(dataset, limit)
     todo = [i for i in range(len(conversations)) if i not in finished]
-    summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0}
+    summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0,
+               "loops_cut": 0}
     if not todo:
         print(f"{path}: all {len(conversations)} conversations already regenerated")
         return summary
@@ -151,12 +186,13 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
         for start in range(0, len(todo), batch_size):
             ids = todo[start : start + batch_size]
             records, n = regenerate_batch(model, tokenizer, [conversations[i] for i in ids], max_new_tokens,
-                                          max_length, generate_fn)
+                                          max_length, generate_fn, keep_loops)
             f.write("".join(json.dumps({"id": i, **r}, ensure_ascii=False) + "\n" for i, r in zip(ids, records)))
             f.flush()
             os.fsync(f.fileno())
             summary["written"] += len(ids)
             summary["generated_tokens"] += n
+            summary["loops_cut"] += sum(1 for r in records if r.get("loop_cut"))
             bar.update(len(ids))
             bar.set_postfix(tok_s=f"{summary['generated_tokens'] / max(time.time() - t0, 1e-9):,.0f}")
             if max_minutes is not None and time.time() - t0 > 60 * max_minutes and start + batch_size < len(todo):
@@ -167,7 +203,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
                    complete=not stopped_early)
     left = len(todo) - summary["written"]
     print(f"wrote {summary['written']} conversations ({summary['generated_tokens']:,} tokens, "
-          f"{summary['tokens_per_s']:,.0f} tok/s) to {path}" + (f"; {left} left: run again to continue" if left else ""))
+          f"{summary['tokens_per_s']:,.0f} tok/s) to {path}; {summary['loops_cut']} answers ended in a repetition loop"
+          + (" (kept)" if keep_loops else " (cut to one copy)") + (f"; {left} left: run again to continue" if left else ""))
     return summary
 
 
@@ -181,6 +218,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=2048, help="stop a conversation once a turn would pass this")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
+    ap.add_argument("--keep-loops", action="store_true", help="keep answers that end in a repetition loop whole")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -195,7 +233,7 @@ def main(argv=None) -> int:
     batch = args.batch_size or (64 if (args.device or "").startswith("cuda") or _has_cuda() else 4)
     try:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
-                   args.max_length, args.max_minutes, args.device)
+                   args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops)
     except (DataError, AssetError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import use_kernel
+from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
+                                      grouped_attention_bias, grouped_cache_attention)
 from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
@@ -79,12 +82,6 @@ class KVCache(nn.Module):
         return self.k.shape[3]
 
 
-def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B,1,q,S] bool: a query at position p sees the cache keys at positions <= p."""
-    key_pos = torch.arange(max_len, device=positions.device)
-    return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-
-
 def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
     """Write k, v [B,nkv,q,d] at `positions` [B,q] into the caches [B,nkv,S,d], then attend.
 
@@ -97,28 +94,6 @@ def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
     v_cache.scatter_(2, index, v.to(v_cache.dtype))
     return F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=mask,
                                           enable_gqa=q.shape[1] != nkv)
-
-
-def grouped_attention_bias(positions: torch.Tensor, max_len: int, groups: int, dtype) -> torch.Tensor:
-    """[B,1,groups*q,S] additive mask (0 where key position <= query position, -inf after),
-    the rows repeated once per query head of a KV group (see `grouped_cache_attention`)."""
-    visible = cache_mask(positions, max_len)  # [B,1,q,S]
-    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
-    return bias.repeat(1, 1, groups, 1)
-
-
-def grouped_cache_attention(q, k_cache, v_cache, bias):
-    """q [B,nh,q,d] over the whole cache [B,nkv,S,d] with `grouped_attention_bias`.
-
-    The g = nh/nkv query heads that share a KV head are folded into its query length
-    ([B,nkv,g*q,d]), so one plain attention call serves grouped-query attention without
-    repeating the cache or falling back to the slow math path. Returns [B,q,nh*d], the
-    o_proj input (head h = kv*g + j, as transformers' repeat_kv orders them)."""
-    B, nh, n, d = q.shape
-    nkv = k_cache.shape[1]
-    g = nh // nkv
-    out = F.scaled_dot_product_attention(q.reshape(B, nkv, g * n, d), k_cache, v_cache, attn_mask=bias)
-    return out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4).reshape(B, n, nh * d)
 
 
 class Attention(nn.Module):
@@ -150,6 +125,8 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
                                                  enable_gqa=self.nh != self.nkv)
             out = out.transpose(1, 2).reshape(B, n, self.nh * self.d)
+        elif n <= DECODE_MAX_QUERIES:
+            out = decode_attention(q, k_cache, v_cache, positions, bias)
         else:
             out = grouped_cache_attention(q, k_cache, v_cache, bias)
         return self.o_proj(out)
@@ -280,7 +257,9 @@ class RuntimeModel(nn.Module):
         B, q = input_ids.shape
         cfg = self.config
         x = self.embed_tokens(input_ids)
-        bias = None if causal_prefill else grouped_attention_bias(
+        # the additive mask of the torch attention path, built once per forward (the decode
+        # kernel reads positions instead)
+        bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
             positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
         residual = None
         captured = {}

@@ -77,6 +77,33 @@ def test_convergence_with_and_without_the_kernel():
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("B,n,nh,nkv,d,S", [(1, 1, 9, 3, 64, 300), (33, 2, 4, 4, 16, 37), (3, 5, 6, 2, 80, 130)])
+def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d, S):
+    from kernels.decode_attention import decode_attention_reference, decode_attention_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B * n + d)
+    q = torch.randn(B, nh, n, d, device=device).to(dtype)
+    k_cache, v_cache = (torch.randn(B, nkv, S, d, device=device).to(dtype) for _ in range(2))
+    # ragged rows at their own positions; position 0 (one visible key) and the cache's last slot
+    start = torch.randint(0, S - n + 1, (B, 1), device=device)
+    start[0] = 0
+    start[-1] = S - n
+    positions = start + torch.arange(n, device=device)
+    ref = decode_attention_reference(q, k_cache, v_cache, positions)
+    got = decode_attention_triton(q, k_cache, v_cache, positions)
+    assert got.shape == ref.shape == (B, n, nh * d)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    # keys beyond a query's position are never read: poisoning them changes nothing
+    poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
+    beyond = torch.arange(S, device=device)[None, :] > positions.max(1, keepdim=True).values  # [B,S]
+    poisoned_k.transpose(1, 2)[beyond] = float("nan")
+    poisoned_v.transpose(1, 2)[beyond] = float("nan")
+    assert torch.equal(decode_attention_triton(q, poisoned_k, poisoned_v, positions), got)
+
+
+@needs_triton_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,k,V", [(1, 1, 7), (33, 4, 1000), (3, 7, 4099), (5, 0, 50)])
 def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):

@@ -78,3 +78,36 @@ def test_resume_with_other_settings_and_bad_input_are_one_line_errors(tmp_path):
     assert res.returncode == 2 and "max_new_tokens" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(cmd[:5] + ["no-such-data", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "no-such-data" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_loop_start_finds_the_end_of_the_first_copy_of_a_trailing_loop():
+    from data.regenerate import loop_start
+
+    prose = list(range(1000, 1050))
+    assert loop_start(prose + [7, 8, 9] * 40) == 53  # unit [7, 8, 9] from 50: keep one copy
+    assert loop_start(prose + [5] * 60) == 51
+    assert loop_start(prose + list(range(100, 160)) * 3) == 110  # a 60-token sentence, 3 times
+    assert loop_start(list(range(300))) is None  # no repetition
+    assert loop_start(prose + [7, 8, 9] * 40 + [1, 2, 3]) is None  # the loop was left: not a trailing loop
+    assert loop_start(prose + [7, 8] * 10) is None  # 20 repeated tokens: shorter than min_repeat_tokens
+
+
+def test_an_answer_cut_in_a_loop_keeps_one_copy_and_ends_the_conversation(tokenizer):
+    from data.regenerate import regenerate_batch
+
+    unit = tokenizer.encode(" I like tea.", add_special_tokens=False)
+    looping = tokenizer.encode("Sure.", add_special_tokens=False) + unit * 30
+    convs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "x"},
+              {"role": "user", "content": "more"}, {"role": "assistant", "content": "y"}]]
+
+    def fake_generate(model, prompts, max_new_tokens, eos_ids=()):
+        return [looping[:max_new_tokens] for _ in prompts], None
+
+    kept, _ = regenerate_batch(None, tokenizer, convs, len(looping), 4096, fake_generate, keep_loops=True)
+    cut, _ = regenerate_batch(None, tokenizer, convs, len(looping), 4096, fake_generate)
+    assert kept[0]["messages"][-1]["content"].count("I like tea.") == 30 and "loop_cut" not in kept[0]
+    # one copy kept (where the periodic tail begins may shift by a token: ". I like tea" repeats too)
+    answer = cut[0]["messages"][-1]["content"]
+    assert answer.startswith("Sure. I like tea") and answer.count("I like tea") == 1
+    assert 29 * len(unit) <= cut[0]["loop_cut"] <= 29 * len(unit) + 1
+    assert cut[0]["truncated"] and cut[0]["regenerated_turns"] == 1  # the second turn is not asked

@@ -1,0 +1,131 @@
+"""Attention of a few query tokens per row over a static KV cache (decode and verify steps).
+
+    q [B,nh,n,d] (rotated, from rope_cache), k_cache / v_cache [B,nkv,S,d], positions [B,n]
+    → [B,n,nh*d], the o_proj input; a query at position p sees its row's keys at positions <= p
+
+Why a kernel: the torch form is one SDPA call over the whole cache with an additive mask. On an
+H200 that launches a flash kernel tiled for long queries, plus a mask, a memset and a copy back
+into o_proj's layout; at batch 1 it was ~14 us of a ~44 us decode layer (scripts/profile_decode.py,
+BENCHMARKS.md). Here one program per (query token, query head) walks only the keys it may see,
+with an online softmax in float32, and writes straight into o_proj's layout.
+
+No split over the cache length: fine for the short contexts of decode (a few hundred to a few
+thousand keys); a long-context flash-decoding split would add a second reduction launch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import use_kernel
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+# The runtime uses this path for steps of at most this many query tokens per row (decode,
+# verify); longer chunks go through the flash SDPA, which reuses each key tile across queries.
+DECODE_MAX_QUERIES = 16
+
+
+def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B,1,q,S] bool: a query at position p sees the cache keys at positions <= p."""
+    key_pos = torch.arange(max_len, device=positions.device)
+    return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+
+
+def grouped_attention_bias(positions: torch.Tensor, max_len: int, groups: int, dtype) -> torch.Tensor:
+    """[B,1,groups*q,S] additive mask (0 where key position <= query position, -inf after),
+    the rows repeated once per query head of a KV group (see `grouped_cache_attention`)."""
+    visible = cache_mask(positions, max_len)  # [B,1,q,S]
+    bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
+    return bias.repeat(1, 1, groups, 1)
+
+
+def grouped_cache_attention(q, k_cache, v_cache, bias):
+    """q [B,nh,q,d] over the whole cache [B,nkv,S,d] with `grouped_attention_bias`.
+
+    The g = nh/nkv query heads that share a KV head are folded into its query length
+    ([B,nkv,g*q,d]), so one plain attention call serves grouped-query attention without
+    repeating the cache or falling back to the slow math path. Returns [B,q,nh*d], the
+    o_proj input (head h = kv*g + j, as transformers' repeat_kv orders them)."""
+    B, nh, n, d = q.shape
+    nkv = k_cache.shape[1]
+    g = nh // nkv
+    out = F.scaled_dot_product_attention(q.reshape(B, nkv, g * n, d), k_cache, v_cache, attn_mask=bias)
+    return out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4).reshape(B, n, nh * d)
+
+
+def decode_attention_reference(q, k_cache, v_cache, positions, bias=None):
+    """The torch form; `bias` (from grouped_attention_bias) may be passed in to build it once per
+    forward instead of once per layer."""
+    if bias is None:
+        bias = grouped_attention_bias(positions, k_cache.shape[2], q.shape[1] // k_cache.shape[1], q.dtype)
+    return grouped_cache_attention(q, k_cache, v_cache, bias)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, n, G, scale,
+                                 stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs, stride_ot,
+                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)  # b * n + t
+        head = tl.program_id(1)
+        b = token // n
+        t = token % n
+        kv = head // G
+        pos = tl.load(pos_ptr + token)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < D
+        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t * stride_qt + dims, mask=dim_ok, other=0.0)
+        q = q.to(tl.float32) * scale
+        k_base = k_ptr + b * stride_cb + kv * stride_ch
+        v_base = v_ptr + b * stride_cb + kv * stride_ch
+        m = tl.full((), float("-inf"), tl.float32)  # running max of the scores
+        l = tl.zeros((), tl.float32)  # running sum of exp(score - m)
+        acc = tl.zeros((BLOCK_D,), tl.float32)  # running sum of exp(score - m) * v
+        for start in range(0, pos + 1, BLOCK_S):
+            keys = start + tl.arange(0, BLOCK_S)
+            visible = keys <= pos
+            offs = keys[:, None] * stride_cs + dims[None, :]
+            both = visible[:, None] & dim_ok[None, :]
+            k = tl.load(k_base + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+            s = tl.sum(k * q[None, :], 1)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 0))
+            p = tl.exp(s - m_new)
+            correction = tl.exp(m - m_new)
+            v = tl.load(v_base + offs, mask=both, other=0.0).to(tl.float32)
+            acc = acc * correction + tl.sum(p[:, None] * v, 0)
+            l = l * correction + tl.sum(p, 0)
+            m = m_new
+        out = acc / l
+        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def decode_attention_triton(q, k_cache, v_cache, positions, bias=None):
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    B, nh, n, d = q.shape
+    nkv = k_cache.shape[1]
+    if nh % nkv or k_cache.shape[-1] != d or k_cache.shape[0] != B:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
+    positions = positions.reshape(B * n).contiguous()
+    out = torch.empty(B, n, nh * d, dtype=q.dtype, device=q.device)
+    if B * n:
+        _decode_attention_kernel[(B * n, nh)](
+            q, k_cache, v_cache, positions, out, n, nh // nkv, d ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=128)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, positions, bias=None):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    fn = decode_attention_triton if use_kernel(q) else decode_attention_reference
+    return fn(q, k_cache, v_cache, positions, bias)
