@@ -235,8 +235,12 @@ class RuntimeModel(nn.Module):
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        return model.to(device=device, dtype=dtype).eval()
+        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # off the meta device
+        model = model.to(device=device, dtype=dtype).eval()
+        # RoPE frequencies stay float32 whatever the weights' dtype: bf16-rounded frequencies
+        # drift the rotation at large positions (and the kernel would cast them every layer)
+        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        return model
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight

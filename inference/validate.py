@@ -59,8 +59,11 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[
 
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
-            seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard"):
-    """Serve every question turn by turn; returns per-answer records with histograms."""
+            seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
+            make_proposer=None):
+    """Serve every question turn by turn; returns per-answer records with histograms.
+
+    make_proposer(prompt) → proposer replaces the drafter (the reference rows: n-gram, suffix)."""
     import torch
     from tqdm import tqdm
 
@@ -77,7 +80,8 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
         for turn, text in enumerate(q["turns"][:max_turns]):
             messages.append({"role": "user", "content": text})
             prompt = encode_prompt(tokenizer, messages)
-            proposer = drafter_proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), rt.config)
+            proposer = (make_proposer(prompt) if make_proposer else
+                        drafter_proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), rt.config))
             outs, stats = generate(rt, [prompt], max_new_tokens, proposer=proposer, eos_ids=(eos,),
                                    temperature=temperature, generator=generator, verification=verification)
             answer = outs[0]
@@ -167,8 +171,20 @@ def _write_markdown(report: dict, out: Path):
           f"- replayed tau (training's predictor on the served answers): {r['tau']:.3f}", "",
           "## Why", "", *[f"- {line}" for line in report["diagnosis"]], "",
           "## Per position", "", *rows, "", "## Per category and turn", "", *cats, *turns, "",
+          *_reference_rows(report),
           "Charts: acceptance_per_position.png, tau_per_category.png, accepted_lengths.png.", ""]
     (out / "report.md").write_text("\n".join(md))
+
+
+def _reference_rows(report: dict) -> list[str]:
+    refs = report.get("references") or {}
+    if not refs:
+        return []
+    m = report["measured"]
+    rows = ["## Reference proposers on the same prompts", "", "| proposer | tau | tokens/s |", "|---|---|---|",
+            f"| this drafter | {m['tau']:.3f} | {m['tokens_per_s']:,.1f} |"]
+    rows += [f"| {name} | {r['tau']:.3f} | {r['tokens_per_s']:,.1f} |" for name, r in refs.items()]
+    return rows + [""]
 
 
 def _charts(report: dict, out: Path):
@@ -219,7 +235,8 @@ def _charts(report: dict, out: Path):
 def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int | None = None,
              temperature: float = 0.0, tolerance: float = 0.1, num_prompts: int | None = None,
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
-             anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard") -> dict:
+             anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
+             references_to_run: tuple[str, ...] = ()) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -262,6 +279,17 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         by_turn[r["turn"]] += h
     measured = acceptance_from_histogram(total)
     measured["tokens_per_s"] = sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+    references = {}
+    for name in references_to_run:
+        from inference.proposers import NgramProposer, SuffixProposer
+
+        suffix = SuffixProposer(k)  # one per run: its global cache of earlier answers grows question by question
+        make = (lambda p: NgramProposer(k)) if name == "ngram" else (lambda p: suffix)
+        ref = measure(rt, tokenizer, None, questions, k, max_new_tokens, temperature, max_turns=max_turns,
+                      progress=progress, verification=verification, make_proposer=make)
+        references[name] = acceptance_from_histogram(sum((torch.as_tensor(r["histogram"]) for r in ref),
+                                                         torch.zeros(k + 1, dtype=torch.long)))
+        references[name]["tokens_per_s"] = sum(r["new_tokens"] for r in ref) / max(sum(r["seconds"] for r in ref), 1e-9)
 
     del rt
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
@@ -279,6 +307,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
         "per_category": per_category, "per_turn": {t: acceptance_from_histogram(h) for t, h in by_turn.items()},
         "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
+        "references": references,
     }
     report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance)
     write_report(report, Path(out))
@@ -298,6 +327,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-prompts", type=int, default=None)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--max-turns", type=int, default=None)
+    ap.add_argument("--reference", action="append", choices=["ngram", "suffix"], default=[],
+                    help="also serve the same prompts with this proposer (repeatable): reference rows")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="validation")
     args = ap.parse_args(argv)
@@ -310,7 +341,7 @@ def main(argv=None) -> int:
     try:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
-                          verification=args.verification)
+                          verification=args.verification, references_to_run=tuple(args.reference))
     except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -319,6 +350,8 @@ def main(argv=None) -> int:
           f"{'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
     for line in report["diagnosis"]:
         print("  " + line)
+    for name, r in report["references"].items():
+        print(f"  reference {name}: tau {r['tau']:.3f}, {r['tokens_per_s']:,.1f} tokens/s on the same prompts")
     return 0 if report["pass"] else 1
 
 

@@ -6,11 +6,8 @@
 Why a kernel: the torch form is one SDPA call over the whole cache with an additive mask. On an
 H200 that launches a flash kernel tiled for long queries, plus a mask, a memset and a copy back
 into o_proj's layout; at batch 1 it was ~14 us of a ~44 us decode layer (scripts/profile_decode.py,
-BENCHMARKS.md). Here one program per (query token, query head) walks only the keys it may see,
-with an online softmax in float32, and writes straight into o_proj's layout.
-
-No split over the cache length: fine for the short contexts of decode (a few hundred to a few
-thousand keys); a long-context flash-decoding split would add a second reduction launch.
+BENCHMARKS.md). Here chunks of the cache are scored in parallel (only chunks a query may see do
+any work) and merged by a second launch that writes straight into o_proj's layout, in float32.
 """
 from __future__ import annotations
 
@@ -69,59 +66,87 @@ def decode_attention_reference(q, k_cache, v_cache, positions, bias=None):
 if triton is not None:
 
     @triton.jit
-    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, n, G, scale,
-                                 stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs, stride_ot,
-                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, n, G, scale,
+                                  stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+                                  D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
+                                  BLOCK_SPLITS: tl.constexpr):
+        """One (query token, query head, chunk of CHUNK cache positions): softmax statistics of
+        the chunk's visible keys. Chunks wholly beyond the query's position do nothing."""
         token = tl.program_id(0).to(tl.int64)  # b * n + t
         head = tl.program_id(1)
-        b = token // n
-        t = token % n
-        kv = head // G
+        split = tl.program_id(2)
         pos = tl.load(pos_ptr + token)
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < D
-        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t * stride_qt + dims, mask=dim_ok, other=0.0)
-        q = q.to(tl.float32) * scale
-        k_base = k_ptr + b * stride_cb + kv * stride_ch
-        v_base = v_ptr + b * stride_cb + kv * stride_ch
-        m = tl.full((), float("-inf"), tl.float32)  # running max of the scores
-        l = tl.zeros((), tl.float32)  # running sum of exp(score - m)
-        acc = tl.zeros((BLOCK_D,), tl.float32)  # running sum of exp(score - m) * v
-        for start in range(0, pos + 1, BLOCK_S):
-            keys = start + tl.arange(0, BLOCK_S)
+        if split * CHUNK <= pos:
+            b = token // n
+            t = token % n
+            kv = head // G
+            dims = tl.arange(0, BLOCK_D)
+            dim_ok = dims < D
+            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t * stride_qt + dims, mask=dim_ok, other=0.0)
+            q = q.to(tl.float32) * scale
+            keys = split * CHUNK + tl.arange(0, CHUNK)
             visible = keys <= pos
-            offs = keys[:, None] * stride_cs + dims[None, :]
+            offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
             both = visible[:, None] & dim_ok[None, :]
-            k = tl.load(k_base + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
-            s = tl.sum(k * q[None, :], 1)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            correction = tl.exp(m - m_new)
-            v = tl.load(v_base + offs, mask=both, other=0.0).to(tl.float32)
-            acc = acc * correction + tl.sum(p[:, None] * v, 0)
-            l = l * correction + tl.sum(p, 0)
-            m = m_new
-        out = acc / l
-        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+            k = tl.load(k_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
+            v = tl.load(v_ptr + offs, mask=both, other=0.0).to(tl.float32)
+            s = tl.where(visible, tl.sum(k * q[None, :], 1), float("-inf"))
+            m = tl.max(s, 0)
+            p = tl.exp(s - m)
+            slot = (token * tl.num_programs(1) + head) * BLOCK_SPLITS + split
+            tl.store(m_ptr + slot, m)
+            tl.store(l_ptr + slot, tl.sum(p, 0))
+            tl.store(acc_ptr + slot * BLOCK_D + dims, tl.sum(p[:, None] * v, 0))
+
+    @triton.jit
+    def _combine_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot,
+                        D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+        """One (query token, query head): merge the chunks' statistics into the attention output."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        splits = tl.cdiv(tl.load(pos_ptr + token) + 1, CHUNK)  # the chunks that hold visible keys
+        base = (token * tl.num_programs(1) + head) * BLOCK_SPLITS
+        j = tl.arange(0, BLOCK_SPLITS)
+        used = j < splits
+        m = tl.load(m_ptr + base + j, mask=used, other=float("-inf"))
+        w = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)  # [BLOCK_SPLITS] rescaling of each chunk
+        l = tl.sum(w * tl.load(l_ptr + base + j, mask=used, other=0.0), 0)
+        dims = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + (base + j)[:, None] * BLOCK_D + dims[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, 0) / l
+        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
 def decode_attention_triton(q, k_cache, v_cache, positions, bias=None):
+    """Split over the cache length (flash-decoding): at batch 1 a decode step has only nh
+    (token, head) pairs, too few programs to keep the GPU's memory system busy, so each pair's
+    keys are cut into chunks handled in parallel, then merged by a second small launch."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, n, d = q.shape
-    nkv = k_cache.shape[1]
+    nkv, S = k_cache.shape[1], k_cache.shape[2]
     if nh % nkv or k_cache.shape[-1] != d or k_cache.shape[0] != B:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
     positions = positions.reshape(B * n).contiguous()
     out = torch.empty(B, n, nh * d, dtype=q.dtype, device=q.device)
-    if B * n:
-        _decode_attention_kernel[(B * n, nh)](
-            q, k_cache, v_cache, positions, out, n, nh // nkv, d ** -0.5,
-            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            out.stride(1), D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=128)
+    if not B * n:
+        return out
+    chunk = max(32, triton.next_power_of_2(triton.cdiv(S, 64)))  # at most 64 chunks per query
+    splits = triton.cdiv(S, chunk)
+    block_splits, block_d = triton.next_power_of_2(splits), triton.next_power_of_2(d)
+    # per (token, head, chunk) statistics, laid out with block_splits slots so that the merge
+    # reads one power-of-two tile; slots past a query's last visible chunk are never read
+    m = torch.empty(B * n * nh * block_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * n * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
+    _partial_attention_kernel[(B * n, nh, splits)](
+        q, k_cache, v_cache, positions, m, l, acc, n, nh // nkv, d ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
+    _combine_kernel[(B * n, nh)](positions, m, l, acc, out, out.stride(1),
+                                 D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
     return out
 
 

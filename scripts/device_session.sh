@@ -66,7 +66,8 @@ validate)
   # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
   v() { name=$1; shift; python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export --dataset mt-bench \
         --num-prompts 20 --max-new-tokens 256 --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
-  for n in eagle3 eagle3-orig dflash medusa1 mtp eagle1 mtp-joint; do v $n & done
+  v eagle3 --reference ngram --reference suffix &
+  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do v $n & done
   v eagle3@t1-standard --temperature 1 --verification standard &
   v eagle3@t1-block --temperature 1 --verification block &
   v dflash@t1-standard --temperature 1 --verification standard &

@@ -26,7 +26,7 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
     out = tmp_path / "report"
     cmd = [sys.executable, "-m", "inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench",
            "--num-prompts", "3", "--max-new-tokens", "12", "--out", str(out), "--tolerance", "100"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(cmd + ["--reference", "ngram", "--reference", "suffix"], capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "PASS" in res.stdout
     for name in ("report.json", "report.md", "acceptance_per_position.png", "tau_per_category.png", "accepted_lengths.png"):
@@ -36,6 +36,10 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
     assert set(report["per_turn"]) == {"1", "2"}
     assert report["measured"]["num_chains"] > 0 and len(report["measured"]["a"]) == report["k"] == 3
     assert report["replay_answers"]["num_chains"] > 0 and report["diagnosis"]
+    # reference rows: the same prompts served by n-gram and suffix decoding, same k
+    assert set(report["references"]) == {"ngram", "suffix"}
+    assert all(r["num_chains"] > 0 and len(r["a"]) == 3 for r in report["references"].values())
+    assert "| suffix |" in (out / "report.md").read_text() and "reference ngram: tau" in res.stdout
     predicted = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
     assert report["predicted"]["tau"] == pytest.approx(predicted["tau"])
 
