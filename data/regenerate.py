@@ -82,7 +82,7 @@ def loop_start(ids: list[int], max_period: int = 256, min_repeat_tokens: int = 3
             end_of_first_copy = n - run  # ids[n-run:] repeats ids[n-run-P : n-run]
             if best is None or end_of_first_copy < best:
                 best = end_of_first_copy
-    return best
+    return None if best is None else int(best)
 
 
 def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, max_length: int,

@@ -41,6 +41,7 @@ part2)
   cp /tmp/regen/regenerate.json $R/ 2>/dev/null
   for spec in $RUNS; do
     IFS=: read recipe name data <<< "$spec"
+    pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
     if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
     setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
       "trainer.max_time=00:00:$(printf %02d "$minutes"):00" trainer.enable_progress_bar=false data.num_workers=1 \
@@ -59,6 +60,27 @@ wait)
   ;;
 bench)
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -25
+  collect
+  ;;
+final)
+  # the last call of a session: stop what is still training, bench alone, then validate in the time left
+  t0=$SECONDS
+  while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
+  pkill -f "python3 -m train"; sleep 3
+  collect
+  python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -14
+  collect
+  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-10} --max-new-tokens 256)
+  vt() { name=$1; shift; timeout ${VAL_SECONDS:-170} python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export "${V[@]}" \
+         --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
+  vt eagle3 --reference ngram --reference suffix &
+  for n in eagle3-orig dflash medusa1 mtp eagle1; do vt $n & done
+  vt eagle3@t1-standard --temperature 1 --verification standard &
+  vt eagle3@t1-block --temperature 1 --verification block &
+  vt dflash@t1-standard --temperature 1 --verification standard &
+  vt dflash@t1-block --temperature 1 --verification block &
+  wait
+  for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
   collect
   ;;
 validate)
