@@ -115,6 +115,9 @@ def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
         for flag in ("norm_before_residual", "norm_before_fc"):
             if config.get(flag) != cfg[flag]:
                 c.problems.append(f"{flag}: config.json says {config.get(flag)}, the trained drafter {cfg[flag]}")
+        for flag in ("norm_output", "fc_norm"):  # draftsmith feeds the pre-norm output on, one norm before fc at most
+            if config.get(flag) is not False:
+                c.problems.append(f"{flag}: config.json says {config.get(flag)}, draftsmith's EAGLE-3 computes it as false")
         layer = config.get("transformer_layer_config", {})
         expect.update(target_hidden_size=target_config.hidden_size)
         theta = layer.get("rope_theta")
@@ -131,6 +134,20 @@ def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
             c.problems.append(f"modules stored after layer {config.get('num_hidden_layers')}, the target has {L} layers")
         expect.update(hidden_size=target_config.hidden_size)
         theta = _theta(config)
+    elif method == "dflash" and meta.get("format") == "speculators":
+        ids = config.get("aux_hidden_state_layer_ids")
+        if ids != [i + 1 for i in cfg["target_layer_ids"]] or max(ids or [0]) > L:
+            c.problems.append(f"aux_hidden_state_layer_ids {ids} != output-of-layer ids {cfg['target_layer_ids']} + 1 (<= {L})")
+        for key in ("mask_token_id", "block_size", "draft_vocab_size"):
+            if config.get(key) != cfg[key]:
+                c.problems.append(f"{key} {config.get(key)} != trained {cfg[key]}")
+        layer = config.get("transformer_layer_config") or {}
+        if layer.get("num_hidden_layers") != cfg["num_layers"]:
+            c.problems.append(f"transformer_layer_config.num_hidden_layers {layer.get('num_hidden_layers')} != {cfg['num_layers']} draft layers")
+        if config.get("sample_from_anchor") is not False:
+            c.problems.append("sample_from_anchor must be false: the anchor is the verified token, B-1 drafts")
+        expect.update(hidden_size=target_config.hidden_size)
+        theta = layer.get("rope_theta")
     elif method == "dflash":
         if config.get("num_target_layers") != L:
             c.problems.append(f"num_target_layers {config.get('num_target_layers')} != the target's {L}")
@@ -188,7 +205,8 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(export_dtype, torch.float32)
     # the export's tensors went through its dtype; EAGLE-1's head is not stored (the reader
     # takes the target's at full precision)
-    kept = {"eagle1": {"lm_head.weight"}, "dflash": {"lm_head.weight", "embed_tokens.weight"}}.get(meta["method"], set())
+    kept = {"eagle1": {"lm_head.weight"},
+            "dflash": {"embed_tokens.weight"} | ({"lm_head.weight"} - set(names))}.get(meta["method"], set())
     state = {k: (v.to(dtype).float() if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
     reference.load_state_dict(state, strict=True)
     reference.eval()
@@ -238,9 +256,12 @@ def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> 
     sglang = meta.get("format") == "sglang"
     required = {"eagle3": ["draft_vocab_size", "eagle_config", "rope_theta", "rms_norm_eps", "max_position_embeddings",
                            "hidden_act", "num_key_value_heads"] if sglang else
-                ["norm_before_residual", "norm_before_fc", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size"],
+                ["norm_before_residual", "norm_before_fc", "norm_output", "fc_norm", "eagle_aux_hidden_state_layer_ids",
+                 "draft_vocab_size"],
                 "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
-                "mtp": ["num_nextn_predict_layers"], "dflash": ["block_size", "num_target_layers", "dflash_config"]}[meta["method"]]
+                "mtp": ["num_nextn_predict_layers"],
+                "dflash": ["block_size", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size", "sample_from_anchor"]
+                if meta.get("format") == "speculators" else ["block_size", "num_target_layers", "dflash_config"]}[meta["method"]]
     absent = [k for k in required if k not in config]
     if meta["method"] == "mtp" and _theta(config) is None:
         absent.append("rope_theta / rope_parameters")

@@ -70,18 +70,25 @@ def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
                            rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
                            rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
     target = target or meta.get("target") or config.get("base_model_name_or_path")
+    return dflash_from_state(cfg, load_file(str(folder / "model.safetensors")), target, folder).to(dtype)
+
+
+def dflash_from_state(cfg: DFlashConfig, state: dict, target: str | None, folder) -> DFlashDrafter:
+    """The drafter from an export's tensors, strictly; the embedding, and the head unless the
+    file stores its draft rows (speculators' layout does when Vd < V), come from the target."""
     if not target:
         raise ValueError(f"{folder}: a DFlash export uses its target's embedding and head; name the target")
     drafter = DFlashDrafter(cfg)
-    state = load_file(str(folder / "model.safetensors"))
     if cfg.draft_vocab_size == cfg.vocab_size:
         state.update(full_vocab_maps(cfg.vocab_size))
-    check_tensors(state, drafter, folder, NOT_STORED)
+    head_stored = "lm_head.weight" in state
+    check_tensors(state, drafter, folder, ("embed_tokens.weight",) if head_stored else NOT_STORED)
     shapes = drafter.state_dict()
     embed, head = target_embedding_and_head(target)
     if embed.shape != (cfg.vocab_size, cfg.hidden_size):
         raise ValueError(f"target {target}: embedding of shape {tuple(embed.shape)}, the drafter needs ({cfg.vocab_size}, {cfg.hidden_size})")
-    drafter.load_state_dict({**state, "embed_tokens.weight": embed, "lm_head.weight": shapes["lm_head.weight"]}, strict=True)
-    with torch.no_grad():
-        drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
-    return drafter.to(dtype)
+    drafter.load_state_dict({"lm_head.weight": shapes["lm_head.weight"], **state, "embed_tokens.weight": embed}, strict=True)
+    if not head_stored:
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
+    return drafter

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 # method → the layouts that carry it, its own (the training run's default export) first
 FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle",), "medusa": ("medusa",), "mtp": ("mtp",),
-           "dflash": ("dflash",)}
+           "dflash": ("dflash", "speculators")}
+
+# why a layout cannot carry a method, where there is more to say than "it has no slot for it"
+WHY_NOT = {("mtp", "speculators"): "speculators' MTP format holds one Qwen3-family layer (with q/k norms) reused for "
+                                   "every step; draftsmith's MTP has one Llama-style layer per step, like the target's"}
 
 
 def write_export(drafter, fmt: str, out, *, method: str, target_name: str, hf_config, target_model, joint: bool,
@@ -12,7 +16,8 @@ def write_export(drafter, fmt: str, out, *, method: str, target_name: str, hf_co
     """Write `drafter` (of `method`) in layout `fmt`. target_model: the target (its embedding
     and head for MTP; in joint runs the trained target, which travels with the export)."""
     if fmt not in FORMATS[method]:
-        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
+        why = f"; {WHY_NOT[method, fmt]}" if (method, fmt) in WHY_NOT else ""
+        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])}){why}")
     import torch
 
     common = dict(target_name=target_name, dtype=dtype or torch.bfloat16, provenance=provenance)

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle3": "sglang", "LlamaForCausalLMEagle": "eagle",
-           "MedusaModel": "medusa", "DFlashDraftModel": "dflash"}
+           "MedusaModel": "medusa", "DFlashDraftModel": "dflash (z-lab) or speculators (with speculators_model_type)"}
 
 
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
@@ -21,7 +21,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32):
         from export.mtp import load_mtp
 
         return load_mtp(folder, dtype=dtype)
-    if arch == "Eagle3DraftModel":
+    if arch == "Eagle3DraftModel" or config.get("speculators_model_type") in ("eagle3", "dflash"):
         from export.speculators import load_speculators
 
         return load_speculators(folder, dtype=dtype)

@@ -1,8 +1,19 @@
-"""vLLM "speculators" layout for EAGLE-3 (FORMATS.md): config.json + model.safetensors +
-draftsmith.json (provenance and predicted acceptance). `vllm serve DIR` reads it directly.
+"""vLLM "speculators" layout for EAGLE-3 and DFlash (FORMATS.md): config.json +
+model.safetensors + draftsmith.json (provenance and predicted acceptance). `vllm serve DIR`
+reads it directly.
 
 Layer ids are written as HF `hidden_states` indices (output-of-layer id + 1), the convention
 this layout uses; draftsmith.json records the translation.
+
+DFlash here (speculators 0.9's `DFlashDraftModel`): `speculators_model_type: "dflash"`, the
+draft layers' Qwen3 config as `transformer_layer_config`, `block_size`, `mask_token_id`,
+`aux_hidden_state_layer_ids`, `draft_vocab_size`; tensors `layers.{i}.*`, `norm`, `fc`,
+`hidden_norm` as in the z-lab layout, plus the draft head rows `lm_head` and `d2t`/`t2d` when
+Vd < V (a server cannot derive a reduced head from the target's); never the embedding.
+
+MTP is not written here: speculators' MTP format holds one Qwen3-family decoder layer (with
+q/k norms) reused for every step, while draftsmith's MTP modules are one Llama-style layer per
+step, like the target's (`--format mtp`, the DeepSeek-V3 layout, carries them).
 """
 from __future__ import annotations
 
@@ -16,6 +27,19 @@ from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 
 SPECULATORS_VERSION = "0.2.0"
+
+
+def _header(algorithm: str, k: int, target_name: str, target_arch: list[str]) -> dict:
+    return {
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target_name, "architectures": target_arch},
+        },
+    }
 
 
 def speculators_config(cfg: Eagle3Config, target_name: str, target_arch: list[str], k: int, dtype: str) -> dict:
@@ -41,42 +65,71 @@ def speculators_config(cfg: Eagle3Config, target_name: str, target_arch: list[st
     return {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
-                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": target_arch},
-        },
+        **_header("eagle3", k, target_name, target_arch),
         "transformer_layer_config": layer,
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
         "fc_norm": False,
-        "norm_output": True,
+        # the next step is fed the layer's output before the final norm (the norm only feeds
+        # the head); norm_output = true would tell a server to feed the normed state instead
+        "norm_output": False,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
         "target_hidden_size": cfg.target_hidden_size,
         "dtype": dtype,
     }
 
 
-def export_speculators(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: str, target_arch: list[str],
+def dflash_speculators_config(cfg, target_name: str, target_arch: list[str], dtype: str) -> dict:
+    layer = {
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": False, "tie_word_embeddings": False,
+    }
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        **_header("dflash", cfg.block_size - 1, target_name, target_arch),
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": cfg.hidden_size,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,  # the anchor is the verified bonus token: B-1 drafts
+        "dtype": dtype,
+    }
+
+
+def export_speculators(drafter, out_dir: str | Path, *, target_name: str, target_arch: list[str],
                        k: int = 7, dtype: torch.dtype = torch.bfloat16, provenance: dict | None = None) -> Path:
-    """Write the drafter in the speculators layout, atomically."""
+    """Write an EAGLE-3 or DFlash drafter in the speculators layout, atomically."""
+    from models.dflash import DFlashDrafter
+
     cfg = drafter.config
+    dflash = isinstance(drafter, DFlashDrafter)
     tensors = {name: t.detach().to("cpu") for name, t in drafter.state_dict().items()}
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
     if cfg.draft_vocab_size == cfg.vocab_size:  # the layout omits the maps for a full vocab
         tensors.pop("d2t"), tensors.pop("t2d")
+        if dflash:
+            tensors.pop("lm_head.weight")  # the target's head, whole
+    if dflash:
+        tensors.pop("embed_tokens.weight")  # always the target's
     dtype_name = str(dtype).replace("torch.", "")
+    config = (dflash_speculators_config(cfg, target_name, target_arch, dtype_name) if dflash
+              else speculators_config(cfg, target_name, target_arch, k, dtype_name))
     with atomic_folder(out_dir) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", speculators_config(cfg, target_name, target_arch, k, dtype_name))
+        write_json(tmp / "config.json", config)
         digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
         write_json(tmp / "draftsmith.json", {
             "format": "speculators",
-            "method": "eagle3",
+            "method": "dflash" if dflash else "eagle3",
             "layer_id_convention": {"draftsmith": "output_of_layer", "config.json": "hf_hidden_states_index (= output_of_layer + 1)"},
             "drafter_config": cfg.to_dict(),
             "weights_sha256": digest,
@@ -85,17 +138,24 @@ def export_speculators(drafter: Eagle3Drafter, out_dir: str | Path, *, target_na
     return Path(out_dir)
 
 
-def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """Read a speculators-layout EAGLE-3 export back into draftsmith's module (strict)."""
+def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32):
+    """Read a speculators-layout EAGLE-3 or DFlash export back into draftsmith's module (strict)."""
     import json
 
     folder = Path(folder)
     meta_path = folder / "draftsmith.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} is missing (exports made elsewhere are read by the full reader, issue 5)")
-    cfg = Eagle3Config.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    drafter = Eagle3Drafter(cfg)
+    meta = json.loads(meta_path.read_text())
     state = load_file(str(folder / "model.safetensors"))
+    if meta.get("method") == "dflash":
+        from export.dflash import dflash_from_state
+        from models.dflash import DFlashConfig
+
+        drafter = dflash_from_state(DFlashConfig.from_dict(meta["drafter_config"]), state, meta.get("target"), folder)
+        return drafter.to(dtype) if dtype is not None else drafter
+    cfg = Eagle3Config.from_dict(meta["drafter_config"])
+    drafter = Eagle3Drafter(cfg)
     if cfg.draft_vocab_size == cfg.vocab_size:
         state.update(full_vocab_maps(cfg.vocab_size))
     check_tensors(state, drafter, folder)

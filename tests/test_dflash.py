@@ -91,8 +91,9 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
 
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/dflash.yaml",
-                          *tiny_overrides(chat_file, out, **{"trainer.max_steps": 2}), "trainer.precision=32-true",
-                          "drafter.dflash_layers=2", "drafter.dflash_block_size=4"], capture_output=True, text=True, timeout=600)
+                          *tiny_overrides(chat_file, out, **{"trainer.max_steps": 2, "drafter.draft_vocab_size": 49152}),
+                          "trainer.precision=32-true", "drafter.dflash_layers=2", "drafter.dflash_block_size=4"],
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
@@ -104,6 +105,26 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
     assert isinstance(load_export(export), DFlashDrafter)
     checks = run_checks(export)
     assert all(c.ok for c in checks), [c.line() for c in checks]
+
+    # vLLM's speculators layout of the same run (a full vocabulary here: no head, no maps stored)
+    spec = tmp_path / "spec"
+    res = subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(out), "--format", "speculators",
+                          "--out", str(spec), "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    config = json.loads((spec / "config.json").read_text())
+    assert config["speculators_model_type"] == "dflash" and config["block_size"] == 4
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((export / "draftsmith.json").read_text())
+                                                    ["drafter_config"]["target_layer_ids"]]
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2 and config["sample_from_anchor"] is False
+    keys = set(load_file(str(spec / "model.safetensors")))
+    assert not any(k.startswith(("embed_tokens", "lm_head", "d2t", "t2d")) for k in keys)
+    assert all(c.ok for c in run_checks(spec)), [c.line() for c in run_checks(spec)]
+    a, b = load_export(export), load_export(spec)
+    ids, feats = torch.randint(0, a.config.vocab_size, (12,)), torch.randn(12, a.config.hidden_size * len(a.aux_layer_ids))
+    anchors = torch.tensor([0, 4, 7])
+    with torch.no_grad():
+        assert torch.equal(a.draft_at(ids, feats, anchors, 3), b.draft_at(ids, feats, anchors, 3))
 
 
 def test_eval_k_beyond_the_block_is_a_config_error(chat_file, tmp_path):

@@ -73,7 +73,7 @@ def test_feature_and_hard_label_losses_match_direct_computation():
     torch.manual_seed(0)
     pred, tgt = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     mask = torch.tensor([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]]).bool()
-    direct = sum(torch.nn.functional.smooth_l1_loss(pred[b, t], tgt[b, t], reduction="sum") for b in range(2) for t in range(5) if mask[b, t]) / mask.sum()
+    direct = sum(torch.nn.functional.smooth_l1_loss(pred[b, t], tgt[b, t], reduction="mean") for b in range(2) for t in range(5) if mask[b, t]) / mask.sum()
     torch.testing.assert_close(feature_smooth_l1(pred, tgt, mask), direct)
     logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
     labels[0, 2] = -1  # a token outside the draft vocabulary: not counted

@@ -13,7 +13,8 @@ from train.config import load_config
 from train.run import run
 
 RECIPES = {"eagle3": (None, {}), "eagle1": ("configs/eagle1.yaml", {}), "medusa": ("configs/medusa1.yaml", {}),
-           "mtp": ("configs/mtp.yaml", {})}
+           "mtp": ("configs/mtp.yaml", {}),
+           "dflash": ("configs/dflash.yaml", {"drafter.dflash_layers": 2, "drafter.dflash_block_size": 4, "eval.k": 3})}
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,15 @@ def ttt_slices(T: int, step: int) -> tuple[slice, slice, slice]:
 
 
 def feature_smooth_l1(predicted, target, mask):
-    """Smooth-L1 between predicted and target features, summed over the hidden size and
-    averaged over selected positions (EAGLE-1's regression). predicted, target [..., H];
-    mask [...] bool."""
+    """Smooth-L1 between predicted and target features, averaged over the hidden size and
+    over selected positions (EAGLE-1's regression). predicted, target [..., H]; mask [...] bool.
+
+    The mean over H (as EAGLE's reference trainer takes it) keeps the term on the scale of a
+    token loss, so the default weights 1.0 / 0.1 balance the two; a sum over H made it ~H times
+    larger and the token loss no longer steered training (BENCHMARKS.md, session 3)."""
     import torch.nn.functional as F
 
-    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").sum(-1)
+    per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)
     mask = mask.to(per_position.dtype)
     return (per_position * mask).sum() / mask.sum().clamp_min(1)
 

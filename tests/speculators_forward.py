@@ -1,0 +1,70 @@
+"""Run as a script by test_speculators_external.py (a separate process: importing speculators
+registers its classes with transformers). Loads a draftsmith speculators-layout EAGLE-3 export
+with the `speculators` package's own config and model classes, without any verifier, and
+prints JSON: the tensors that package found missing / unexpected, and the largest difference
+between its first draft step's logits and draftsmith's on the same inputs.
+
+    python tests/speculators_forward.py EXPORT_DIR
+"""
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+
+
+class _TrainingOnlyStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """speculators' model modules import its training data pipeline, which imports `openai`
+    and `hs_connectors` (dataset download clients) at module level; the models never call
+    them. Empty modules stand in, so the check needs neither."""
+
+    names = ("openai", "hs_connectors")
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.names:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda attr: type(attr, (), {})
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def main(folder: str):
+    sys.meta_path.insert(0, _TrainingOnlyStub())
+    import torch
+    from safetensors.torch import load_file
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from export.load import load_export
+    from models.eagle3 import shift_left
+
+    config = Eagle3SpeculatorConfig.from_pretrained(folder)
+    config.transformer_layer_config._attn_implementation = "eager"  # CPU: a dense mask, no flex attention
+    theirs = Eagle3DraftModel(config).float().eval()
+    missing, unexpected = theirs.load_state_dict(load_file(f"{folder}/model.safetensors"), strict=False)
+
+    ours = load_export(folder).float().eval()
+    torch.manual_seed(0)
+    T = 24
+    ids = torch.randint(0, ours.config.vocab_size, (1, T))
+    aux = torch.randn(1, T, ours.config.target_hidden_size * len(ours.aux_layer_ids))
+    captured = []
+    theirs.lm_head.register_forward_hook(lambda module, args, out: captured.append(out))
+    with torch.no_grad():
+        mine = ours.unroll(ids, aux, 1)[0]  # step 0 at t: reads x_{t+1}, drafts x_{t+2}
+        # speculators pairs the feature at t with input_ids[t]: hand it the next tokens
+        theirs(hidden_states=aux, input_ids=shift_left(ids, 1), document_ids=torch.zeros(1, T, dtype=torch.long),
+               ttt_steps=1)
+    diff = (captured[0] - mine).abs().max().item()
+    print(json.dumps({"missing": sorted(missing), "unexpected": sorted(unexpected), "max_abs_diff": diff,
+                      "logits_scale": mine.abs().max().item(), "positions": T}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
