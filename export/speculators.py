@@ -138,26 +138,95 @@ def export_speculators(drafter, out_dir: str | Path, *, target_name: str, target
     return Path(out_dir)
 
 
-def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32):
-    """Read a speculators-layout EAGLE-3 or DFlash export back into draftsmith's module (strict)."""
+def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None):
+    """Read a speculators-layout EAGLE-3 or DFlash folder into draftsmith's module, strictly.
+
+    draftsmith's own exports carry the drafter's config in draftsmith.json; a folder made
+    elsewhere (by the speculators package, say) is read from its config.json alone, and an
+    option draftsmith's modules cannot compute (fc_norm, norm_output, several layers) is an
+    error naming it. target: where a DFlash drafter's embedding and head come from (default:
+    the verifier named in the config)."""
     import json
 
     folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
     meta_path = folder / "draftsmith.json"
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path} is missing (exports made elsewhere are read by the full reader, issue 5)")
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    method = meta.get("method") or config.get("speculators_model_type")
     state = load_file(str(folder / "model.safetensors"))
-    if meta.get("method") == "dflash":
+    if method == "dflash":
         from export.dflash import dflash_from_state
         from models.dflash import DFlashConfig
 
-        drafter = dflash_from_state(DFlashConfig.from_dict(meta["drafter_config"]), state, meta.get("target"), folder)
+        cfg = DFlashConfig.from_dict(meta["drafter_config"]) if meta else _dflash_config(config, folder)
+        target = target or meta.get("target") or ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        drafter = dflash_from_state(cfg, state, target, folder)
         return drafter.to(dtype) if dtype is not None else drafter
-    cfg = Eagle3Config.from_dict(meta["drafter_config"])
+    if method != "eagle3":
+        raise ValueError(f"{folder}/config.json: speculators_model_type {method!r} has no reader here (eagle3, dflash)")
+    cfg = Eagle3Config.from_dict(meta["drafter_config"]) if meta else _eagle3_config(config, folder)
     drafter = Eagle3Drafter(cfg)
+    for name in [n for n in state if n.startswith("verifier_")]:
+        state.pop(name)  # the verifier's own norm / head, saved by some trainers: not the drafter's
     if cfg.draft_vocab_size == cfg.vocab_size:
         state.update(full_vocab_maps(cfg.vocab_size))
     check_tensors(state, drafter, folder)
     drafter.load_state_dict(state, strict=True)
     return drafter.to(dtype) if dtype is not None else drafter
+
+
+def _layer_fields(config: dict, folder) -> tuple[dict, object]:
+    """The decoder shape from a speculators config's transformer_layer_config, read through
+    transformers' config class of its model_type: a field left out (saved as a diff against
+    that class, as the speculators package does) takes that class's default, as it does on the
+    server."""
+    from transformers import AutoConfig
+
+    from models.layers import rope_config
+
+    layer = config.get("transformer_layer_config")
+    if not isinstance(layer, dict) or "model_type" not in layer:
+        raise KeyError(f"{folder}/config.json: transformer_layer_config (with its model_type) is missing")
+    hf = AutoConfig.for_model(layer["model_type"], **{k: v for k, v in layer.items() if k != "model_type"})
+    theta, scaling = rope_config(hf)
+    fields = dict(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                  num_attention_heads=hf.num_attention_heads,
+                  num_key_value_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+                  head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+                  rms_norm_eps=hf.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
+                  max_position_embeddings=hf.max_position_embeddings)
+    return fields, hf
+
+
+def _eagle3_config(config: dict, folder) -> Eagle3Config:
+    fields, layer = _layer_fields(config, folder)
+    for flag in ("fc_norm", "norm_output"):
+        if config.get(flag):
+            raise ValueError(f"{folder}/config.json: {flag}=true is an EAGLE-3 variant draftsmith's module does not compute")
+    if layer.num_hidden_layers != 1:
+        raise ValueError(f"{folder}/config.json: {layer.num_hidden_layers} draft layers; draftsmith's EAGLE-3 has one")
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        raise KeyError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids is missing (name the layers)")
+    aux = [i - 1 for i in ids]  # HF hidden_states indices → output-of-layer ids
+    return Eagle3Config(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
+                        target_hidden_size=config.get("target_hidden_size") or fields["hidden_size"], aux_layer_ids=aux,
+                        target_num_layers=max(aux) + 4,  # unknown here; only bounds the ids
+                        norm_before_residual=config.get("norm_before_residual", True),  # vLLM's default when absent
+                        norm_before_fc=bool(config.get("norm_before_fc", False)))
+
+
+def _dflash_config(config: dict, folder):
+    from models.dflash import DFlashConfig
+
+    fields, layer = _layer_fields(config, folder)
+    if config.get("sample_from_anchor"):
+        raise ValueError(f"{folder}/config.json: sample_from_anchor=true (B drafts from the anchor) is a DFlash variant "
+                         "draftsmith's module does not compute")
+    for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
+        if config.get(key) is None:
+            raise KeyError(f"{folder}/config.json: {key} is missing")
+    ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
+    return DFlashConfig(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
+                        target_num_layers=max(ids) + 4, mask_token_id=config["mask_token_id"], target_layer_ids=ids,
+                        num_layers=layer.num_hidden_layers, block_size=config["block_size"])

@@ -247,17 +247,20 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     from models.zoo import resolve_target
 
     folder = Path(drafter_dir)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"--drafter: {folder} is not an export folder (no config.json)")
     prov_path = folder / "draftsmith.json"
-    if not prov_path.is_file():
-        raise FileNotFoundError(f"--drafter: {folder} has no draftsmith.json (the prediction to validate against)")
-    provenance = json.loads(prov_path.read_text())
+    provenance = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
     predicted = provenance.get("predicted_acceptance") or {}
-    if "a" not in predicted:
-        raise ValueError(f"--drafter: {prov_path} holds no predicted acceptance")
-    k = k or predicted.get("k", len(predicted["a"]))
-    if k > len(predicted["a"]):
-        raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted['a'])}")
-    target = target or provenance.get("target")
+    if "a" in predicted:
+        k = k or predicted.get("k", len(predicted["a"]))
+        if k > len(predicted["a"]):
+            raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted['a'])}")
+    else:  # made elsewhere: nothing promised, so the served acceptance is held against training's
+        predicted = None  # predictor replayed on the served answers (the runtime gap alone)
+        if not k:
+            raise ValueError(f"-k: {folder} carries no predicted acceptance (no draftsmith.json); pass -k")
+    target = target or provenance.get("target") or _target_named_in(json.loads((folder / "config.json").read_text()))
     if not target:
         raise ValueError("--target: the export does not name its target; pass --target")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -296,8 +299,12 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     replay_answers = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "answer"))
     replay_prompts = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "prompt"))
 
-    pred = {"a": predicted["a"][:k], "tau": tau_at(predicted["a"], k), "histogram": predicted.get("histogram")
-            if k == len(predicted["a"]) else None, "source": f"held-out {predicted.get('dataset', 'training data')}"}
+    if predicted is None:
+        pred = {"a": replay_answers["a"][:k], "tau": replay_answers["tau"], "histogram": replay_answers.get("histogram"),
+                "source": "no promise in the export: training's predictor on the served answers"}
+    else:
+        pred = {"a": predicted["a"][:k], "tau": tau_at(predicted["a"], k), "histogram": predicted.get("histogram")
+                if k == len(predicted["a"]) else None, "source": f"held-out {predicted.get('dataset', 'training data')}"}
     per_category = {c: acceptance_from_histogram(h) for c, h in by_cat.items()}
     gap = (measured["tau"] - pred["tau"]) / pred["tau"]
     report = {
@@ -314,9 +321,15 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     return report
 
 
+def _target_named_in(config: dict) -> str | None:
+    """The target an export made elsewhere names in its own config.json, if any."""
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    return verifier or config.get("base_model_name_or_path")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", required=True, help="export folder (with draftsmith.json)")
+    ap.add_argument("--drafter", required=True, help="export folder (draftsmith's, or one made elsewhere in a layout it reads)")
     ap.add_argument("--dataset", required=True, help="mt-bench, humaneval, sharegpt-heldout or a JSON/JSONL file")
     ap.add_argument("--target", help="default: the target named in the export")
     ap.add_argument("-k", type=int, default=None, help="chain length (default: the predicted one)")

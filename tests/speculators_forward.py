@@ -2,9 +2,11 @@
 registers its classes with transformers). Loads a draftsmith speculators-layout EAGLE-3 export
 with the `speculators` package's own config and model classes, without any verifier, and
 prints JSON: the tensors that package found missing / unexpected, and the largest difference
-between its first draft step's logits and draftsmith's on the same inputs.
+between its first draft step's logits and draftsmith's on the same inputs. Then the other way
+round: the package saves its model (its own config.json and tensor set, no draftsmith.json),
+draftsmith reads that folder, and the same comparison is made.
 
-    python tests/speculators_forward.py EXPORT_DIR
+    python tests/speculators_forward.py EXPORT_DIR SCRATCH_DIR
 """
 import importlib.abc
 import importlib.machinery
@@ -35,7 +37,7 @@ class _TrainingOnlyStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def main(folder: str):
+def main(folder: str, scratch: str):
     sys.meta_path.insert(0, _TrainingOnlyStub())
     import torch
     from safetensors.torch import load_file
@@ -62,9 +64,15 @@ def main(folder: str):
         theirs(hidden_states=aux, input_ids=shift_left(ids, 1), document_ids=torch.zeros(1, T, dtype=torch.long),
                ttt_steps=1)
     diff = (captured[0] - mine).abs().max().item()
+
+    theirs.save_pretrained(scratch)  # the package's own folder: its config.json, its tensor set
+    back = load_export(scratch).float().eval()
+    with torch.no_grad():
+        diff_back = (back.unroll(ids, aux, 1)[0] - captured[0]).abs().max().item()
     print(json.dumps({"missing": sorted(missing), "unexpected": sorted(unexpected), "max_abs_diff": diff,
-                      "logits_scale": mine.abs().max().item(), "positions": T}))
+                      "logits_scale": mine.abs().max().item(), "positions": T,
+                      "their_folder_read_by_draftsmith_max_abs_diff": diff_back}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -125,6 +125,12 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
     anchors = torch.tensor([0, 4, 7])
     with torch.no_grad():
         assert torch.equal(a.draft_at(ids, feats, anchors, 3), b.draft_at(ids, feats, anchors, 3))
+    # a speculators folder made elsewhere (no draftsmith.json): read from config.json alone
+    (spec / "draftsmith.json").unlink()
+    c = load_export(spec)
+    assert c.config.target_layer_ids == b.config.target_layer_ids and c.config.mask_token_id == b.config.mask_token_id
+    with torch.no_grad():
+        assert torch.equal(c.draft_at(ids, feats, anchors, 3), b.draft_at(ids, feats, anchors, 3))
 
 
 def test_eval_k_beyond_the_block_is_a_config_error(chat_file, tmp_path):

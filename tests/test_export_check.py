@@ -173,3 +173,20 @@ def test_sglang_refuses_a_normed_drafter_naming_the_option(exports, tmp_path):
     with pytest.raises(UnsupportedOption, match="norm_before_residual.*speculators"):
         export_sglang(drafter, tmp_path / "x", target_name="tiny-random-llama")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("method", list(RECIPES))
+def test_an_export_made_elsewhere_reads_the_same_without_draftsmith_json(exports, method, tmp_path):
+    """Readers take a layout's own config.json when no draftsmith.json is there (a folder made
+    by another trainer), so such exports can be served and validated too."""
+    import torch
+
+    from export.load import load_export
+
+    folder = _copy(exports, tmp_path, method)
+    (folder / "draftsmith.json").unlink()
+    ours, foreign = load_export(exports[method]), load_export(folder)
+    a, b = ours.state_dict(), foreign.state_dict()
+    assert set(a) == set(b)
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

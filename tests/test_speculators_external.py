@@ -1,6 +1,7 @@
 """External check (issue 5): the `speculators` package's own EAGLE-3 classes load draftsmith's
 speculators-layout export strictly (only the verifier's tensors missing, nothing unexpected)
-and compute the same first-step logits as draftsmith on the same inputs.
+and compute the same first-step logits as draftsmith on the same inputs; a folder that package
+saves is read back by draftsmith's reader and agrees too.
 
 speculators 0.9.0 pins transformers <= 5.19 and datasets <= 5.1 and pulls torchvision, so it is
 not a dependency: the test installs the package alone (`pip --no-deps`) into the draftsmith
@@ -52,10 +53,14 @@ def test_speculators_package_loads_the_export_and_agrees(speculators_site, recip
     assert config["norm_before_residual"] == (recipe is not None)  # the GPU recipe trains with both norm flags
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(Path.cwd())])}
-    res = subprocess.run([sys.executable, "tests/speculators_forward.py", str(export)], capture_output=True, text=True,
-                         timeout=600, env=env)
+    res = subprocess.run([sys.executable, "tests/speculators_forward.py", str(export), str(tmp_path / "theirs")],
+                         capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
     assert report["unexpected"] == [], report  # nothing the package would drop
     assert set(report["missing"]) <= VERIFIER_ONLY, report  # nothing left random but the verifier's own
     assert report["max_abs_diff"] <= 1e-4 * max(1.0, report["logits_scale"]), report
+    # and the other way round: a folder the package saved itself (no draftsmith.json) reads
+    # into draftsmith strictly and drafts the same
+    assert not (tmp_path / "theirs" / "draftsmith.json").exists()
+    assert report["their_folder_read_by_draftsmith_max_abs_diff"] <= 1e-4 * max(1.0, report["logits_scale"]), report

@@ -60,7 +60,7 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
 def test_bad_input_is_one_line(tiny_export, tmp_path):
     res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tmp_path), "--dataset", "mt-bench"],
                          capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "draftsmith.json" in res.stderr and "Traceback" not in res.stderr
+    assert res.returncode == 2 and "not an export folder" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench",
                           "-k", "9"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "at most 3" in res.stderr
@@ -103,3 +103,23 @@ def test_validate_and_generate_serve_a_medusa_export(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert '"acceptance"' in res.stderr
+
+
+def test_an_export_made_elsewhere_is_validated_against_the_replay(tiny_export, tmp_path):
+    """No draftsmith.json (a folder from another trainer): nothing was promised, so the served
+    acceptance is held against training's predictor on the served answers, the runtime gap."""
+    import shutil
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_export, foreign)
+    (foreign / "draftsmith.json").unlink()
+    base = [sys.executable, "-m", "inference.validate", "--drafter", str(foreign), "--dataset", "mt-bench",
+            "--num-prompts", "2", "--max-new-tokens", "10", "--max-turns", "1"]
+    res = subprocess.run(base + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 2 and "pass -k" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(base + ["-k", "3", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert "no promise" in report["predicted"]["source"] and report["target"] == "tiny-random-llama"
+    assert report["predicted"]["tau"] == pytest.approx(report["replay_answers"]["tau"])
+    assert abs(report["relative_gap"]) <= 0.1  # the runtime drafts what training's predictor drafts
