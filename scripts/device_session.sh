@@ -15,9 +15,10 @@ what=$1; shift
 R=/tmp/results
 mkdir -p $R
 REGEN=/tmp/regen/conversations.jsonl
-# recipe:run-name:data — all on the regenerated ShareGPT, one EAGLE-3 on the original answers
-RUNS="eagle3:eagle3:regen eagle3:eagle3-orig:orig eagle1:eagle1:regen medusa1:medusa1:regen medusa2:medusa2:regen
-dflash:dflash:regen mtp:mtp:regen mtp-joint:mtp-joint:regen"
+# recipe:run-name:data — all on the regenerated ShareGPT, one EAGLE-3 on the original answers.
+# RUNS="eagle3:eagle3:regen" bash scripts/device_session.sh part2 14 trains one recipe alone.
+RUNS=${RUNS:-"eagle3:eagle3:regen eagle3:eagle3-orig:orig eagle1:eagle1:regen medusa1:medusa1:regen medusa2:medusa2:regen
+dflash:dflash:regen mtp:mtp:regen mtp-joint:mtp-joint:regen"}
 
 collect() {
   for d in /tmp/run-*; do
