@@ -6,6 +6,7 @@
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect
+#   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_SECONDS each)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
 # most 8 files come back) and prints a summary.
 set -euo pipefail
@@ -63,40 +64,31 @@ bench)
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -25
   collect
   ;;
-final)
-  # the last call of a session: stop what is still training, bench alone, then validate in the time left
-  t0=$SECONDS
-  while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
-  pkill -f "python3 -m train"; sleep 3
-  collect
-  python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -14
-  collect
-  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-10} --max-new-tokens 256)
-  vt() { name=$1; shift; timeout ${VAL_SECONDS:-170} python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export "${V[@]}" \
+final | validate)
+  # final: the last call of a session: stop what is still training, bench alone, then validate
+  # in the time left (VAL_SECONDS each). validate: only the validations.
+  if [ "$what" = final ]; then
+    t0=$SECONDS
+    while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
+    pkill -f "python3 -m train"; sleep 3
+    collect
+    python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -14
+    collect
+  fi
+  # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3
+  # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
+  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-20} --max-new-tokens 256)
+  vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
+         timeout ${VAL_SECONDS:-540} python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export "${V[@]}" \
          --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
   vt eagle3 --reference ngram --reference suffix &
-  for n in eagle3-orig dflash medusa1 mtp eagle1; do vt $n & done
+  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do vt $n & done
   vt eagle3@t1-standard --temperature 1 --verification standard &
   vt eagle3@t1-block --temperature 1 --verification block &
   vt dflash@t1-standard --temperature 1 --verification standard &
   vt dflash@t1-block --temperature 1 --verification block &
   wait
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
-  collect
-  ;;
-validate)
-  # T = 0 for each method's export on mt-bench (both turns), T = 1 standard and block for EAGLE-3
-  # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
-  v() { name=$1; shift; python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export --dataset mt-bench \
-        --num-prompts 20 --max-new-tokens 256 --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
-  v eagle3 --reference ngram --reference suffix &
-  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do v $n & done
-  v eagle3@t1-standard --temperature 1 --verification standard &
-  v eagle3@t1-block --temperature 1 --verification block &
-  v dflash@t1-standard --temperature 1 --verification standard &
-  v dflash@t1-block --temperature 1 --verification block &
-  wait
-  for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|error" "$f" | head -3; done
   collect
   ;;
 esac
