@@ -147,3 +147,25 @@ def test_heldout_split_follows_the_prompt_not_the_answer():
     a = [_is_heldout(p + [{"role": "assistant", "content": "original answer"}], 0.2) for p in prompts]
     b = [_is_heldout(p + [{"role": "assistant", "content": f"regenerated {i}"}], 0.2) for i, p in enumerate(prompts)]
     assert a == b and 0 < sum(a) < 400
+
+
+def test_the_lr_schedule_ends_with_the_time_budget():
+    """optim.schedule_by=time: the cosine follows whichever of steps or time runs out first,
+    and the time spent before a resume counts."""
+    from train.module import DrafterModule, lr_factor
+
+    assert lr_factor(0, 10, 110, 0.1) == pytest.approx(0.1)  # warm-up
+    assert lr_factor(60, 10, 110, 0.1) == pytest.approx(0.55)  # half way by steps
+    assert lr_factor(20, 10, 110, 0.1, time_fraction=0.5) == pytest.approx(0.55)  # half way by time
+    assert lr_factor(20, 10, 110, 0.1, time_fraction=1.7) == pytest.approx(0.1)  # time is up: the floor
+    assert lr_factor(110, 10, 110, 0.1, time_fraction=0.2) == pytest.approx(0.1)  # steps are up
+
+    module = DrafterModule.__new__(DrafterModule)  # only the clock is exercised here
+    module.time_budget_s, module._clock, module._seconds_before = 100.0, None, 0.0
+    assert module.time_fraction() == 0.0  # before training starts
+    module.on_load_checkpoint({"draftsmith_train_seconds": 40.0})  # a resumed run had spent 40 s
+    module.on_train_start()
+    assert 0.4 <= module.time_fraction() < 0.45
+    saved = {}
+    module.on_save_checkpoint(saved)
+    assert saved["draftsmith_train_seconds"] >= 40.0

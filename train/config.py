@@ -5,6 +5,8 @@ or a layer id beyond the target's depth raises ConfigError naming the key.
 """
 from __future__ import annotations
 
+import re
+
 import dataclasses
 import difflib
 import inspect
@@ -98,6 +100,10 @@ class OptimConfig:
     schedule_steps: int | None = None
     """Length of the LR schedule (default trainer.max_steps); set it to split one schedule
     over several shorter runs joined with --resume."""
+    schedule_by: str = "steps"
+    """steps: the cosine runs over schedule_steps. time: it runs over trainer.max_time or
+    schedule_steps, whichever ends first, so a time-boxed run ends at the low learning rate
+    it was meant to; the time spent survives --resume (wall-clock: not bit-for-bit)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
 
 
@@ -268,6 +274,20 @@ METHODS = tuple(FORMATS)
 EXPORT_FORMATS = {method: layouts[0] for method, layouts in FORMATS.items()}  # the method's own layout
 
 
+def max_time_seconds(value) -> float:
+    """Lightning's trainer.max_time ("DD:HH:MM:SS" or {days, hours, minutes, seconds}) in seconds."""
+    if isinstance(value, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", value.strip()):
+        d, h, m, sec = (int(x) for x in value.strip().split(":"))
+        total = ((d * 24 + h) * 60 + m) * 60 + sec
+    elif isinstance(value, dict) and set(value) <= {"days", "hours", "minutes", "seconds"}:
+        total = ((value.get("days", 0) * 24 + value.get("hours", 0)) * 60 + value.get("minutes", 0)) * 60 + value.get("seconds", 0)
+    else:
+        raise ValueError(f"trainer.max_time must be set as DD:HH:MM:SS, got {value!r}")
+    if total <= 0:
+        raise ValueError(f"trainer.max_time must be positive, got {value!r}")
+    return float(total)
+
+
 def validate(cfg: RunConfig):
     """Checks that need the file system or the target's shape, but no model weights."""
     from models import zoo
@@ -304,6 +324,13 @@ def validate(cfg: RunConfig):
             raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} Medusa heads; drafter.medusa_heads is {cfg.drafter.medusa_heads}")
     if cfg.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
+    if cfg.optim.schedule_by not in ("steps", "time"):
+        raise ConfigError(f"optim.schedule_by: {cfg.optim.schedule_by!r} is not one of steps, time")
+    if cfg.optim.schedule_by == "time":
+        try:
+            max_time_seconds(cfg.trainer.get("max_time"))
+        except ValueError as e:
+            raise ConfigError(f"optim.schedule_by=time: {e}") from None
     if not zoo.target_exists(cfg.target):
         raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
     named = [("data.dataset", cfg.data.dataset)] + [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets or [])]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import lightning as L
 import torch
@@ -13,9 +14,20 @@ from train.joint import keep_close_kl, lm_loss
 from train.losses import feature_smooth_l1, hard_ce, soft_kl, ttt_slices, ttt_step_weights
 
 
+def lr_factor(step: int, warmup: int, total: int, floor: float, time_fraction: float = 0.0) -> float:
+    """Linear warm-up, then cosine from 1 to `floor` over `total` steps or, when a time budget
+    is used, over whichever of the steps or the time (time_fraction = share spent) runs out
+    first."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, max((step - warmup) / max(1, total - warmup), time_fraction))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: torch.nn.Module, objective: ObjectiveConfig,
-                 optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None):
+                 optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None,
+                 time_budget_s: float | None = None):
         super().__init__()
         self.joint = objective.joint  # Medusa-2 / joint MTP: the target trains too
         self.target = target.requires_grad_(self.joint)
@@ -30,6 +42,8 @@ class DrafterModule(L.LightningModule):
         self.drafter = drafter
         self.objective, self.optim, self.evaluation = objective, optim, evaluation
         self.schedule_steps = schedule_steps  # LR schedule length
+        self.time_budget_s = time_budget_s  # optim.schedule_by=time: trainer.max_time in seconds
+        self._clock, self._seconds_before = None, 0.0  # training time before this process (resume)
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: dict | None = None
@@ -219,6 +233,23 @@ class DrafterModule(L.LightningModule):
             for i, a in enumerate(stats["a"], 1):
                 self.log(f"val/a_{i}{suffix}", a, sync_dist=False)
 
+    # ----------------------------------------------------------------- time-boxed schedule
+    def time_fraction(self) -> float:
+        """Share of trainer.max_time spent training so far (0 unless optim.schedule_by=time)."""
+        if not self.time_budget_s or self._clock is None:
+            return 0.0
+        return (self._seconds_before + time.monotonic() - self._clock) / self.time_budget_s
+
+    def on_train_start(self):
+        self._clock = time.monotonic()
+
+    def on_save_checkpoint(self, checkpoint):
+        if self._clock is not None:
+            checkpoint["draftsmith_train_seconds"] = self._seconds_before + time.monotonic() - self._clock
+
+    def on_load_checkpoint(self, checkpoint):
+        self._seconds_before = float(checkpoint.get("draftsmith_train_seconds", 0.0))
+
     # ----------------------------------------------------------------- optimisation
     def configure_optimizers(self):
         groups = [{"params": [p for p in self.drafter.parameters() if p.requires_grad], "lr": self.optim.lr}]
@@ -228,10 +259,7 @@ class DrafterModule(L.LightningModule):
         warmup, total, floor = self.optim.warmup_steps, max(self.schedule_steps, 1), self.optim.min_lr_ratio
 
         def schedule(step):
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+            return lr_factor(step, warmup, total, floor, self.time_fraction())
 
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

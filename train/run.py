@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import ConfigError, RunConfig, to_yaml
+from train.config import ConfigError, RunConfig, max_time_seconds, to_yaml
 
 log = logging.getLogger("draftsmith")
 
@@ -153,8 +153,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
 
     fast = bool(cfg.trainer.get("fast_dev_run"))
     max_steps = cfg.trainer.get("max_steps", 1) if not fast else int(cfg.trainer["fast_dev_run"])
+    time_budget = max_time_seconds(cfg.trainer.get("max_time")) if cfg.optim.schedule_by == "time" and not fast else None
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
-                           eval_names=list(heldouts))
+                           eval_names=list(heldouts), time_budget_s=time_budget)
     datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
