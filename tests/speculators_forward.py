@@ -41,7 +41,11 @@ def main(folder: str, scratch: str):
     sys.meta_path.insert(0, _TrainingOnlyStub())
     import torch
     from safetensors.torch import load_file
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    try:
+        from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+    except ModuleNotFoundError as e:  # a dependency of the package this environment lacks
+        print(json.dumps({"unavailable": f"speculators needs {e.name}"}))
+        return
 
     from export.load import load_export
     from models.eagle3 import shift_left

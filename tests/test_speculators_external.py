@@ -57,6 +57,8 @@ def test_speculators_package_loads_the_export_and_agrees(speculators_site, recip
                          capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     report = json.loads(res.stdout.strip().splitlines()[-1])
+    if "unavailable" in report:
+        pytest.skip(report["unavailable"])
     assert report["unexpected"] == [], report  # nothing the package would drop
     assert set(report["missing"]) <= VERIFIER_ONLY, report  # nothing left random but the verifier's own
     assert report["max_abs_diff"] <= 1e-4 * max(1.0, report["logits_scale"]), report
