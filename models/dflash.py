@@ -111,19 +111,19 @@ class DFlashAttention(nn.Module):
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
     def forward(self, x, context, rope_q, rope_k, mask):
-        """x [1,Q,H] block hidden states; context [1,T,H]; rope_q / rope_k: (cos, sin) for
-        the Q block positions and the T+Q key positions; mask [Q, T+Q] bool."""
-        _, Q, _ = x.shape
+        """x [R,Q,H] block hidden states of R rows; context [R,T,H]; rope_q / rope_k: (cos, sin)
+        for the Q block positions and the T+Q key positions; mask [R,1,Q,T+Q] bool."""
+        R, Q, _ = x.shape
         kv_in = torch.cat([context, x], dim=1)  # context keys first, then the blocks'
-        q = self.q_norm(self.q_proj(x).view(1, Q, self.nh, self.d)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(kv_in).view(1, -1, self.nkv, self.d)).transpose(1, 2)
-        v = self.v_proj(kv_in).view(1, -1, self.nkv, self.d).transpose(1, 2)
+        q = self.q_norm(self.q_proj(x).view(R, Q, self.nh, self.d)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(kv_in).view(R, -1, self.nkv, self.d)).transpose(1, 2)
+        v = self.v_proj(kv_in).view(R, -1, self.nkv, self.d).transpose(1, 2)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         if self.nkv != self.nh:
             k = k.repeat_interleave(self.nh // self.nkv, dim=1)
             v = v.repeat_interleave(self.nh // self.nkv, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(1, Q, self.nh * self.d))
+        return self.o_proj(out.transpose(1, 2).reshape(R, Q, self.nh * self.d))
 
 
 class DFlashLayer(nn.Module):
@@ -185,27 +185,31 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def block_logits(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """One sequence, m blocks in one forward. ids [T], features [T,n*H], anchors [m]
-        (block i continues x_0..x_{a_i+1}; requires a_i + 1 < T) → logits [m, B, Vd]."""
+        """m blocks per sequence in one forward. ids [T], features [T,n*H], anchors [m] (block i
+        continues x_0..x_{a_i+1}; requires a_i + 1 < T) → logits [m, B, Vd]; or R sequences at
+        once: ids [R,T], features [R,T,n*H], anchors [R,m] → [R, m, B, Vd] (training batches
+        its rows in one forward; each row's blocks see only that row)."""
+        if ids.dim() == 1:
+            return self.block_logits(ids[None], features[None], anchors[None])[0]
         cfg = self.config
-        B, m, T = cfg.block_size, anchors.numel(), ids.shape[0]
+        B, (R, m), T = cfg.block_size, anchors.shape, ids.shape[1]
         dev = ids.device
         dtype = self.fc.weight.dtype
-        context = self.hidden_norm(self.fc(features.to(dtype)))[None]  # [1,T,H]
-        block = torch.full((m, B), cfg.mask_token_id, dtype=torch.long, device=dev)
-        block[:, 0] = ids[anchors + 1]
-        h = self.embed_tokens(block).to(dtype).view(1, m * B, -1)
-        block_pos = (anchors[:, None] + 1 + torch.arange(B, device=dev)).view(1, -1)  # [1, m*B]
-        key_pos = torch.cat([torch.arange(T, device=dev)[None], block_pos], 1)
+        context = self.hidden_norm(self.fc(features.to(dtype)))  # [R,T,H]
+        block = torch.full((R, m, B), cfg.mask_token_id, dtype=torch.long, device=dev)
+        block[:, :, 0] = ids.gather(1, anchors + 1)
+        h = self.embed_tokens(block).to(dtype).view(R, m * B, -1)
+        block_pos = (anchors[:, :, None] + 1 + torch.arange(B, device=dev)).view(R, m * B)
+        key_pos = torch.cat([torch.arange(T, device=dev).expand(R, T), block_pos], 1)
         rope_q = rope_cos_sin(self.inv_freq, block_pos, dtype)
         rope_k = rope_cos_sin(self.inv_freq, key_pos, dtype)
         owner = torch.arange(m, device=dev).repeat_interleave(B)  # block of each query / block key
-        sees_context = torch.arange(T, device=dev)[None, :] <= anchors[owner][:, None]  # [m*B, T]
-        same_block = owner[:, None] == owner[None, :]  # [m*B, m*B]
-        mask = torch.cat([sees_context, same_block], dim=1)
+        sees_context = torch.arange(T, device=dev)[None, None, :] <= anchors[:, owner][:, :, None]  # [R, m*B, T]
+        same_block = (owner[:, None] == owner[None, :]).expand(R, -1, -1)  # [R, m*B, m*B]
+        mask = torch.cat([sees_context, same_block], dim=2)[:, None]  # [R, 1, m*B, T + m*B]
         for layer in self.layers:
             h = layer(h, context, rope_q, rope_k, mask)
-        return self.lm_head(self.norm(h)).view(m, B, -1)
+        return self.lm_head(self.norm(h)).view(R, m, B, -1)
 
     def draft_at(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts of the blocks at these anchors: [m, k] target ids (k <= B-1)."""

@@ -45,6 +45,19 @@ def test_a_block_sees_its_context_up_to_the_anchor_and_nothing_else():
     torch.testing.assert_close(d.block_logits(ids, feats, anchors[[0, 2]]), base[[0, 2]], rtol=1e-5, atol=1e-5)
 
 
+def test_rows_batched_in_one_forward_equal_one_row_at_a_time():
+    """Training runs every row's blocks in one forward: each row must see only its own
+    context, exactly as alone."""
+    d = tiny_dflash()
+    T = 16
+    ids, feats = torch.randint(0, 300, (3, T)), torch.randn(3, T, 64)
+    anchors = torch.tensor([[1, 5, 9], [0, 3, 12], [7, 7, 7]])
+    batched = d.block_logits(ids, feats, anchors)
+    assert batched.shape == (3, 3, 4, 300)
+    for r in range(3):
+        torch.testing.assert_close(batched[r], d.block_logits(ids[r], feats[r], anchors[r]), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_inside_a_block_is_bidirectional():
     d = tiny_dflash()
     ids, feats = torch.randint(0, 300, (10,)), torch.randn(10, 64)

@@ -113,21 +113,30 @@ class DrafterModule(L.LightningModule):
         B = self.drafter.config.block_size
         students, teachers, masks, choices = [[] for _ in range(B - 1)], [[] for _ in range(B - 1)], \
             [[] for _ in range(B - 1)], [[] for _ in range(B - 1)]
+        rows, picked = [], []
         for b in range(ids.shape[0]):
             candidates = torch.nonzero(loss_mask[b, 2:]).flatten()  # a with x_{a+2} (draft 1) answer text
             if candidates.numel() == 0:
                 continue
             pick = torch.randperm(candidates.numel(), device=ids.device)[: self.objective.block_anchors]
-            anchors = candidates[pick].sort().values
-            logits = self.drafter.block_logits(ids[b], features[b], anchors)  # [m,B,Vd]
+            rows.append(b)
+            picked.append(candidates[pick].sort().values)
+        if rows:
+            # every row's blocks in one forward: rows with fewer anchors repeat their last one,
+            # and the repeats are left out of the loss
+            m = max(a.numel() for a in picked)
+            anchors = torch.stack([torch.cat([a, a[-1:].expand(m - a.numel())]) for a in picked])  # [R,m]
+            real = torch.stack([torch.arange(m, device=ids.device) < a.numel() for a in picked])  # [R,m]
+            r = torch.as_tensor(rows, device=ids.device)
+            logits = self.drafter.block_logits(ids[r], features[r], anchors)  # [R,m,B,Vd]
             for j in range(1, B):
-                label = anchors + 1 + j
-                valid = label < T
+                label = anchors + 1 + j  # [R,m]
+                valid = (label < T) & real
                 label = label.clamp_max(T - 1)
-                students[j - 1].append(logits[:, j])
-                teachers[j - 1].append(teacher[b, label - 1])
-                masks[j - 1].append(valid & loss_mask[b, label].bool())
-                choices[j - 1].append(greedy[b, label - 1])
+                students[j - 1].append(logits[:, :, j].flatten(0, 1))
+                teachers[j - 1].append(teacher[r[:, None], label - 1].flatten(0, 1))
+                masks[j - 1].append((valid & loss_mask[r[:, None], label].bool()).flatten())
+                choices[j - 1].append(greedy[r[:, None], label - 1].flatten())
         draft_ids = self.drafter.draft_ids()
         losses, accs, total = [], [], 0.0
         for j, w in enumerate(self.drafter.position_weights()):
