@@ -7,14 +7,13 @@ target's adds `d2t`/`t2d`, read by draftsmith only: train with Vd = V to serve e
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_export_files
 from models.dflash import DFlashConfig, DFlashDrafter
 
 NOT_STORED = ("embed_tokens.weight", "lm_head.weight")
@@ -42,13 +41,8 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target_name: s
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.pop("d2t"), tensors.pop("t2d")
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", dflash_config(cfg, target_name))
-        write_json(tmp / "draftsmith.json", {
-            "format": "dflash", "method": "dflash", "drafter_config": cfg.to_dict(),
-            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-            **(provenance or {}),
-        })
+        write_export_files(tmp, tensors, dflash_config(cfg, target_name),
+                           {"format": "dflash", "method": "dflash", "drafter_config": cfg.to_dict()}, provenance)
     return Path(out_dir)
 
 

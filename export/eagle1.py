@@ -7,14 +7,13 @@ serve it elsewhere unchanged.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embedding_and_head, write_export_files
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 
 
@@ -38,13 +37,8 @@ def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: s
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.pop("d2t"), tensors.pop("t2d")
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", eagle1_config(cfg, target_name))
-        write_json(tmp / "draftsmith.json", {
-            "format": "eagle", "method": "eagle1", "drafter_config": cfg.to_dict(),
-            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-            **(provenance or {}),
-        })
+        write_export_files(tmp, tensors, eagle1_config(cfg, target_name),
+                           {"format": "eagle", "method": "eagle1", "drafter_config": cfg.to_dict()}, provenance)
     return Path(out_dir)
 
 

@@ -38,6 +38,20 @@ def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_export_files(folder: Path, tensors: dict, config: dict, meta: dict, provenance: dict | None) -> None:
+    """The files of every export, into the temporary folder `atomic_folder` yields:
+    model.safetensors, config.json, and draftsmith.json (meta: format, method, drafter config;
+    then the weights' sha256 and the run's provenance)."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_json(folder / "config.json", config)
+    digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+    write_json(folder / "draftsmith.json", {**meta, "weights_sha256": digest, **(provenance or {})})
+
+
 def atomic_write_json(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

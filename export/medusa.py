@@ -7,14 +7,13 @@ config always says so, since draftsmith's residual blocks have biases.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_export_files
 from models.medusa import MedusaConfig, MedusaDrafter
 
 
@@ -43,15 +42,10 @@ def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: s
     if cfg.draft_vocab_size < cfg.vocab_size:
         tensors["token_map"] = drafter.draft_ids().detach().cpu().contiguous()
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", medusa_config(cfg, target_name))
+        write_export_files(tmp, tensors, medusa_config(cfg, target_name),
+                           {"format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict()}, provenance)
         if target_model is not None:
             target_model.save_pretrained(tmp / "target")
-        write_json(tmp / "draftsmith.json", {
-            "format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict(),
-            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-            **(provenance or {}),
-        })
     return Path(out_dir)
 
 

@@ -9,14 +9,13 @@ read by draftsmith's runtime only: train with Vd = V to serve the layout elsewhe
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_export_files
 from models.mtp import MTPConfig, MTPDrafter
 
 MODULE_PARTS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
@@ -54,14 +53,9 @@ def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, ta
         tensors["d2t"], tensors["t2d"] = drafter.d2t.cpu().contiguous(), drafter.t2d.cpu().contiguous()
     config = {**target_config, "num_nextn_predict_layers": cfg.num_modules}
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        write_json(tmp / "draftsmith.json", {
+        write_export_files(tmp, tensors, config, {
             "format": "mtp", "method": "mtp", "drafter_config": cfg.to_dict(),
-            "layer_id_convention": {"mtp_module_d": f"model.layers.{{{L} + d}}"},
-            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-            **(provenance or {}),
-        })
+            "layer_id_convention": {"mtp_module_d": f"model.layers.{{{L} + d}}"}}, provenance)
     return Path(out_dir)
 
 

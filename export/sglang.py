@@ -11,14 +11,13 @@ the exporter refuses, naming the option and the layout that carries it (speculat
 """
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_export_files
 from models.eagle3 import Eagle3Config, Eagle3Drafter, default_aux_layer_ids
 
 
@@ -75,14 +74,10 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: s
         notes.append(f"aux layers {cfg.aux_layer_ids} are not the default {default_aux_layer_ids(cfg.target_num_layers)}: "
                      "SGLang reads eagle_config, but the EAGLE reference loader ignores it and would feed other layers")
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", sglang_config(cfg, target_name))
-        write_json(tmp / "draftsmith.json", {
+        write_export_files(tmp, tensors, sglang_config(cfg, target_name), {
             "format": "sglang", "method": "eagle3", "drafter_config": cfg.to_dict(), "notes": notes,
-            "layer_id_convention": {"draftsmith": "output_of_layer", "config.json eagle_config": "output_of_layer"},
-            "weights_sha256": hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest(),
-            **(provenance or {}),
-        })
+            "layer_id_convention": {"draftsmith": "output_of_layer", "config.json eagle_config": "output_of_layer"}},
+            provenance)
     for note in notes:
         print(f"note: {note}")
     return Path(out_dir)

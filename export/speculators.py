@@ -17,13 +17,12 @@ step, like the target's (`--format mtp`, the DeepSeek-V3 layout, carries them).
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from export.io import atomic_folder, check_tensors, full_vocab_maps, write_json
+from export.io import atomic_folder, check_tensors, full_vocab_maps, write_export_files
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 
 SPECULATORS_VERSION = "0.2.0"
@@ -124,17 +123,10 @@ def export_speculators(drafter, out_dir: str | Path, *, target_name: str, target
     config = (dflash_speculators_config(cfg, target_name, target_arch, dtype_name) if dflash
               else speculators_config(cfg, target_name, target_arch, k, dtype_name))
     with atomic_folder(out_dir) as tmp:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", config)
-        digest = hashlib.sha256((tmp / "model.safetensors").read_bytes()).hexdigest()
-        write_json(tmp / "draftsmith.json", {
-            "format": "speculators",
-            "method": "dflash" if dflash else "eagle3",
+        write_export_files(tmp, tensors, config, {
+            "format": "speculators", "method": "dflash" if dflash else "eagle3",
             "layer_id_convention": {"draftsmith": "output_of_layer", "config.json": "hf_hidden_states_index (= output_of_layer + 1)"},
-            "drafter_config": cfg.to_dict(),
-            "weights_sha256": digest,
-            **(provenance or {}),
-        })
+            "drafter_config": cfg.to_dict()}, provenance)
     return Path(out_dir)
 
 

@@ -286,8 +286,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     for name in references_to_run:
         from inference.proposers import NgramProposer, SuffixProposer
 
-        suffix = SuffixProposer(k)  # one per run: its global cache of earlier answers grows question by question
-        make = (lambda p: NgramProposer(k)) if name == "ngram" else (lambda p: suffix)
+        if name == "ngram":
+            make = lambda p: NgramProposer(k)  # noqa: E731
+        else:
+            suffix = SuffixProposer(k)  # one per run: its global cache of earlier answers grows question by question
+            make = lambda p: suffix  # noqa: E731
         ref = measure(rt, tokenizer, None, questions, k, max_new_tokens, temperature, max_turns=max_turns,
                       progress=progress, verification=verification, make_proposer=make)
         references[name] = acceptance_from_histogram(sum((torch.as_tensor(r["histogram"]) for r in ref),

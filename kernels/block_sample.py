@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from kernels import use_kernel
-from kernels.rejection_sample import inverse_cdf
+from kernels.rejection_sample import inverse_cdf, verification_operands
 
 try:
     import triton
@@ -145,16 +145,8 @@ if triton is not None:
 
 
 def block_sample_triton(drafts, draft_probs, target_probs, eta, u_sample):
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    B, q, V = target_probs.shape
-    k = drafts.shape[1]
-    if q != k + 1:
-        raise ValueError(f"target_probs have {q} positions for {k} drafts (need k+1)")
-    p = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
-    qp = p if draft_probs is None else (draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous())
-    accepted = torch.empty(B, dtype=torch.long, device=p.device)
-    out = torch.empty(B, dtype=torch.long, device=p.device)
+    p, qp, accepted, out = verification_operands(drafts, draft_probs, target_probs)
+    (B, _, V), k = p.shape, drafts.shape[1]
     if B:
         _block_kernel[(B,)](p, qp, drafts.contiguous(), eta.float().contiguous(), u_sample.float().contiguous(), accepted, out,
                             V, k, p.stride(0), p.stride(1), qp.stride(0), qp.stride(1), HAS_Q=draft_probs is not None,

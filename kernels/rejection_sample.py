@@ -134,7 +134,9 @@ if triton is not None:
         tl.store(out_ptr + row, tl.where(found < V, found, last_nonzero))
 
 
-def rejection_sample_triton(drafts, draft_probs, target_probs, u_accept, u_sample):
+def verification_operands(drafts, draft_probs, target_probs):
+    """Shared by the rejection and block kernels' wrappers: p [B,k+1,V] and q (p itself as a
+    placeholder without draft probabilities) with contiguous rows, and the two [B] outputs."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, q, V = target_probs.shape
@@ -143,9 +145,15 @@ def rejection_sample_triton(drafts, draft_probs, target_probs, u_accept, u_sampl
         raise ValueError(f"target_probs have {q} positions for {k} drafts (need k+1)")
     p = target_probs if target_probs.stride(-1) == 1 else target_probs.contiguous()
     qp = p if draft_probs is None else (draft_probs if draft_probs.stride(-1) == 1 else draft_probs.contiguous())
-    drafts, u_accept, u_sample = drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous()
     accepted = torch.empty(B, dtype=torch.long, device=p.device)
     out = torch.empty(B, dtype=torch.long, device=p.device)
+    return p, qp, accepted, out
+
+
+def rejection_sample_triton(drafts, draft_probs, target_probs, u_accept, u_sample):
+    p, qp, accepted, out = verification_operands(drafts, draft_probs, target_probs)
+    (B, _, V), k = p.shape, drafts.shape[1]
+    drafts, u_accept, u_sample = drafts.contiguous(), u_accept.float().contiguous(), u_sample.float().contiguous()
     if B:
         _rejection_kernel[(B,)](p, qp, drafts, u_accept, u_sample, accepted, out, V, k, p.stride(0), p.stride(1),
                                 qp.stride(0), qp.stride(1), HAS_Q=draft_probs is not None,

@@ -18,7 +18,6 @@ mask token is a real row of the target's embedding. Parameter names follow the z
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
@@ -39,7 +38,7 @@ def default_target_layer_ids(num_layers: int, n: int = 5) -> list[int]:
 
 
 @dataclass
-class DFlashConfig:
+class DFlashConfig(DictConfig):
     vocab_size: int
     draft_vocab_size: int
     hidden_size: int
@@ -78,25 +77,9 @@ class DFlashConfig:
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, mask_token_id: int, num_layers: int = 5, block_size: int = 8,
                     target_layer_ids: list[int] | None = None) -> "DFlashConfig":
-        theta, scaling = rope_config(hf_config)
-        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
-                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
-                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
-                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-                   target_num_layers=hf_config.num_hidden_layers, mask_token_id=mask_token_id,
-                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size,
-                   rms_norm_eps=hf_config.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
-                   max_position_embeddings=hf_config.max_position_embeddings)
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id,
+                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "DFlashConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown DFlash config keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 class DFlashAttention(nn.Module):

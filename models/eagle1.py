@@ -15,18 +15,17 @@ to the draft vocabulary; Vd = V serves the layout as is).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.eagle3 import shift_left, ttt_attend
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class Eagle1Config:
+class Eagle1Config(DictConfig):
     vocab_size: int
     draft_vocab_size: int
     hidden_size: int
@@ -47,23 +46,8 @@ class Eagle1Config:
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int) -> "Eagle1Config":
-        theta, scaling = rope_config(hf_config)  # the target's RoPE base, never a default
-        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
-                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
-                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
-                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-                   target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
-                   rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Eagle1Config":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown EAGLE-1 config keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 class Eagle1Attention(nn.Module):

@@ -13,13 +13,12 @@ renaming (see FORMATS.md).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
@@ -30,7 +29,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(DictConfig):
     vocab_size: int  # V: the target's vocabulary
     draft_vocab_size: int  # Vd: rows of the draft head
     hidden_size: int  # H
@@ -63,36 +62,11 @@ class Eagle3Config:
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int] | None = None, **options) -> "Eagle3Config":
-        theta, scaling = rope_config(hf_config)
-        n = hf_config.num_hidden_layers
-        return cls(
-            vocab_size=hf_config.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            hidden_size=hf_config.hidden_size,
-            target_hidden_size=hf_config.hidden_size,
-            intermediate_size=hf_config.intermediate_size,
-            num_attention_heads=hf_config.num_attention_heads,
-            num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-            aux_layer_ids=list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(n),
-            target_num_layers=n,
-            rms_norm_eps=hf_config.rms_norm_eps,
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=hf_config.max_position_embeddings,
-            **options,
-        )
+        shape = decoder_shape(hf_config)
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(shape["target_num_layers"])
+        return cls(**shape, draft_vocab_size=draft_vocab_size, target_hidden_size=shape["hidden_size"], aux_layer_ids=ids,
+                   **options)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Eagle3Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown EAGLE-3 config keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 class Eagle3Attention(nn.Module):

@@ -5,6 +5,8 @@ so that a drafter layer initialised from a target layer reproduces it.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,3 +80,30 @@ def rope_config(hf_config) -> tuple[float, dict | None]:
         return float(params["rope_theta"]), (None if kind == "default" else dict(params))
     theta = getattr(hf_config, "rope_theta", 10000.0)
     return float(theta), getattr(hf_config, "rope_scaling", None)
+
+
+class DictConfig:
+    """to_dict / from_dict for the drafters' config dataclasses (what checkpoints and exports
+    store); an unknown key is an error naming it, never dropped."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+def decoder_shape(hf_config) -> dict:
+    """The fields a drafter built from the target's decoder layer copies from its config:
+    sizes, head layout, norm epsilon, RoPE (the target's base, never a default), depth."""
+    theta, scaling = rope_config(hf_config)
+    return dict(vocab_size=hf_config.vocab_size, hidden_size=hf_config.hidden_size,
+                intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
+                num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+                head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+                target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
+                rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)

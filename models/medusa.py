@@ -15,16 +15,17 @@ biases), so each head starts as the target's own head restricted to the draft vo
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import DictConfig
+
 
 @dataclass
-class MedusaConfig:
+class MedusaConfig(DictConfig):
     vocab_size: int  # V
     draft_vocab_size: int  # Vd
     hidden_size: int  # H (the target's)
@@ -44,15 +45,6 @@ class MedusaConfig:
         return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
                    target_num_layers=hf_config.num_hidden_layers, num_heads=num_heads, num_layers=num_layers)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MedusaConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown Medusa config keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 class ResidualBlocks(nn.Module):

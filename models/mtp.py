@@ -17,7 +17,6 @@ computes exactly that, for every t at once, and is what predicted acceptance mea
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.eagle3 import shift_left
-from models.layers import GatedMLP, RMSNorm, apply_rope, rope_config, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class MTPConfig:
+class MTPConfig(DictConfig):
     vocab_size: int
     draft_vocab_size: int
     hidden_size: int
@@ -53,24 +52,8 @@ class MTPConfig:
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_modules: int = 3) -> "MTPConfig":
-        theta, scaling = rope_config(hf_config)
-        return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
-                   intermediate_size=hf_config.intermediate_size, num_attention_heads=hf_config.num_attention_heads,
-                   num_key_value_heads=getattr(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
-                   head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
-                   target_num_layers=hf_config.num_hidden_layers, num_modules=num_modules,
-                   rms_norm_eps=hf_config.rms_norm_eps, rope_theta=theta, rope_scaling=scaling,
-                   max_position_embeddings=hf_config.max_position_embeddings)
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, num_modules=num_modules)
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "MTPConfig":
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown MTP config keys: {sorted(unknown)}")
-        return cls(**d)
 
 
 class MTPAttention(nn.Module):
