@@ -6,11 +6,14 @@ half-written folder.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from safetensors.torch import save_file
 
 
 @contextlib.contextmanager
@@ -42,10 +45,6 @@ def write_export_files(folder: Path, tensors: dict, config: dict, meta: dict, pr
     """The files of every export, into the temporary folder `atomic_folder` yields:
     model.safetensors, config.json, and draftsmith.json (meta: format, method, drafter config;
     then the weights' sha256 and the run's provenance)."""
-    import hashlib
-
-    from safetensors.torch import save_file
-
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     write_json(folder / "config.json", config)
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()

@@ -109,20 +109,20 @@ def test_an_interrupted_export_leaves_the_old_one_intact(exports, tmp_path):
     class Boom(RuntimeError):
         pass
 
-    import export.medusa as medusa_module
+    import export.io as io_module  # every exporter writes its files through export.io
 
-    original = medusa_module.save_file
+    original = io_module.save_file
 
     def dies_midway(tensors, path, metadata=None):
         original(tensors, path, metadata=metadata)
         raise Boom("interrupted after writing the weights")
 
-    medusa_module.save_file = dies_midway
+    io_module.save_file = dies_midway
     try:
         with pytest.raises(Boom):
             export_medusa(drafter, folder, target_name="tiny-random-llama")
     finally:
-        medusa_module.save_file = original
+        io_module.save_file = original
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".medusa")]  # no temporary left behind
 
