@@ -2,7 +2,7 @@
 greedy answer, so a drafter trains on the text it will see when serving.
 
     python -m data.regenerate --target smollm2-135m-instruct --dataset sharegpt --out regen/sharegpt \
-        [--limit N] [--batch-size 64] [--max-new-tokens 512] [--max-length 2048] [--max-minutes M]
+        [--limit N] [--batch-size 64] [--max-new-tokens 512] [--max-length 2048] [--max-minutes M] [--shard I/N]
 
 Turns are answered in order through the runtime, a batch of conversations at a time (turn r of
 every conversation in the batch, then turn r+1 after those answers). A conversation stops at
@@ -19,6 +19,10 @@ Output: OUT/conversations.jsonl, one line per source conversation in source orde
 {"id", "messages", "regenerated_turns", "truncated"} or {"id", "skipped": reason}. Lines are
 appended and flushed after each batch; re-running skips finished ids, and a line cut by an
 interruption is dropped and redone, so no conversation is lost or written twice.
+
+Several GPUs (or several processes on one GPU, which a small target leaves mostly idle): run
+`--shard 0/N` ... `--shard N-1/N`, each with its own --out; shard I answers the conversations
+whose index is I modulo N, and `cat OUT*/conversations.jsonl` is the whole set.
 """
 from __future__ import annotations
 
@@ -52,7 +56,7 @@ def check_settings(out: Path, settings: dict):
     """A resumed run must use the settings that wrote the finished lines."""
     path = out / SETTINGS
     if path.exists():
-        old = json.loads(path.read_text())
+        old = {"shard": "0/1", **json.loads(path.read_text())}  # folders written before --shard existed
         changed = [k for k in settings if old.get(k) != settings[k]]
         if changed:
             raise ValueError(f"{out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
@@ -153,7 +157,8 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
 
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
-               device: str | None = None, generate_fn=None, keep_loops: bool = False) -> dict:
+               device: str | None = None, generate_fn=None, keep_loops: bool = False,
+               shard: tuple[int, int] = (0, 1)) -> dict:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -164,12 +169,13 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
     out = Path(out)
     settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
-                "max_length": max_length, "decoding": "greedy", "loops": "kept" if keep_loops else "cut to one copy"}
+                "max_length": max_length, "decoding": "greedy", "loops": "kept" if keep_loops else "cut to one copy",
+                "shard": f"{shard[0]}/{shard[1]}"}
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
     conversations = load_conversations(dataset, limit)
-    todo = [i for i in range(len(conversations)) if i not in finished]
+    todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
     summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0,
                "loops_cut": 0}
     if not todo:
@@ -219,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-length", type=int, default=2048, help="stop a conversation once a turn would pass this")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
     ap.add_argument("--keep-loops", action="store_true", help="keep answers that end in a repetition loop whole")
+    ap.add_argument("--shard", default="0/1", help="I/N: answer only the conversations whose index is I modulo N")
     ap.add_argument("--device", default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -230,10 +237,17 @@ def main(argv=None) -> int:
         if value is not None and value <= 0:
             print(f"error: --{name.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
             return 2
+    try:
+        shard = tuple(int(x) for x in args.shard.split("/"))
+        if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
+            raise ValueError
+    except ValueError:
+        print(f"error: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
+        return 2
     batch = args.batch_size or (64 if (args.device or "").startswith("cuda") or _has_cuda() else 4)
     try:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
-                   args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops)
+                   args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard)
     except (DataError, AssetError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -55,7 +55,19 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[
         rows = load_prompts(dataset)
     if not rows:
         raise ValueError(f"--dataset {dataset}: no prompts")
-    return rows[:limit] if limit else rows
+    return spread_over_categories(rows, limit) if limit else rows
+
+
+def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:
+    """The first `limit` rows taken in turn from each category (MT-bench lists its 8 categories
+    one after another: its first 16 questions would be writing and roleplay only)."""
+    by_category: dict[str, list[dict]] = {}
+    for row in rows:
+        by_category.setdefault(row.get("category", ""), []).append(row)
+    picked = []
+    for depth in range(max(len(group) for group in by_category.values())):
+        picked += [group[depth] for group in by_category.values() if depth < len(group)]
+    return picked[:limit]
 
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One device session in a few calls (the GPU machine keeps /tmp while warm, ~30 s between calls;
 # trainings started with setsid run on between calls). Usage on the device machine:
-#   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target, decode profile
-#   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start every recipe
+#   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
+#   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start the recipes in RUNS
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_SECONDS each)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
-# most 8 files come back) and prints a summary.
+# most 8 files come back) and prints a summary. Several GPUs: regeneration runs two shards per GPU,
+# each run names its GPU in RUNS, validations take the GPUs in turn.
 set -euo pipefail
 source scripts/device_setup.sh
 set +e
@@ -16,10 +17,18 @@ what=$1; shift
 R=/tmp/results
 mkdir -p $R
 REGEN=/tmp/regen/conversations.jsonl
-# recipe:run-name:data — all on the regenerated ShareGPT, one EAGLE-3 on the original answers.
-# RUNS="eagle3:eagle3:regen" bash scripts/device_session.sh part2 14 trains one recipe alone.
-RUNS=${RUNS:-"eagle3:eagle3:regen eagle3:eagle3-orig:orig eagle1:eagle1:regen medusa1:medusa1:regen medusa2:medusa2:regen
-dflash:dflash:regen mtp:mtp:regen mtp-joint:mtp-joint:regen"}
+NGPU=$(nvidia-smi -L | wc -l)
+# recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two: EAGLE-3 alone on
+# GPU 0 (issue 2's solo run, batches of 16 regenerated conversations, which are short), the
+# rest together on GPU 1. The LR schedule follows the time (max_steps only far beyond it).
+if [ "$NGPU" -ge 2 ]; then
+  DEFAULT_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:1 eagle1:eagle1:regen:1 medusa1:medusa1:regen:1
+medusa2:medusa2:regen:1 dflash:dflash:regen:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1"
+else
+  DEFAULT_RUNS="eagle3:eagle3:regen:0 eagle3:eagle3-orig:orig:0 eagle1:eagle1:regen:0 medusa1:medusa1:regen:0 medusa2:medusa2:regen:0
+dflash:dflash:regen:0 mtp:mtp:regen:0 mtp-joint:mtp-joint:regen:0"
+fi
+RUNS=${RUNS:-$DEFAULT_RUNS}
 
 collect() {
   for d in /tmp/run-*; do
@@ -34,20 +43,31 @@ collect() {
 
 case $what in
 part1)
-  python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
-  python3 scripts/profile_decode.py --out $R 2>&1 | grep -v -i warn
+  nvidia-smi -L
+  if [ "${PROFILE:-0}" = 1 ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
+    python3 scripts/profile_decode.py --out $R 2>&1 | grep -v -i warn
+  fi
   ;;
 part2)
   minutes=$1
-  python3 -m data.regenerate --dataset sharegpt --out /tmp/regen --batch-size 512 --max-minutes 2.5 2>&1 | tail -3 | tee $R/regen.log
-  cp /tmp/regen/regenerate.json $R/ 2>/dev/null
+  # two regeneration shards per GPU: a 135M target at batch 512 leaves the GPU half idle
+  nshard=$((2 * NGPU))
+  for i in $(seq 0 $((nshard - 1))); do
+    CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
+      --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
+  done
+  wait
+  cat /tmp/regen/s*/conversations.jsonl > $REGEN
+  grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
+  cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
   for spec in $RUNS; do
-    IFS=: read recipe name data <<< "$spec"
+    IFS=: read recipe name data gpu extra <<< "$spec"
     pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
     if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
-    setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
-      "trainer.max_time=00:00:$(printf %02d "$minutes"):00" trainer.enable_progress_bar=false data.num_workers=1 \
-      optim.schedule_steps=2000 eval.every_n_steps=1000 "${ds[@]}" > $R/$name-train.log 2>&1 < /dev/null &
+    CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
+      "trainer.max_time=00:00:$(printf %02d "$minutes"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
+      data.num_workers=1 eval.every_n_steps=1000 "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
     sleep 2
   done
   sleep 30
@@ -81,12 +101,14 @@ final | validate)
   vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
          timeout ${VAL_SECONDS:-540} python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export "${V[@]}" \
          --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
-  vt eagle3 --reference ngram --reference suffix &
-  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do vt $n & done
-  vt eagle3@t1-standard --temperature 1 --verification standard &
-  vt eagle3@t1-block --temperature 1 --verification block &
-  vt dflash@t1-standard --temperature 1 --verification standard &
-  vt dflash@t1-block --temperature 1 --verification block &
+  n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
+  bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & n_vt=$((n_vt + 1)); }
+  bg eagle3 --reference ngram --reference suffix
+  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do bg $n; done
+  bg eagle3@t1-standard --temperature 1 --verification standard
+  bg eagle3@t1-block --temperature 1 --verification block
+  bg dflash@t1-standard --temperature 1 --verification standard
+  bg dflash@t1-block --temperature 1 --verification block
   wait
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
   collect

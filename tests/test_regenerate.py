@@ -78,6 +78,21 @@ def test_resume_with_other_settings_and_bad_input_are_one_line_errors(tmp_path):
     assert res.returncode == 2 and "max_new_tokens" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(cmd[:5] + ["no-such-data", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "no-such-data" in res.stderr and "Traceback" not in res.stderr
+    res = subprocess.run(cmd[:6] + [str(tmp_path / "y"), "--shard", "2/2"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "--shard" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_shards_split_the_conversations_without_overlap(tmp_path):
+    source, _ = _sharegpt_file(tmp_path, n=5)
+    ids = []
+    for i in range(2):
+        regenerate("tiny-random-llama", str(source), tmp_path / f"s{i}", batch_size=2, max_new_tokens=3, max_length=512,
+                   shard=(i, 2))
+        ids.append([json.loads(line)["id"] for line in (tmp_path / f"s{i}" / "conversations.jsonl").read_text().splitlines()])
+    assert ids == [[0, 2, 4], [1, 3]]
+    with pytest.raises(ValueError, match="shard"):  # resuming a shard folder as another shard
+        regenerate("tiny-random-llama", str(source), tmp_path / "s0", batch_size=2, max_new_tokens=3, max_length=512,
+                   shard=(1, 2))
 
 
 def test_loop_start_finds_the_end_of_the_first_copy_of_a_trailing_loop():

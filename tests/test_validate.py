@@ -123,3 +123,12 @@ def test_an_export_made_elsewhere_is_validated_against_the_replay(tiny_export, t
     assert "no promise" in report["predicted"]["source"] and report["target"] == "tiny-random-llama"
     assert report["predicted"]["tau"] == pytest.approx(report["replay_answers"]["tau"])
     assert abs(report["relative_gap"]) <= 0.1  # the runtime drafts what training's predictor drafts
+
+
+def test_num_prompts_takes_every_category_in_turn():
+    from inference.validate import load_prompts_for
+
+    rows = load_prompts_for("mt-bench", {}, 16)  # MT-bench lists 10 questions per category, category after category
+    categories = [r["category"] for r in rows]
+    assert len(rows) == 16 and len(set(categories)) == 8 and all(categories.count(c) == 2 for c in set(categories))
+    assert len(load_prompts_for("mt-bench", {}, None)) == 80
