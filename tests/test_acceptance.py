@@ -24,3 +24,73 @@ def test_tau_and_conditional_acceptance():
 def test_plain_decoding_has_tau_one():
     stats = acceptance_from_histogram(length_histogram(torch.zeros(10, dtype=torch.long), 4))
     assert stats["tau"] == 1.0 and stats["a"] == [0.0] * 4
+
+
+def _greedy_continuation(model, prefix: torch.Tensor, k: int) -> list[int]:
+    seq = prefix.clone()
+    for _ in range(k):
+        with torch.no_grad():
+            nxt = model(seq[None]).logits[0, -1].argmax()
+        seq = torch.cat([seq, nxt[None]])
+    return seq[len(prefix):].tolist()
+
+
+class _ScriptedDrafter:
+    """Drafts the target's true greedy continuation except where `wrong(t, s)` says: chains
+    with every accepted length, without training anything."""
+
+    def __init__(self, drafts: torch.Tensor, vocab: int):
+        self.drafts, self.vocab = drafts, vocab  # [T, k]
+
+    def draft_ids(self):
+        return torch.arange(self.vocab)
+
+    def unroll(self, ids, features, k, greedy=True):
+        return [torch.nn.functional.one_hot(self.drafts[:, s], self.vocab).float()[None] for s in range(k)]
+
+
+def _served_walk(paths, drafts, start, end, k):
+    """Serving by hand: chains from the first answer token, each next one after the bonus."""
+    hist, a = [0] * (k + 1), start - 1
+    while a + 2 < end:
+        accepted = 0
+        while accepted < k and drafts[a][accepted] == paths[a][accepted]:
+            accepted += 1
+        hist[accepted] += 1
+        a += accepted + 1
+    return hist
+
+
+def test_predicted_acceptance_walks_the_answer_as_serving_does(tiny_target):
+    """Chains start where serving starts them (after each bonus token), on human text (the
+    target's choices need grafted chains) and on the target's own greedy text (the text alone
+    judges every chain before its end: no extra forward)."""
+    from inference.acceptance import predicted_histogram
+    from models.target import Target
+
+    target = Target.load(tiny_target, [0])
+    model, k, prompt = target.model, 3, 6
+    V = target.config.vocab_size
+    torch.manual_seed(0)
+    human = torch.randint(0, 3000, (40,))
+    own = torch.cat([human[:prompt], torch.tensor(_greedy_continuation(model, human[:prompt], 34))])
+    for ids in (human, own):
+        T = len(ids)
+        paths = [_greedy_continuation(model, ids[: a + 2], k) for a in range(T - 1)]  # true choices per anchor
+        drafts = torch.tensor([[p[s] if (a * 7 + s * 3) % 5 else (p[s] + 1) % V for s in range(k)]
+                               for a, p in enumerate(paths)] + [[0] * k])
+        mask = torch.zeros(1, T, dtype=torch.long)
+        mask[0, prompt:] = 1
+        calls = []
+        graft = target.greedy_after_chains
+        target.greedy_after_chains = lambda seq, anchors, chains: calls.extend(anchors.tolist()) or graft(seq, anchors, chains)
+        with torch.no_grad():
+            _, greedy = target.head_outputs(target(ids[None]).last_hidden)
+        hist = predicted_histogram(target, _ScriptedDrafter(drafts, V), ids[None], mask, torch.tensor([T]), k,
+                                   anchors_per_sequence=1000, features=torch.zeros(1, T, 1), greedy=greedy, window=8)
+        del target.greedy_after_chains
+        expected = _served_walk(paths, drafts.tolist(), prompt, T, k)
+        assert hist.tolist() == expected
+        assert sum(expected[1:]) > 0 and expected[k] > 0  # chains of every kind were judged
+        # the target's own text judges every chain but those running past its end
+        assert all(a + k + 1 >= T for a in calls) == (ids is own), calls

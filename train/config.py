@@ -114,7 +114,8 @@ class EvalConfig:
     num_sequences: int = 32
     """Held-out conversations used by each validation."""
     anchors_per_sequence: int = 64
-    """Draft chains started per held-out conversation (evenly spaced over assistant tokens)."""
+    """At most this many draft chains per held-out conversation, walked as serving walks the
+    answers (the next chain starts after the last one's bonus token)."""
     max_length: int = 1024
     every_n_steps: int = 200
     """Validation (loss, accuracy, predicted acceptance) every N training steps."""
