@@ -72,10 +72,13 @@ def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
             seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-            make_proposer=None):
+            make_proposer=None, deadline: float | None = None):
     """Serve every question turn by turn; returns per-answer records with histograms.
 
-    make_proposer(prompt) → proposer replaces the drafter (the reference rows: n-gram, suffix)."""
+    make_proposer(prompt) → proposer replaces the drafter (the reference rows: n-gram, suffix).
+    deadline (time.time()): no question after the first is started after it."""
+    import time
+
     import torch
     from tqdm import tqdm
 
@@ -88,6 +91,8 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
     eos = tokenizer.eos_token_id
     records = []
     for q in tqdm(questions, desc="validating", unit="question", disable=not progress):
+        if deadline is not None and records and time.time() > deadline:
+            break
         messages = []
         for turn, text in enumerate(q["turns"][:max_turns]):
             messages.append({"role": "user", "content": text})
@@ -184,7 +189,9 @@ def _write_markdown(report: dict, out: Path):
     md = [f"# Acceptance validation: {verdict}", "",
           f"Drafter `{report['drafter']}` on target `{report['target']}`, {report['dataset']} "
           f"({report['num_questions']} questions, {report['num_answers']} answers), k = {report['k']}, "
-          f"T = {report['temperature']}, device {report['device']}.", "",
+          f"T = {report['temperature']}, device {report['device']}."
+          + (f" Stopped by --max-minutes after {report['num_questions']} of {report['questions_planned']} questions."
+             if report.get("questions_planned", report["num_questions"]) > report["num_questions"] else ""), "",
           f"- predicted tau (from the export, {p.get('source', 'held-out data')}): **{p['tau']:.3f}**",
           f"- measured tau (runtime): **{m['tau']:.3f}** ({report['relative_gap']:+.1%}; tolerance ±{report['tolerance']:.0%})",
           f"- replayed tau (training's predictor on the served answers): {r['tau']:.3f}", "",
@@ -255,7 +262,9 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              temperature: float = 0.0, tolerance: float = 0.1, num_prompts: int | None = None,
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-             references_to_run: tuple[str, ...] = ()) -> dict:
+             references_to_run: tuple[str, ...] = (), max_minutes: float | None = None) -> dict:
+    import time
+
     import torch
     from transformers import AutoTokenizer
 
@@ -290,8 +299,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     drafter = load_export(folder, dtype=dtype).to(device)
     questions = load_prompts_for(dataset, provenance, num_prompts)
 
+    planned = len(questions)
+    deadline = time.time() + 60 * max_minutes if max_minutes else None
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
-                      progress=progress, verification=verification)
+                      progress=progress, verification=verification, deadline=deadline)
+    questions = [q for q in questions if q["id"] in {r["id"] for r in records}]  # served before the deadline
     total = torch.zeros(k + 1, dtype=torch.long)
     by_cat, by_turn = defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long)), defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long))
     for r in records:
@@ -333,7 +345,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     report = {
         "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature, "verification": verification,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "num_questions": len(questions), "num_answers": len(records), "max_new_tokens": max_new_tokens,
+        "num_questions": len(questions), "questions_planned": planned, "num_answers": len(records),
+        "max_new_tokens": max_new_tokens,
         "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
         "per_category": per_category, "per_turn": {t: acceptance_from_histogram(h) for t, h in by_turn.items()},
         "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
@@ -365,19 +378,23 @@ def main(argv=None) -> int:
     ap.add_argument("--max-turns", type=int, default=None)
     ap.add_argument("--reference", action="append", choices=["ngram", "suffix"], default=[],
                     help="also serve the same prompts with this proposer (repeatable): reference rows")
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="start no question after this long; the report covers the questions served")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="validation")
     args = ap.parse_args(argv)
     from data.sources import DataError
     from models.zoo import AssetError
 
-    if args.k is not None and args.k <= 0 or args.tolerance < 0 or args.temperature < 0:
-        print("error: -k must be positive, --tolerance and --temperature not negative", file=sys.stderr)
+    if args.k is not None and args.k <= 0 or args.tolerance < 0 or args.temperature < 0 or \
+            args.max_minutes is not None and args.max_minutes <= 0:
+        print("error: -k and --max-minutes must be positive, --tolerance and --temperature not negative", file=sys.stderr)
         return 2
     try:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
-                          verification=args.verification, references_to_run=tuple(args.reference))
+                          verification=args.verification, references_to_run=tuple(args.reference),
+                          max_minutes=args.max_minutes)
     except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect
-#   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_SECONDS each)
+#   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
 # most 8 files come back) and prints a summary. Several GPUs: regeneration runs two shards per GPU,
 # each run names its GPU in RUNS, validations take the GPUs in turn.
@@ -86,7 +86,7 @@ bench)
   ;;
 final | validate)
   # final: the last call of a session: stop what is still training, bench alone, then validate
-  # in the time left (VAL_SECONDS each). validate: only the validations.
+  # in the time left (VAL_MINUTES each). validate: only the validations.
   if [ "$what" = final ]; then
     t0=$SECONDS
     while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
@@ -97,10 +97,12 @@ final | validate)
   fi
   # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3
   # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
-  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-20} --max-new-tokens 256)
+  # Each serves questions for VAL_MINUTES (spread over the categories), then replays and reports
+  # on those; two CPU threads each, since a dozen run at once. timeout is only a backstop.
+  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3})
   vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
-         timeout ${VAL_SECONDS:-540} python3 -m inference.validate --drafter /tmp/run-${name%%@*}/export "${V[@]}" \
-         --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
+         OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
+         --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
   n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
   bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & n_vt=$((n_vt + 1)); }
   bg eagle3 --reference ngram --reference suffix

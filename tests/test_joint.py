@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import make_conversations, tiny_overrides
 from train.joint import keep_close_kl, lm_loss
 
 
@@ -37,9 +37,14 @@ def test_joint_recipe_trains_the_target_and_reports_its_perplexity(chat_file, tm
                                                   "optim.target_lr": 1e-3})
     if "mtp" in recipe:
         overrides.append("drafter.draft_vocab_size=49152")
+    other = tmp_path / "other.jsonl"  # a second held-out set: the price is reported on each
+    other.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(40, seed=9)))
+    overrides.append(f"eval.datasets=[{chat_file}, {other}]")
     summary = run(load_config(recipe, overrides))
     ppl = summary["target_perplexity"]
     assert ppl["before"] > 1 and ppl["after"] > 1 and ppl["before"] != ppl["after"]  # the target moved
+    also = ppl["also"][str(other)]
+    assert also["before"] > 1 and also["before"] != ppl["before"] and also["after"] != also["before"]
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
     assert any(k.startswith("target.model.layers.0.") for k in ckpt)
     meta = json.loads((out / "export" / "draftsmith.json").read_text())

@@ -57,6 +57,16 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
     assert res.returncode == 1 and "FAIL" in res.stdout and "Data gap" in res.stdout, res.stdout + res.stderr[-1000:]
 
 
+def test_max_minutes_reports_the_questions_served(tiny_export, tmp_path):
+    from inference.validate import validate
+
+    report = validate(str(tiny_export), "mt-bench", num_prompts=3, max_new_tokens=8, out=str(tmp_path / "r"),
+                      device="cpu", tolerance=100, progress=False, max_minutes=1e-6)  # past after the first question
+    assert report["num_questions"] == 1 and report["questions_planned"] == 3 and report["num_answers"] == 2
+    assert report["measured"]["num_chains"] > 0
+    assert "Stopped by --max-minutes after 1 of 3 questions" in (tmp_path / "r" / "report.md").read_text()
+
+
 def test_bad_input_is_one_line(tiny_export, tmp_path):
     res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tmp_path), "--dataset", "mt-bench"],
                          capture_output=True, text=True, timeout=300)

@@ -159,12 +159,11 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
-    perplexity = {}
-    if cfg.objective.joint:  # the price of joint training, measured on the held-out answers
-        from train.joint import heldout_perplexity
+    perplexity, before = {}, {}
+    if cfg.objective.joint:  # the price of joint training, on every held-out set's answers (the
+        from train.joint import heldout_perplexity  # first at the top, the others under "also")
 
-        heldout_batches = lambda: datamodule._heldout_loader(next(iter(heldouts.values())))  # noqa: E731
-        perplexity["before"] = heldout_perplexity(target, heldout_batches())
+        before = {name: heldout_perplexity(target, datamodule._heldout_loader(h)) for name, h in heldouts.items()}
     t0 = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     fit_seconds = time.time() - t0
@@ -181,8 +180,13 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         trainer.validate(module, datamodule=datamodule, verbose=False)
     predicted = dict(module.predicted or {})
     if cfg.objective.joint:
-        perplexity["after"] = heldout_perplexity(target, heldout_batches())
-        perplexity["relative_change"] = perplexity["after"] / perplexity["before"] - 1
+        for i, (name, h) in enumerate(heldouts.items()):
+            after = heldout_perplexity(target, datamodule._heldout_loader(h))
+            stats = {"dataset": name, "before": before[name], "after": after, "relative_change": after / before[name] - 1}
+            if i == 0:
+                perplexity.update(stats)
+            else:
+                perplexity.setdefault("also", {})[name] = stats
     summary = {
         "predicted": predicted,
         "dataset": cfg.data.dataset,
@@ -208,9 +212,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}")
-        if perplexity:
-            print(f"target held-out perplexity: {perplexity['before']:.3f} before, {perplexity['after']:.3f} after "
-                  f"({perplexity['relative_change']:+.2%})")
+        for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
+            print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
+                  f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
         print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
     return summary
 
