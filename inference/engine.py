@@ -22,6 +22,7 @@ class GenerationStats:
     steps: int = 0  # target forwards after prefill
     new_tokens: int = 0
     histogram: list[int] = field(default_factory=list)  # accepted-length counts 0..k per drafted row-step
+    row_histograms: list[list[int]] = field(default_factory=list)  # the same, per row of the batch
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -99,7 +100,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     max_len = max_len or -(-need // CACHE_BUCKET) * CACHE_BUCKET  # few distinct sizes: graphs get reused
     if need > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
-    stats = GenerationStats(k=k, histogram=[0] * (k + 1))
+    stats = GenerationStats(k=k, histogram=[0] * (k + 1), row_histograms=[[0] * (k + 1) for _ in prompts])
     t_start = time.perf_counter()
     cache = _reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
@@ -185,6 +186,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
                 continue
             if k:
                 stats.histogram[accepted[b]] += 1
+                stats.row_histograms[b][accepted[b]] += 1
             _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
     if proposer is not None and hasattr(proposer, "end"):
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses

@@ -72,11 +72,13 @@ def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
             seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-            make_proposer=None, deadline: float | None = None):
-    """Serve every question turn by turn; returns per-answer records with histograms.
+            make_proposer=None, deadline: float | None = None, batch_size: int = 1):
+    """Serve the questions turn by turn, `batch_size` questions at a time (turn r of each, then
+    turn r+1 after those answers); returns per-answer records with their own histograms.
 
-    make_proposer(prompt) → proposer replaces the drafter (the reference rows: n-gram, suffix).
-    deadline (time.time()): no question after the first is started after it."""
+    make_proposer(prompts) → proposer replaces the drafter (the reference rows: n-gram, suffix).
+    deadline (time.time()): no batch after the first is started after it. A record's seconds are
+    its share (by new tokens) of its batch's time, so sums give the throughput."""
     import time
 
     import torch
@@ -90,24 +92,30 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     eos = tokenizer.eos_token_id
     records = []
-    for q in tqdm(questions, desc="validating", unit="question", disable=not progress):
-        if deadline is not None and records and time.time() > deadline:
-            break
-        messages = []
-        for turn, text in enumerate(q["turns"][:max_turns]):
-            messages.append({"role": "user", "content": text})
-            prompt = encode_prompt(tokenizer, messages)
-            proposer = (make_proposer(prompt) if make_proposer else
-                        drafter_proposer(drafter, k, 1, cache_size([prompt], max_new_tokens, k), rt.config))
-            outs, stats = generate(rt, [prompt], max_new_tokens, proposer=proposer, eos_ids=(eos,),
-                                   temperature=temperature, generator=generator, verification=verification)
-            answer = outs[0]
-            messages.append({"role": "assistant",
-                             "content": tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer,
-                                                         skip_special_tokens=True)})
-            records.append({"id": q["id"], "category": q["category"], "turn": turn + 1, "prompt": prompt,
-                            "answer": answer, "histogram": stats.histogram, "new_tokens": stats.new_tokens,
-                            "seconds": stats.total_seconds})
+    with tqdm(total=len(questions), desc="validating", unit="question", disable=not progress) as bar:
+        for start in range(0, len(questions), batch_size):
+            if deadline is not None and records and time.time() > deadline:
+                break
+            batch = questions[start : start + batch_size]
+            conversations = [[] for _ in batch]
+            for turn in range(max(len(q["turns"][:max_turns]) for q in batch)):
+                rows = [i for i, q in enumerate(batch) if turn < len(q["turns"][:max_turns])]
+                prompts = []
+                for i in rows:
+                    conversations[i].append({"role": "user", "content": batch[i]["turns"][turn]})
+                    prompts.append(encode_prompt(tokenizer, conversations[i]))
+                proposer = (make_proposer(prompts) if make_proposer else
+                            drafter_proposer(drafter, k, len(prompts), cache_size(prompts, max_new_tokens, k), rt.config))
+                outs, stats = generate(rt, prompts, max_new_tokens, proposer=proposer, eos_ids=(eos,),
+                                       temperature=temperature, generator=generator, verification=verification)
+                new_tokens = max(sum(len(o) for o in outs), 1)
+                for i, prompt, answer, hist in zip(rows, prompts, outs, stats.row_histograms):
+                    text = tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer, skip_special_tokens=True)
+                    conversations[i].append({"role": "assistant", "content": text})
+                    records.append({"id": batch[i]["id"], "category": batch[i]["category"], "turn": turn + 1,
+                                    "prompt": prompt, "answer": answer, "histogram": hist, "new_tokens": len(answer),
+                                    "seconds": stats.total_seconds * len(answer) / new_tokens})
+            bar.update(len(batch))
     return records
 
 
@@ -262,7 +270,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              temperature: float = 0.0, tolerance: float = 0.1, num_prompts: int | None = None,
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-             references_to_run: tuple[str, ...] = (), max_minutes: float | None = None) -> dict:
+             references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
+             batch_size: int | None = None) -> dict:
     import time
 
     import torch
@@ -300,9 +309,10 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     questions = load_prompts_for(dataset, provenance, num_prompts)
 
     planned = len(questions)
+    batch_size = batch_size or (16 if device == "cuda" else 1)
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
-                      progress=progress, verification=verification, deadline=deadline)
+                      progress=progress, verification=verification, deadline=deadline, batch_size=batch_size)
     questions = [q for q in questions if q["id"] in {r["id"] for r in records}]  # served before the deadline
     total = torch.zeros(k + 1, dtype=torch.long)
     by_cat, by_turn = defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long)), defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long))
@@ -318,12 +328,12 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.proposers import NgramProposer, SuffixProposer
 
         if name == "ngram":
-            make = lambda p: NgramProposer(k)  # noqa: E731
+            make = lambda prompts: NgramProposer(k)  # noqa: E731
         else:
             suffix = SuffixProposer(k)  # one per run: its global cache of earlier answers grows question by question
-            make = lambda p: suffix  # noqa: E731
+            make = lambda prompts: suffix  # noqa: E731
         ref = measure(rt, tokenizer, None, questions, k, max_new_tokens, temperature, max_turns=max_turns,
-                      progress=progress, verification=verification, make_proposer=make)
+                      progress=progress, verification=verification, make_proposer=make, batch_size=batch_size)
         references[name] = acceptance_from_histogram(sum((torch.as_tensor(r["histogram"]) for r in ref),
                                                          torch.zeros(k + 1, dtype=torch.long)))
         references[name]["tokens_per_s"] = sum(r["new_tokens"] for r in ref) / max(sum(r["seconds"] for r in ref), 1e-9)
@@ -345,7 +355,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     report = {
         "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature, "verification": verification,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "num_questions": len(questions), "questions_planned": planned, "num_answers": len(records),
+        "num_questions": len(questions), "questions_planned": planned, "num_answers": len(records), "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
         "per_category": per_category, "per_turn": {t: acceptance_from_histogram(h) for t, h in by_turn.items()},
@@ -380,6 +390,8 @@ def main(argv=None) -> int:
                     help="also serve the same prompts with this proposer (repeatable): reference rows")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="start no question after this long; the report covers the questions served")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="questions served together (default 16 on a GPU, 1 on CPU); tokens/s is then throughput")
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="validation")
     args = ap.parse_args(argv)
@@ -387,14 +399,15 @@ def main(argv=None) -> int:
     from models.zoo import AssetError
 
     if args.k is not None and args.k <= 0 or args.tolerance < 0 or args.temperature < 0 or \
-            args.max_minutes is not None and args.max_minutes <= 0:
-        print("error: -k and --max-minutes must be positive, --tolerance and --temperature not negative", file=sys.stderr)
+            args.max_minutes is not None and args.max_minutes <= 0 or args.batch_size is not None and args.batch_size <= 0:
+        print("error: -k, --max-minutes and --batch-size must be positive, --tolerance and --temperature not negative",
+              file=sys.stderr)
         return 2
     try:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
-                          max_minutes=args.max_minutes)
+                          max_minutes=args.max_minutes, batch_size=args.batch_size)
     except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

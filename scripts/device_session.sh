@@ -102,7 +102,9 @@ final | validate)
   # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
   # Each serves questions for VAL_MINUTES (spread over the categories), then replays and reports
   # on those; two CPU threads each, since a dozen run at once. timeout is only a backstop.
-  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3})
+  # VAL_BATCH questions are served together (VAL_BATCH=1: one at a time, as in session 4)
+  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3}
+     --batch-size ${VAL_BATCH:-16})
   vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
          OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
          --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }

@@ -142,3 +142,17 @@ def test_num_prompts_takes_every_category_in_turn():
     categories = [r["category"] for r in rows]
     assert len(rows) == 16 and len(set(categories)) == 8 and all(categories.count(c) == 2 for c in set(categories))
     assert len(load_prompts_for("mt-bench", {}, None)) == 80
+
+
+def test_questions_served_in_batches_give_the_same_answers_and_chains(tiny_export, tmp_path):
+    """Batched serving (the GPU default) changes the speed, not what is measured (float32)."""
+    from inference.validate import validate
+
+    one, three = (validate(str(tiny_export), "mt-bench", num_prompts=3, max_new_tokens=10, out=str(tmp_path / f"b{b}"),
+                           device="cpu", tolerance=100, progress=False, batch_size=b, references_to_run=("ngram",))
+                  for b in (1, 3))
+    assert three["batch_size"] == 3 and three["num_answers"] == one["num_answers"] == 6
+    for key in ("measured", "replay_answers"):
+        assert three[key]["histogram"] == one[key]["histogram"]
+    assert three["references"]["ngram"]["histogram"] == one["references"]["ngram"]["histogram"]
+    assert three["per_turn"] == one["per_turn"]
