@@ -20,7 +20,7 @@ Output: OUT/conversations.jsonl, one line per source conversation in source orde
 appended and flushed after each batch; re-running skips finished ids, and a line cut by an
 interruption is dropped and redone, so no conversation is lost or written twice.
 
-Several GPUs (or several processes on one GPU, which a small target leaves mostly idle): run
+Several GPUs (a second process on the same GPU adds little: BENCHMARKS.md): run
 `--shard 0/N` ... `--shard N-1/N`, each with its own --out; shard I answers the conversations
 whose index is I modulo N, and `cat OUT*/conversations.jsonl` is the whole set.
 """

@@ -7,6 +7,8 @@ ranks or requests simply add.
 """
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 
 
@@ -75,7 +77,7 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         lengths_at = {}  # anchor -> accepted length, filled a window of anchors at a time
 
         def fill(a0):
-            window_anchors = [a for a in range(a0, n - 1) if anchorable[a]][:window]
+            window_anchors = list(islice((a for a in range(a0, n - 1) if anchorable[a]), window))
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]
             found = chain_lengths(ids[b, :n], greedy[b, :n], anchors, chain)

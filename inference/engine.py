@@ -22,7 +22,7 @@ class GenerationStats:
     steps: int = 0  # target forwards after prefill
     new_tokens: int = 0
     histogram: list[int] = field(default_factory=list)  # accepted-length counts 0..k per drafted row-step
-    row_histograms: list[list[int]] = field(default_factory=list)  # the same, per row of the batch
+    row_histograms: list[list[int]] = field(default_factory=list)  # the same per row (histogram: their sum)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
@@ -185,9 +185,9 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
             if done[b]:
                 continue
             if k:
-                stats.histogram[accepted[b]] += 1
                 stats.row_histograms[b][accepted[b]] += 1
             _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
+    stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
     if proposer is not None and hasattr(proposer, "end"):
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses
     _sync(device)

@@ -313,7 +313,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
                       progress=progress, verification=verification, deadline=deadline, batch_size=batch_size)
-    questions = [q for q in questions if q["id"] in {r["id"] for r in records}]  # served before the deadline
+    served = {r["id"] for r in records}
+    questions = [q for q in questions if q["id"] in served]  # served before the deadline
     total = torch.zeros(k + 1, dtype=torch.long)
     by_cat, by_turn = defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long)), defaultdict(lambda: torch.zeros(k + 1, dtype=torch.long))
     for r in records:

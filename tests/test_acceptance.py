@@ -36,8 +36,8 @@ def _greedy_continuation(model, prefix: torch.Tensor, k: int) -> list[int]:
 
 
 class _ScriptedDrafter:
-    """Drafts the target's true greedy continuation except where `wrong(t, s)` says: chains
-    with every accepted length, without training anything."""
+    """Drafts given per position [T, k] (in the test: the target's true greedy continuation,
+    wrong at chosen places): chains of every accepted length, without training anything."""
 
     def __init__(self, drafts: torch.Tensor, vocab: int):
         self.drafts, self.vocab = drafts, vocab  # [T, k]
