@@ -18,15 +18,16 @@ R=/tmp/results
 mkdir -p $R
 REGEN=/tmp/regen/conversations.jsonl
 NGPU=$(nvidia-smi -L | wc -l)
-# recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two: four runs per GPU,
-# so that the runs compared share a GPU alike (issue 4: EAGLE-3, DFlash, EAGLE-1, Medusa-1 on
-# GPU 0; issue 6: EAGLE-3 on regenerated vs original answers, a quarter of a GPU each). EAGLE-3
-# takes batches of 16 regenerated conversations (they are short). The LR schedule follows the
-# time (max_steps only far beyond it). Session 4 ran EAGLE-3 alone on GPU 0 instead:
-# RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:1 ...".
+# recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two GPUs: the runs
+# compared with each other share a GPU alike. GPU 0: EAGLE-3 on regenerated answers, EAGLE-3 on
+# the original answers (issue 6) and DFlash (issue 4), a third of the GPU each; GPU 1: EAGLE-1,
+# Medusa-1 and -2, MTP frozen and joint, a fifth each. Batches hold about the same tokens:
+# 16 regenerated conversations (they are short), 8 original ones. The LR schedule follows the
+# time (max_steps only far beyond it). Session 4 ran EAGLE-3 alone on GPU 0 and the other seven
+# on GPU 1.
 if [ "$NGPU" -ge 2 ]; then
-  DEFAULT_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 dflash:dflash:regen:0 eagle1:eagle1:regen:0 medusa1:medusa1:regen:0
-eagle3:eagle3-orig:orig:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1 medusa2:medusa2:regen:1"
+  DEFAULT_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
+eagle1:eagle1:regen:1 medusa1:medusa1:regen:1 medusa2:medusa2:regen:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1"
 else
   DEFAULT_RUNS="eagle3:eagle3:regen:0 eagle3:eagle3-orig:orig:0 eagle1:eagle1:regen:0 medusa1:medusa1:regen:0 medusa2:medusa2:regen:0
 dflash:dflash:regen:0 mtp:mtp:regen:0 mtp-joint:mtp-joint:regen:0"
@@ -44,6 +45,7 @@ collect() {
   tar czf $OUT/results.tgz -C /tmp results
 }
 
+date -u +'call start %H:%M:%S'
 case $what in
 part1)
   nvidia-smi -L
