@@ -175,18 +175,21 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         else:
             accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()
-        if k:
-            proposer.accepted(step, aux, list(zip(accepted, bonus)), [not d for d in done])
-        t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.steps += 1
         for b in range(B):
             if done[b]:
                 continue
             if k:
                 stats.row_histograms[b][accepted[b]] += 1
             _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
+        if k:
+            # after _emit: a row that has just finished is no longer active, so a proposer with
+            # its own cache keeps it in place rather than advancing it by tokens past its budget
+            # (still computed with the batch, it would otherwise write past the cache's end)
+            proposer.accepted(step, aux, list(zip(accepted, bonus)), [not d for d in done])
+        t2 = time.perf_counter()
+        stats.draft_seconds += t1 - t0
+        stats.verify_seconds += t2 - t1
+        stats.steps += 1
     stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
     if proposer is not None and hasattr(proposer, "end"):
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses

@@ -7,7 +7,8 @@
     accepted(fed, aux, counts, active)
                                   after verification: the k+1 tokens each row fed [B,k+1],
                                   their aux features [B,k+1,n*Ht], (accepted, bonus) per row,
-                                  and which rows are still generating
+                                  and which rows still generate after this step (a row
+                                  that has just finished is not: its state may stay put)
 
 Positions are 0-based. A row holding tokens t_0..t_{N-1} feeds t_{N-1} and its drafts at
 positions N-1.. in the verify step.
