@@ -163,6 +163,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
     if cfg.objective.joint:  # the price of joint training, on every held-out set's answers (the
         from train.joint import heldout_perplexity  # first at the top, the others under "also")
 
+        # measured on the device it trains on: Lightning moves the target there only in fit, and
+        # on the CPU this took minutes before a GPU run could start (session 5)
+        target.to(trainer.strategy.root_device)
         before = {name: heldout_perplexity(target, datamodule._heldout_loader(h)) for name, h in heldouts.items()}
     t0 = time.time()
     trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
