@@ -18,21 +18,25 @@ R=/tmp/results
 mkdir -p $R
 REGEN=/tmp/regen/conversations.jsonl
 NGPU=$(nvidia-smi -L | wc -l)
-# recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two GPUs: the runs
-# compared with each other share a GPU alike. GPU 0: EAGLE-3 on regenerated answers, EAGLE-3 on
-# the original answers (issue 6) and DFlash (issue 4), a third of the GPU each; GPU 1: EAGLE-1,
-# Medusa-1 and -2, MTP frozen and joint, a fifth each. Batches hold about the same tokens:
-# 16 regenerated conversations (they are short), 8 original ones. The LR schedule follows the
-# time (max_steps only far beyond it). Session 4 ran EAGLE-3 alone on GPU 0 and the other seven
-# on GPU 1.
-if [ "$NGPU" -ge 2 ]; then
-  DEFAULT_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
+# recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two GPUs: EAGLE-3 on
+# regenerated answers alone on GPU 0 and EAGLE-3 on the original answers alone on GPU 1 (issue
+# 6: the same budget each, a whole H200). Batches hold about the same tokens: 16 regenerated
+# conversations (they are short), 8 original ones. The LR schedule follows the time (max_steps
+# only far beyond it). Session 5 compared all eight recipes with
+# RUNS=shared (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
+# GPU 1: EAGLE-1, Medusa-1 and -2, MTP frozen and joint, a fifth each).
+SHARED_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
 eagle1:eagle1:regen:1 medusa1:medusa1:regen:1 medusa2:medusa2:regen:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1"
+if [ "$NGPU" -ge 2 ]; then
+  DEFAULT_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:1:data.batch_size=8"
 else
   DEFAULT_RUNS="eagle3:eagle3:regen:0 eagle3:eagle3-orig:orig:0 eagle1:eagle1:regen:0 medusa1:medusa1:regen:0 medusa2:medusa2:regen:0
 dflash:dflash:regen:0 mtp:mtp:regen:0 mtp-joint:mtp-joint:regen:0"
 fi
-RUNS=${RUNS:-$DEFAULT_RUNS}
+case ${RUNS:-} in
+  shared) RUNS=$SHARED_RUNS ;;
+  "") RUNS=$DEFAULT_RUNS ;;
+esac
 
 collect() {
   for d in /tmp/run-*; do
@@ -49,6 +53,8 @@ date -u +'call start %H:%M:%S'
 case $what in
 part1)
   nvidia-smi -L
+  # the batched-serving regression (session 5: a device-side assert in EAGLE's cache) on the GPU
+  python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
     python3 scripts/profile_decode.py --out $R 2>&1 | grep -v -i warn
@@ -66,6 +72,7 @@ part2)
   cat /tmp/regen/s*/conversations.jsonl > $REGEN
   grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
   cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
+  gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~6 MB)
   for spec in $RUNS; do
     IFS=: read recipe name data gpu extra <<< "$spec"
     pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)

@@ -65,13 +65,15 @@ def test_runtime_drafts_equal_training_unroll_drafts(tiny_target, flags):
     assert checked >= 10
 
 
-def test_rows_finishing_apart_stay_inside_the_drafters_cache(tiny_target):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA case needs a GPU (the CPU case is the same check)"))])
+def test_rows_finishing_apart_stay_inside_the_drafters_cache(tiny_target, device):
     """Batched serving (validate's 16 questions at once): a row that reaches its token budget
     in a step that accepted more than it had left must not advance the drafter's cache past
     its end while the other rows go on (on a GPU: a device-side assert in the cache write)."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    drafter = _drafter_for(hf)
-    rt = RuntimeModel.from_pretrained(tiny_target)
+    drafter = _drafter_for(hf).to(device)
+    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     torch.manual_seed(5)
     prompts = [torch.randint(0, 40000, (9,)).tolist() for _ in range(8)]  # equal: each is the longest
     k, max_new = 4, 24
@@ -87,7 +89,7 @@ def test_rows_finishing_apart_stay_inside_the_drafters_cache(tiny_target):
     # synthetic verification accepts each draft with probability 0.8: rows run at different
     # speeds and often overshoot their budget in their last step
     outs, _ = generate(rt, prompts, max_new, proposer=Watch(inner), verification="synthetic:0.8",
-                       generator=torch.Generator().manual_seed(0))
+                       generator=torch.Generator(device).manual_seed(0))
     assert all(len(o) == max_new for o in outs)
     assert any(0 < n < len(prompts) for n, _ in seen), "no row finished before the others"
     assert max(reach for _, reach in seen) < size
