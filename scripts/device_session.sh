@@ -38,6 +38,18 @@ case ${RUNS:-} in
   "") RUNS=$DEFAULT_RUNS ;;
 esac
 
+start_runs() {  # RUNS-style specs, minutes each
+  for spec in $1; do
+    IFS=: read recipe name data gpu extra <<< "$spec"
+    pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
+    if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
+    CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
+      "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
+      data.num_workers=1 eval.every_n_steps=1000 "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
+    sleep 2
+  done
+}
+
 collect() {
   for d in /tmp/run-*; do
     [ -d "$d" ] || continue
@@ -73,15 +85,7 @@ part2)
   grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
   cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
   gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~6 MB)
-  for spec in $RUNS; do
-    IFS=: read recipe name data gpu extra <<< "$spec"
-    pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
-    if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
-    CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
-      "trainer.max_time=00:00:$(printf %02d "$minutes"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
-      data.num_workers=1 eval.every_n_steps=1000 "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
-    sleep 2
-  done
+  start_runs "$RUNS" "$minutes"
   sleep 30
   tail -n 2 $R/*-train.log
   collect
@@ -107,6 +111,9 @@ final | validate)
     python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -14
     collect
   fi
+  # ALONGSIDE: RUNS-style specs trained ALONGSIDE_MINUTES while the validations run (the GPUs
+  # have room then; e.g. the joint recipes for their peak memory and perplexity)
+  [ -n "${ALONGSIDE:-}" ] && start_runs "$ALONGSIDE" "${ALONGSIDE_MINUTES:-3}"
   # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3
   # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
   # Each serves questions for VAL_MINUTES (spread over the categories), then replays and reports
@@ -125,7 +132,8 @@ final | validate)
   bg eagle3@t1-block --temperature 1 --verification block
   bg dflash@t1-standard --temperature 1 --verification standard
   bg dflash@t1-block --temperature 1 --verification block
-  wait
+  wait  # the validations and any ALONGSIDE runs
+  [ -n "${ALONGSIDE:-}" ] && for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|peak\|error:" "$f" | tail -4; done
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
   collect
   ;;
