@@ -5,7 +5,7 @@
 #   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start the recipes in RUNS
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
-#   bash scripts/device_session.sh validate           # validation of the trained exports, collect
+#   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
 # most 8 files come back) and prints a summary. Several GPUs: regeneration runs two shards per GPU,
@@ -126,8 +126,12 @@ final | validate)
          --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
   n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
   bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & n_vt=$((n_vt + 1)); }
-  bg eagle3 --reference ngram --reference suffix
-  for n in eagle3-orig dflash medusa1 mtp eagle1 mtp-joint medusa2; do bg $n; done
+  # EAGLE-3 at T = 0 with the reference rows: VAL_REF_PROMPTS questions (6 per category), so
+  # that the n-gram and suffix rows, served after it on the same questions, fit the call too
+  # (EAGLE-3 on the original answers on those very questions: regenerated against original)
+  bg eagle3 --reference ngram --reference suffix --num-prompts ${VAL_REF_PROMPTS:-48}
+  bg eagle3-orig --num-prompts ${VAL_REF_PROMPTS:-48}
+  for n in dflash medusa1 mtp eagle1 mtp-joint medusa2; do bg $n; done
   bg eagle3@t1-standard --temperature 1 --verification standard
   bg eagle3@t1-block --temperature 1 --verification block
   bg dflash@t1-standard --temperature 1 --verification standard
