@@ -46,6 +46,7 @@ start_runs() {  # RUNS-style specs, minutes each
     CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
       "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
       data.num_workers=1 eval.every_n_steps=1000 "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
+    pids+=($!)
     sleep 2
   done
 }
@@ -58,8 +59,14 @@ collect() {
     cp "$d/logs/metrics.csv" "$R/$n-metrics.csv" 2>/dev/null
   done
   nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader > $R/gpu.txt
-  tar czf $OUT/results.tgz -C /tmp results
+  tar czf $OUT/results.tgz.$BASHPID -C /tmp results && mv $OUT/results.tgz.$BASHPID $OUT/results.tgz
 }
+pids=()  # background jobs of this call that it waits for
+# What is under $OUT comes back even when a call outruns its limit: collect every 30 s, so a
+# call cut short still returns what it had (session 5 lost a whole call that collected at the end)
+( while sleep 30; do collect; done ) > /dev/null 2>&1 &
+collector=$!
+trap 'kill $collector 2> /dev/null' EXIT
 
 date -u +'call start %H:%M:%S'
 case $what in
@@ -79,8 +86,9 @@ part2)
   for i in $(seq 0 $((nshard - 1))); do
     CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
       --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
+    regen_pids+=($!)
   done
-  wait
+  wait "${regen_pids[@]}"
   cat /tmp/regen/s*/conversations.jsonl > $REGEN
   grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
   cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
@@ -125,7 +133,7 @@ final | validate)
          OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
          --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
   n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
-  bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & n_vt=$((n_vt + 1)); }
+  bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & pids+=($!); n_vt=$((n_vt + 1)); }
   # EAGLE-3 at T = 0 with the reference rows: VAL_REF_PROMPTS questions (6 per category), so
   # that the n-gram and suffix rows, served after it on the same questions, fit the call too
   # (EAGLE-3 on the original answers on those very questions: regenerated against original)
@@ -136,7 +144,7 @@ final | validate)
   bg eagle3@t1-block --temperature 1 --verification block
   bg dflash@t1-standard --temperature 1 --verification standard
   bg dflash@t1-block --temperature 1 --verification block
-  wait  # the validations and any ALONGSIDE runs
+  wait "${pids[@]}"  # the validations and any ALONGSIDE runs
   [ -n "${ALONGSIDE:-}" ] && for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|peak\|error:" "$f" | tail -4; done
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
   collect
