@@ -3,7 +3,7 @@
 # trainings started with setsid run on between calls). Usage on the device machine:
 #   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
 #   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start the recipes in RUNS
-#   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect
+#   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
@@ -72,8 +72,6 @@ date -u +'call start %H:%M:%S'
 case $what in
 part1)
   nvidia-smi -L
-  # the batched-serving regression (session 5: a device-side assert in EAGLE's cache) on the GPU
-  python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
     python3 scripts/profile_decode.py --out $R 2>&1 | grep -v -i warn
@@ -100,6 +98,12 @@ part2)
   ;;
 wait)
   limit=$1; t0=$SECONDS
+  # once, while the trainings run (the target is whole only after part2): the batched-serving
+  # regression on the GPU (session 5: a device-side assert in EAGLE's cache)
+  if [ ! -f /tmp/regression-checked ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee $R/regression.log
+    touch /tmp/regression-checked
+  fi
   while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
   for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|Error\|error:" "$f" | tail -4; done
   collect
