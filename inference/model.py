@@ -10,7 +10,6 @@ Shapes: B batch, q query tokens per row, S cache length, L layers, nh/nkv heads,
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 

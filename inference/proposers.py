@@ -81,7 +81,6 @@ def ngram_drafts(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int
     buffer [B,S] token ids (beyond each row's length: anything), lengths [B] → [B,k]."""
     B, S = buffer.shape
     dev = buffer.device
-    rows = torch.arange(B, device=dev)
     found = torch.zeros(B, dtype=torch.bool, device=dev)
     cont = torch.zeros(B, dtype=torch.long, device=dev)  # where the continuation starts
     for n in range(max_n, min_n - 1, -1):

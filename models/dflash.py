@@ -81,7 +81,6 @@ class DFlashConfig(DictConfig):
                    target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
 
 
-
 class DFlashAttention(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()

@@ -49,7 +49,6 @@ class Eagle1Config(DictConfig):
         return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size)
 
 
-
 class Eagle1Attention(nn.Module):
     def __init__(self, cfg: Eagle1Config):
         super().__init__()

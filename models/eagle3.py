@@ -68,7 +68,6 @@ class Eagle3Config(DictConfig):
                    **options)
 
 
-
 class Eagle3Attention(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()

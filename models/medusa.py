@@ -46,7 +46,6 @@ class MedusaConfig(DictConfig):
                    target_num_layers=hf_config.num_hidden_layers, num_heads=num_heads, num_layers=num_layers)
 
 
-
 class ResidualBlocks(nn.Module):
     """x + SiLU(Linear(x)), `m` times; zero-initialised, so it starts as the identity."""
 

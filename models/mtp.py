@@ -55,7 +55,6 @@ class MTPConfig(DictConfig):
         return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, num_modules=num_modules)
 
 
-
 class MTPAttention(nn.Module):
     def __init__(self, cfg: MTPConfig):
         super().__init__()

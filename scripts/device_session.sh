@@ -51,6 +51,10 @@ start_runs() {  # RUNS-style specs, minutes each
   done
 }
 
+train_summary() {  # the last figures each training printed (peak memory: in its predicted.json)
+  for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|Error\|error:" "$f" | tail -4; done
+}
+
 collect() {
   for d in /tmp/run-*; do
     [ -d "$d" ] || continue
@@ -105,7 +109,7 @@ wait)
     touch /tmp/regression-checked
   fi
   while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
-  for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|Error\|error:" "$f" | tail -4; done
+  train_summary
   collect
   ;;
 bench)
@@ -149,7 +153,7 @@ final | validate)
   bg dflash@t1-standard --temperature 1 --verification standard
   bg dflash@t1-block --temperature 1 --verification block
   wait "${pids[@]}"  # the validations and any ALONGSIDE runs
-  [ -n "${ALONGSIDE:-}" ] && for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|peak\|error:" "$f" | tail -4; done
+  [ -n "${ALONGSIDE:-}" ] && train_summary
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
   collect
   ;;
