@@ -7,7 +7,7 @@ ranks or requests simply add.
 """
 from __future__ import annotations
 
-from itertools import islice
+from itertools import accumulate, islice
 
 import torch
 
@@ -40,9 +40,11 @@ def acceptance_from_histogram(hist) -> dict:
 
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int,
-                        features=None, greedy=None, window: int = 128) -> torch.Tensor:
-    """Accepted-length histogram of greedy k-chains drafted exactly as a runtime drafts, at the
-    places a runtime drafts them.
+                        features=None, greedy=None, window: int = 128, per_turn: bool = False) -> torch.Tensor:
+    """Accepted-length histogram [k+1] of greedy k-chains drafted exactly as a runtime drafts, at
+    the places a runtime drafts them. per_turn: [2, k+1] instead, chains in each row's first
+    answer span, then in its later ones (follow-up turns, which answer after the target's own
+    first answer and can be far easier to draft: served sets weigh them differently).
 
     ids, loss_mask [B,T], lengths [B]. A chain at anchor a continues x_0..x_{a+1} (x_{a+1}, its
     last token, is answer text); draft i is judged against the target's full-vocabulary argmax
@@ -66,7 +68,7 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         draft_ids = drafter.draft_ids()
         steps = drafter.unroll(ids, features, k, greedy=True)  # k x [B,T,Vd]
         drafts = torch.stack([draft_ids[logits.argmax(-1)] for logits in steps], dim=2)  # [B,T,k] target ids
-    hist = torch.zeros(k + 1, dtype=torch.long)
+    hist = torch.zeros(2, k + 1, dtype=torch.long)
     for b in range(ids.shape[0]):
         n = int(lengths[b])
         answer = loss_mask[b, :n].bool().tolist()
@@ -74,6 +76,8 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         # (serving stops after that token)
         anchorable = [answer[a + 1] and a + 2 < n and answer[a + 2] for a in range(n - 1)]
         span_start = [answer[a + 1] and not answer[a] for a in range(n - 1)]  # x_{a+1} opens a span
+        # x_{a+1} is in a row's second or later span (a span at x_0 opened before any marker)
+        later_span = [answer[0] + opened > 1 for opened in accumulate(span_start)]
         lengths_at = {}  # anchor -> accepted length, filled a window of anchors at a time
 
         def fill(a0):
@@ -98,13 +102,13 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
             if a not in lengths_at:
                 fill(a)
             accepted = lengths_at[a]
-            hist[accepted] += 1
+            hist[int(later_span[a]), accepted] += 1
             chains += 1
             nxt = a + accepted + 1
             # the chain ran past its span (serving would have stopped there): on to the next span
             a = nxt if all(answer[a + 1 : min(nxt, n - 1) + 1]) else next(
                 (s for s in range(a + 1, n - 1) if span_start[s]), n)
-    return hist
+    return hist if per_turn else hist.sum(0)
 
 
 def chain_lengths(ids: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:

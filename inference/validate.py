@@ -138,9 +138,32 @@ def replay(target, drafter, records: list[dict], k: int, anchors: int, part: str
     return hist
 
 
+def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
+    """Predicted and measured tau for first answers and follow-up turns, each side's share of
+    chains in follow-ups, and the promise re-weighted to the served share (tau is 1 + the mean
+    accepted length per chain, so it mixes linearly in chains). predicted_per_turn:
+    {"1": {tau, num_chains}, "2+": {...}} from the export; measured_per_turn: {turn: {tau, num_chains}}."""
+    first, later = predicted_per_turn.get("1"), predicted_per_turn.get("2+")
+    served_first = measured_per_turn.get(1)
+    served_later = [s for t, s in measured_per_turn.items() if t > 1]
+    if not (first and later and served_first and served_later) or not first["num_chains"] or not later["num_chains"]:
+        return None
+    n_later = sum(s["num_chains"] for s in served_later)
+    if not n_later:
+        return None
+    later_tau = sum(s["tau"] * s["num_chains"] for s in served_later) / n_later
+    served_share = n_later / (n_later + served_first["num_chains"])
+    return {"predicted": {"first": first["tau"], "follow_up": later["tau"]},
+            "measured": {"first": served_first["tau"], "follow_up": later_tau},
+            "follow_up_share": {"heldout": later["num_chains"] / (later["num_chains"] + first["num_chains"]),
+                                "served": served_share},
+            "promise_at_served_mix": (1 - served_share) * first["tau"] + served_share * later["tau"]}
+
+
 def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
-             per_category: dict, tolerance: float, temperature: float = 0.0) -> list[str]:
-    """Plain sentences saying where predicted and measured part, and what that points at."""
+             per_category: dict, tolerance: float, temperature: float = 0.0, turns: dict | None = None) -> list[str]:
+    """Plain sentences saying where predicted and measured part, and what that points at.
+    turns: `turn_mix` output, when both sides know their turns."""
     lines = []
     tp, tm, tr = predicted["tau"], measured["tau"], replay_answers["tau"]
     runtime_gap = (tm - tr) / tr if tr else 0.0
@@ -170,6 +193,14 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
     if len(worst) > 1:
         lines.append("Lowest categories: " + ", ".join(f"{c} {s['tau']:.3f}" for c, s in worst[:3]) +
                      "; highest: " + ", ".join(f"{c} {s['tau']:.3f}" for c, s in worst[-2:]) + ".")
+    if turns is not None and temperature == 0:
+        p, m, share = turns["predicted"], turns["measured"], turns["follow_up_share"]
+        mixed = turns["promise_at_served_mix"]
+        lines.append(f"Turns: first answers predicted {p['first']:.3f}, measured {m['first']:.3f} "
+                     f"({m['first'] / p['first'] - 1:+.1%}); follow-up turns predicted {p['follow_up']:.3f}, measured "
+                     f"{m['follow_up']:.3f} ({m['follow_up'] / p['follow_up'] - 1:+.1%}). Follow-ups are "
+                     f"{share['served']:.0%} of the served chains against {share['heldout']:.0%} of the held-out ones; "
+                     f"weighted as served, the promise would be {mixed:.3f} ({tm / mixed - 1:+.1%} against measured).")
     if replay_prompts is not None:
         lines.append(f"Text kind: drafting over the prompts' text replays at tau {replay_prompts['tau']:.3f}, over the "
                      f"answers at {tr:.3f}.")
@@ -351,7 +382,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     else:
         pred = {"a": predicted["a"][:k], "tau": tau_at(predicted["a"], k), "histogram": predicted.get("histogram")
                 if k == len(predicted["a"]) else None, "source": f"held-out {predicted.get('dataset', 'training data')}"}
+        if predicted.get("per_turn"):  # exports since session 6: first answers and follow-up turns apart
+            pred["per_turn"] = {label: {"tau": tau_at(t["a"], k), "num_chains": t["num_chains"]}
+                                for label, t in predicted["per_turn"].items()}
     per_category = {c: acceptance_from_histogram(h) for c, h in by_cat.items()}
+    per_turn = {t: acceptance_from_histogram(h) for t, h in by_turn.items()}
     gap = (measured["tau"] - pred["tau"]) / pred["tau"]
     report = {
         "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature, "verification": verification,
@@ -359,11 +394,13 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         "num_questions": len(questions), "questions_planned": planned, "num_answers": len(records), "batch_size": batch_size,
         "max_new_tokens": max_new_tokens,
         "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
-        "per_category": per_category, "per_turn": {t: acceptance_from_histogram(h) for t, h in by_turn.items()},
+        "per_category": per_category, "per_turn": per_turn,
+        "turns": turn_mix(pred.get("per_turn", {}), per_turn),
         "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
         "references": references,
     }
-    report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance, temperature)
+    report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance, temperature,
+                                   report["turns"])
     write_report(report, Path(out))
     return report
 

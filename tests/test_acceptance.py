@@ -94,3 +94,38 @@ def test_predicted_acceptance_walks_the_answer_as_serving_does(tiny_target):
         assert sum(expected[1:]) > 0 and expected[k] > 0  # chains of every kind were judged
         # the target's own text judges every chain but those running past its end
         assert all(a + k + 1 >= T for a in calls) == (ids is own), calls
+
+
+def test_predicted_acceptance_splits_first_answers_from_follow_up_turns(tiny_target):
+    """per_turn counts the chains of a row's first answer span and of its later spans apart; each
+    part equals the walk over that span alone (the walk restarts at every span), and the parts
+    add up to the whole."""
+    from inference.acceptance import predicted_histogram
+    from models.target import Target
+
+    target = Target.load(tiny_target, [0])
+    k, T = 3, 48
+    V = target.config.vocab_size
+    torch.manual_seed(2)
+    ids = torch.randint(0, 3000, (T,))
+    with torch.no_grad():
+        _, greedy = target.head_outputs(target(ids[None]).last_hidden)
+    # drafts: the target's greedy choice after the text, right at two positions in three
+    drafts = torch.stack([torch.where(torch.arange(T) % 3 > 0, greedy[0], (greedy[0] + 1) % V)] * k, dim=1)
+
+    def walk(spans, per_turn):
+        mask = torch.zeros(1, T, dtype=torch.long)
+        for s, e in spans:
+            mask[0, s:e] = 1
+        return predicted_histogram(target, _ScriptedDrafter(drafts, V), ids[None], mask, torch.tensor([T]), k,
+                                   anchors_per_sequence=1000, features=torch.zeros(1, T, 1), greedy=greedy,
+                                   per_turn=per_turn)
+
+    first, follow_ups = (6, 20), [(26, 34), (38, 48)]
+    split = walk([first, *follow_ups], per_turn=True)
+    assert split.shape == (2, k + 1)
+    assert split[0].tolist() == walk([first], per_turn=False).tolist()
+    alone = [walk([span], per_turn=False) for span in follow_ups]
+    assert split[1].tolist() == (alone[0] + alone[1]).tolist()
+    assert split.sum(0).tolist() == walk([first, *follow_ups], per_turn=False).tolist()
+    assert split[0].sum() > 0 and split[1].sum() > 0

@@ -18,7 +18,8 @@ def tiny_export(tmp_path_factory):
     root = tmp_path_factory.mktemp("validate")
     chat = root / "chat.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
-    run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2})))
+    # whole answers walked (no chain cap): follow-up turns get chains too
+    run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2, "eval.anchors_per_sequence": None})))
     return root / "run" / "export"
 
 
@@ -42,6 +43,12 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
     assert "| suffix |" in (out / "report.md").read_text() and "reference ngram: tau" in res.stdout
     predicted = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
     assert report["predicted"]["tau"] == pytest.approx(predicted["tau"])
+    # the promise knows first answers from follow-up turns, and the report weighs it as served
+    turns = predicted["per_turn"]
+    assert turns["1"]["num_chains"] > 0 and turns["2+"]["num_chains"] > 0
+    assert turns["1"]["num_chains"] + turns["2+"]["num_chains"] == predicted["num_chains"]
+    assert report["turns"]["follow_up_share"]["served"] > 0
+    assert any(line.startswith("Turns: first answers predicted") for line in report["diagnosis"])
 
     # an export that promised far more than it delivers fails with exit 1 and says why
     import shutil
@@ -92,6 +99,23 @@ def test_diagnosis_separates_runtime_and_data_gaps():
     data = diagnose(predicted, acc(1.5, [0.4, 0.3]), acc(1.55, [0.4, 0.3]), acc(1.2, [0.1, 0.1]), cats, 0.1)
     assert data[0].startswith("No runtime gap") and any(line.startswith("Data gap") for line in data)
     assert any("a_1" in line for line in data) and any(line.startswith("Lowest categories: writing") for line in data)
+
+
+def test_turn_mix_weighs_the_promise_as_served():
+    from inference.validate import turn_mix
+
+    predicted = {"1": {"tau": 2.0, "num_chains": 300}, "2+": {"tau": 3.0, "num_chains": 100}}
+    measured = {1: {"tau": 2.1, "num_chains": 60}, 2: {"tau": 3.5, "num_chains": 30}, 3: {"tau": 2.5, "num_chains": 10}}
+    mix = turn_mix(predicted, measured)
+    assert mix["measured"]["follow_up"] == pytest.approx((3.5 * 30 + 2.5 * 10) / 40)
+    assert mix["follow_up_share"] == pytest.approx({"heldout": 0.25, "served": 0.4})
+    assert mix["promise_at_served_mix"] == pytest.approx(0.6 * 2.0 + 0.4 * 3.0)
+    assert turn_mix(predicted, {1: measured[1]}) is None  # one turn served: nothing to weigh
+    assert turn_mix({}, measured) is None  # an export from before per-turn promises
+    lines = diagnose({"tau": 2.25, "a": [0.5]}, {"tau": 2.6, "a": [0.6]}, {"tau": 2.6, "a": [0.6]}, None, {}, 0.1,
+                     turns=mix)
+    turn_line = next(line for line in lines if line.startswith("Turns:"))
+    assert "follow-up turns predicted 3.000, measured 3.250" in turn_line and "the promise would be 2.400" in turn_line
 
 
 def test_validate_and_generate_serve_a_medusa_export(tmp_path):

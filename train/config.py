@@ -113,9 +113,12 @@ class EvalConfig:
     """Chain length for predicted acceptance."""
     num_sequences: int = 32
     """Held-out conversations used by each validation."""
-    anchors_per_sequence: int = 64
+    anchors_per_sequence: int | None = None
     """At most this many draft chains per held-out conversation, walked as serving walks the
-    answers (the next chain starts after the last one's bonus token)."""
+    answers (the next chain starts after the last one's bonus token). None: every answer whole,
+    every turn, as validation serves them. A cap is cheaper but keeps only the start of a long
+    conversation (mostly its first answer), so its promise weighs turns and answer positions
+    unlike what is served."""
     max_length: int = 1024
     every_n_steps: int = 200
     """Validation (loss, accuracy, predicted acceptance) every N training steps."""
@@ -343,7 +346,8 @@ def validate(cfg: RunConfig):
     positive = {"data.batch_size": cfg.data.batch_size, "data.max_length": cfg.data.max_length,
                 "eval.k": cfg.eval.k, "objective.ttt_steps": cfg.objective.ttt_steps,
                 "drafter.draft_vocab_size": cfg.drafter.draft_vocab_size,
-                "checkpoint_every_n_steps": cfg.checkpoint_every_n_steps, "eval.every_n_steps": cfg.eval.every_n_steps}
+                "checkpoint_every_n_steps": cfg.checkpoint_every_n_steps, "eval.every_n_steps": cfg.eval.every_n_steps,
+                "eval.anchors_per_sequence": 1 if cfg.eval.anchors_per_sequence is None else cfg.eval.anchors_per_sequence}
     for key, v in positive.items():
         if v <= 0:
             raise ConfigError(f"{key}: must be positive, got {v}")

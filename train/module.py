@@ -210,7 +210,8 @@ class DrafterModule(L.LightningModule):
 
     # ----------------------------------------------------------------- held-out validation
     def on_validation_epoch_start(self):
-        self._val_hist = torch.zeros(len(self.eval_names), self.evaluation.k + 1, dtype=torch.long)
+        # [sets, 2, k+1]: chains in first answers, then in follow-up turns (inference.acceptance)
+        self._val_hist = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.long)
 
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
@@ -220,18 +221,22 @@ class DrafterModule(L.LightningModule):
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
             self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
-        self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out), greedy)
+        self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
+                                                                   greedy, per_turn=True)
 
-    def predicted_histogram(self, ids, loss_mask, lengths, features, greedy) -> torch.Tensor:
+    def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
-        return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
-                                   self.evaluation.anchors_per_sequence, features=features, greedy=greedy)
+        cap = self.evaluation.anchors_per_sequence or ids.shape[1]  # None: whole answers (a chain covers >= 1 token)
+        return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, cap,
+                                   features=features, greedy=greedy, per_turn=per_turn)
 
     def on_validation_epoch_end(self):
         hist = self._val_hist.to(self.device)
         if self.trainer.world_size > 1:
             hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
-        per_set = [acceptance_from_histogram(h) for h in hist.cpu()]
+        per_set = [{**acceptance_from_histogram(h.sum(0)), "per_turn": {"1": acceptance_from_histogram(h[0]),
+                                                                        "2+": acceptance_from_histogram(h[1])}}
+                   for h in hist.cpu()]
         common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
         self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
         if len(per_set) > 1:
