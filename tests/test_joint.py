@@ -1,5 +1,6 @@
 """Joint modes (Medusa-2, joint MTP): the target receives gradient, its perplexity is reported
 before and after, checkpoints carry it and resume, and the exports carry it."""
+import copy
 import json
 import subprocess
 import sys
@@ -56,7 +57,23 @@ def test_joint_recipe_trains_the_target_and_reports_its_perplexity(chat_file, tm
         assert "model.layers.0.self_attn.q_proj.weight" in keys and "model.layers.2.eh_proj.weight" in keys
     else:
         assert (out / "export" / "target" / "config.json").is_file()
-    load_export(out / "export")  # the stitched or side-by-side export still reads back
+    # round trip: the export carries the trained target and the trained drafter, bit for bit in
+    # the export's dtype (the stitched MTP checkpoint keeps the target's own bf16)
+    from safetensors.torch import load_file
+
+    exported_target = load_file(str(out / "export" / ("model.safetensors" if "mtp" in recipe else "target/model.safetensors")))
+    trained_layers = {k[len("target."):]: v for k, v in ckpt.items() if k.startswith("target.model.layers.")}
+    assert trained_layers and all(torch.equal(exported_target[k], v.to(exported_target[k].dtype))
+                                  for k, v in trained_layers.items())
+    reloaded = load_export(out / "export")  # the stitched or side-by-side export reads back
+    stored = next(v.dtype for v in load_file(str(out / "export" / "model.safetensors")).values() if v.is_floating_point())
+    trained = copy.deepcopy(reloaded)  # the checkpoint's drafter, rounded as the export stores it
+    trained.load_state_dict({k[len("drafter."):]: v.to(stored).to(v.dtype) if v.is_floating_point() else v
+                             for k, v in ckpt.items() if k.startswith("drafter.")})
+    hidden = torch.randn(1, 7, reloaded.config.hidden_size)
+    ids = torch.randint(0, 1000, (1, 7))
+    for a, b in zip(reloaded.unroll(ids, hidden, 3, greedy=True), trained.unroll(ids, hidden, 3, greedy=True)):
+        torch.testing.assert_close(a, b)
 
 
 def test_joint_resume_continues_from_the_trained_target(chat_file, tmp_path):
