@@ -38,6 +38,11 @@ def acceptance_from_histogram(hist) -> dict:
     return {"a": a, "tau": tau, "num_chains": int(n), "histogram": [int(x) for x in hist.tolist()]}
 
 
+def acceptance_by_turn(hist) -> dict:
+    """[2, k+1] from predicted_histogram(per_turn=True) → {"1": first answers, "2+": follow-up turns}."""
+    return {"1": acceptance_from_histogram(hist[0]), "2+": acceptance_from_histogram(hist[1])}
+
+
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int,
                         features=None, greedy=None, window: int = 128, per_turn: bool = False) -> torch.Tensor:

@@ -25,6 +25,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from inference.report import write_report
+
 
 def tau_at(a: list[float], k: int) -> float:
     """tau of a k-chain from per-position acceptance a_1..a_k (DESIGN.md definition)."""
@@ -311,8 +313,6 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     }
     report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance, temperature,
                                    report["turns"])
-    from inference.report import write_report
-
     write_report(report, Path(out))
     return report
 

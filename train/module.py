@@ -7,7 +7,7 @@ import time
 import lightning as L
 import torch
 
-from inference.acceptance import acceptance_from_histogram, predicted_histogram
+from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, predicted_histogram
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
 from train.joint import keep_close_kl, lm_loss
@@ -234,9 +234,7 @@ class DrafterModule(L.LightningModule):
         hist = self._val_hist.to(self.device)
         if self.trainer.world_size > 1:
             hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
-        per_set = [{**acceptance_from_histogram(h.sum(0)), "per_turn": {"1": acceptance_from_histogram(h[0]),
-                                                                        "2+": acceptance_from_histogram(h[1])}}
-                   for h in hist.cpu()]
+        per_set = [{**acceptance_from_histogram(h.sum(0)), "per_turn": acceptance_by_turn(h)} for h in hist.cpu()]
         common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
         self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
         if len(per_set) > 1:

@@ -216,7 +216,8 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}"
                   + "".join(f"; {label} {t['tau']:.3f} ({t['num_chains']} chains)" for label, t in
-                            zip(("first answers", "follow-up turns"), stats.get("per_turn", {}).values()) if t["num_chains"]))
+                            (("first answers", stats.get("per_turn", {}).get("1")),
+                             ("follow-up turns", stats.get("per_turn", {}).get("2+"))) if t and t["num_chains"]))
         for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
             print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
                   f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
