@@ -19,6 +19,7 @@ CASES = [
     (["data.batch_size=0"], "data.batch_size: must be positive"),
     (["drafter.method=medusa9"], "drafter.method: 'medusa9' is not available"),
     (["optim.schedule_by=epochs"], "optim.schedule_by: 'epochs' is not one of steps, time"),
+    (["trainer.strategy=fsdp", "trainer.devices=2"], "trainer.strategy: 'fsdp' is not supported yet"),
     (["optim.schedule_by=time"], "optim.schedule_by=time: trainer.max_time must be set as DD:HH:MM:SS, got None"),
 ]
 

@@ -335,6 +335,12 @@ def validate(cfg: RunConfig):
             max_time_seconds(cfg.trainer.get("max_time"))
         except ValueError as e:
             raise ConfigError(f"optim.schedule_by=time: {e}") from None
+    strategy = cfg.trainer.get("strategy", "auto")
+    if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
+        # Measured on 2 H200s (session 7): FSDP flattens the bf16 frozen target and the float32
+        # drafter into one parameter and fails; the export would also need the full parameters
+        raise ConfigError(f"trainer.strategy: {strategy!r} is not supported yet (the frozen bf16 target and the "
+                          "float32 drafter cannot share FSDP's flat parameters); use ddp")
     if not zoo.target_exists(cfg.target):
         raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
     named = [("data.dataset", cfg.data.dataset)] + [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets or [])]
