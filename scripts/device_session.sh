@@ -22,9 +22,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 # regenerated answers alone on GPU 0 and EAGLE-3 on the original answers alone on GPU 1 (issue
 # 6: the same budget each, a whole H200). Batches hold about the same tokens: 16 regenerated
 # conversations (they are short), 8 original ones. The LR schedule follows the time (max_steps
-# only far beyond it). Held-out walks every EVAL_EVERY steps (default 2000: since session 7 they walk
-# whole answers, several times the work of session 6's 64 chains). Session 5 compared all eight recipes with
-# RUNS=shared (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
+# only far beyond it). Held-out walks every EVAL_EVERY steps (default 2000: since session 7
+# they walk whole answers, more work than session 6's 64 chains). Session 5 compared all eight
+# recipes with RUNS=shared (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
 # GPU 1: EAGLE-1, Medusa-1 and -2, MTP frozen and joint, a fifth each).
 SHARED_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
 eagle1:eagle1:regen:1 medusa1:medusa1:regen:1 medusa2:medusa2:regen:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1"
