@@ -44,7 +44,7 @@ def acceptance_by_turn(hist) -> dict:
 
 
 @torch.no_grad()
-def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int,
+def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                         features=None, greedy=None, window: int = 128, per_turn: bool = False) -> torch.Tensor:
     """Accepted-length histogram [k+1] of greedy k-chains drafted exactly as a runtime drafts, at
     the places a runtime drafts them. per_turn: [2, k+1] instead, chains in each row's first
@@ -55,7 +55,8 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
     last token, is answer text); draft i is judged against the target's full-vocabulary argmax
     given x_0..x_{a+1} and drafts 1..i-1. Anchors follow serving: each answer span is walked
     from its first token, and after n accepted drafts the next chain starts n + 1 tokens on
-    (the bonus token), until the span's last token or `anchors_per_sequence` chains per row.
+    (the bonus token), until the span's last token or `anchors_per_sequence` chains per row
+    (None: every answer span whole).
     Why not evenly spaced anchors: serving starts chains right after a rejection, and where a
     drafter is right one chain covers k + 1 tokens, so per-chain acceptance is lower than at
     average positions (measured: 3.83 at evenly spaced anchors against 3.09 served, same text).
@@ -100,7 +101,7 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
             lengths_at.update(zip(window_anchors, found.tolist()))
 
         a, chains = 0, 0
-        while a < n - 1 and chains < anchors_per_sequence:
+        while a < n - 1 and (anchors_per_sequence is None or chains < anchors_per_sequence):
             if not anchorable[a]:
                 a += 1
                 continue

@@ -121,8 +121,8 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
     return records
 
 
-def replay(target, drafter, records: list[dict], k: int, anchors: int, part: str):
-    """Training's predictor on the served text (at most `anchors` chains per text), walking the
+def replay(target, drafter, records: list[dict], k: int, anchors: int | None, part: str):
+    """Training's predictor on the served text (at most `anchors` chains per text, None: all), walking the
     answers as serving did (greedy: the very chains the runtime drafted) or the prompts."""
     import torch
 
@@ -284,8 +284,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
 
     del rt
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
-    # every served chain (a chain takes at least one token): the walk then is the runtime's own
-    replay_answers = acceptance_from_histogram(replay(tgt, drafter, records, k, max_new_tokens + 1, "answer"))
+    # every served chain: the walk then is the runtime's own
+    replay_answers = acceptance_from_histogram(replay(tgt, drafter, records, k, None, "answer"))
     replay_prompts = acceptance_from_histogram(replay(tgt, drafter, records, k, anchors, "prompt"))
 
     if predicted is None:

@@ -226,9 +226,8 @@ class DrafterModule(L.LightningModule):
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
-        cap = self.evaluation.anchors_per_sequence or ids.shape[1]  # None: whole answers (a chain covers >= 1 token)
-        return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, cap,
-                                   features=features, greedy=greedy, per_turn=per_turn)
+        return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
+                                   self.evaluation.anchors_per_sequence, features=features, greedy=greedy, per_turn=per_turn)
 
     def on_validation_epoch_end(self):
         hist = self._val_hist.to(self.device)
