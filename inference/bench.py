@@ -1,13 +1,16 @@
 """python -m inference.bench: decoders side by side, same prompts, same process.
 
 Rows: transformers' `generate` (plain, and with prompt lookup), this runtime plain, and this
-runtime with each proposer (n-gram, suffix decoding; EAGLE-3 with --drafter). Batch 1, greedy. Reports tok/s,
-tau, ratios against transformers plain and runtime plain, and how many outputs equal the
-runtime's plain output (exact in float32; bf16 batching may flip near-ties). Writes
-bench.json and bench.png to --out.
+runtime with each proposer (n-gram, suffix decoding, and every drafter given with --drafter, at
+each -k it can draft). Batch 1, greedy; --batch-size B adds plain and each drafter serving B
+prompts at once. Reports tok/s, tau, ratios against transformers plain and runtime plain (at
+the same batch), where a speculative step's time goes (draft / verify / other ms per step, host
+syncs per token), and how many outputs equal the runtime's plain output (exact in float32; bf16
+batching may flip near-ties). Writes bench.json and bench.png to --out.
 
     python -m inference.bench --target smollm2-135m-instruct --dataset mt-bench --num-prompts 20 \
-        --max-new-tokens 256 [--drafter runs/eagle3/export] [-k 4] [--out bench/]
+        --max-new-tokens 256 [--drafter runs/eagle3/export runs/dflash/export ...] [-k 4 7] \
+        [--batch-size 16] [--out bench/]
 """
 from __future__ import annotations
 
@@ -48,14 +51,30 @@ def _without_kernels(fn):
             os.environ["DRAFTSMITH_KERNELS"] = saved
 
 
-def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k: int, drafter: str | None,
-              device: str, out_dir: Path, hf_static: bool = False) -> dict:
+def _drafter_name(module) -> str:
+    return type(module).__name__.removesuffix("Drafter").replace("Eagle3", "EAGLE-3").replace("Eagle1", "EAGLE-1")
+
+
+def _drafter_ks(module, ks: list[int]) -> list[int]:
+    """The requested draft lengths this drafter can draft (MTP: its modules, DFlash: B-1,
+    Medusa: its heads); one at its capability when none of them fits."""
+    cfg = module.config
+    cap = {"MTP": getattr(cfg, "num_modules", None), "DFlash": getattr(cfg, "block_size", 2) - 1,
+           "Medusa": getattr(cfg, "num_heads", None)}.get(_drafter_name(module))
+    if cap is None:
+        return list(ks)
+    fitting = [k for k in ks if k <= cap]
+    return fitting or [cap]
+
+
+def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
+              device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.chat import encode_prompt
     from data.sources import load_prompts
-    from inference.engine import cache_size, generate
+    from inference.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
     from inference.model import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import resolve_target
@@ -67,80 +86,122 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, k:
     eos = (tok.eos_token_id,)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     rt = load_runtime(path, dtype=dtype, device=device)
-    drafter_module = None
-    if drafter:
+    k_max = max(ks)
+    # one cache length for every prompt and row: each row captures its graphs once, in the warm-up
+    max_len = -(-cache_size(prompts, max_new, k_max) // CACHE_BUCKET) * CACHE_BUCKET
+    modules = []
+    if drafters:
         from export.load import load_export
 
-        drafter_module = load_export(drafter, dtype=dtype).to(device)
-        drafter_proposer(drafter_module, k, 1, 8, rt.config)  # refuses a drafter for another target
+        for folder in drafters:
+            module = load_export(folder, dtype=dtype).to(device)
+            drafter_proposer(module, _drafter_ks(module, ks)[0], 1, 8, rt.config)  # refuses a drafter for another target
+            modules.append(module)
+
+    hf_subset = prompts[: hf_prompts or len(prompts)]
 
     def hf_generate(**kw):
         outs = []
-        for p in prompts:
+        for p in hf_subset:
             ids = torch.tensor([p], device=device)
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw)
             outs.append(out[0, len(p):].tolist())
         return outs, None
 
-    def runtime(make_proposer):
-        outs, hist = [], None
-        for p in prompts:
-            proposer = make_proposer(p)
-            o, stats = generate(rt, [p], max_new, proposer=proposer, eos_ids=eos)
-            outs.append(o[0])
-            if proposer is not None:
-                hist = stats.histogram if hist is None else [a + b for a, b in zip(hist, stats.histogram)]
-        return outs, hist
+    def runtime(proposer, batch: int = 1):
+        """Every prompt through the runtime, `batch` at a time, with one proposer (built for
+        that batch and reused: its graphs are captured once). Returns outputs and the summed stats."""
+        outs, total = [], GenerationStats(k=proposer.k if proposer is not None else 0)
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            if len(chunk) != batch:
+                continue  # a batched row serves whole batches only (its proposer is built for B rows)
+            o, stats = generate(rt, chunk, max_new, proposer=proposer, eos_ids=eos, max_len=max_len)
+            outs.extend(o)
+            total.steps += stats.steps
+            total.new_tokens += stats.new_tokens
+            total.histogram = [a + b for a, b in zip(total.histogram, stats.histogram)] if total.histogram else stats.histogram
+            total.draft_seconds += stats.draft_seconds
+            total.verify_seconds += stats.verify_seconds
+            total.total_seconds += stats.total_seconds
+            total.host_syncs += stats.host_syncs
+            total.device_loop = stats.device_loop
+        return outs, total
 
     def suffix_row():
-        suffix = SuffixProposer(k)  # fresh per run: its global cache grows prompt by prompt within it
-        return runtime(lambda p: suffix)
+        return runtime(SuffixProposer(k_max))  # fresh per run: its global cache grows prompt by prompt within it
 
     rows = {
         "transformers generate": lambda: hf_generate(),
         "transformers prompt lookup": lambda: hf_generate(prompt_lookup_num_tokens=10),
-        "runtime plain": lambda: runtime(lambda p: None),
-        "runtime plain, torch ops (DRAFTSMITH_KERNELS=0)": lambda: _without_kernels(lambda: runtime(lambda p: None)),
-        f"runtime n-gram (k={k})": lambda: runtime(lambda p: NgramProposer(k)),
-        f"runtime n-gram on the device (k={k})": lambda: runtime(
-            lambda p: GpuNgramProposer(k, 1, cache_size([p], max_new, k), device=device)),
-        f"runtime suffix (k={k})": lambda: suffix_row(),
+        "runtime plain": lambda: runtime(None),
+        "runtime plain, torch ops (DRAFTSMITH_KERNELS=0)": lambda: _without_kernels(lambda: runtime(None)),
     }
     if hf_static:
         rows["transformers static cache (compiled)"] = lambda: hf_generate(cache_implementation="static")
-    if drafter_module is not None:
-        name = type(drafter_module).__name__.removesuffix("Drafter").replace("Eagle3", "EAGLE-3")
-        rows[f"runtime {name} (k={k})"] = lambda: runtime(
-            lambda p: drafter_proposer(drafter_module, k, 1, cache_size([p], max_new, k), rt.config))
+    for k in ks:
+        rows[f"runtime n-gram (k={k})"] = lambda k=k: runtime(NgramProposer(k))
+        ngram_gpu = GpuNgramProposer(k, 1, max_len, device=device)
+        rows[f"runtime n-gram on the device (k={k})"] = lambda p=ngram_gpu: runtime(p)
+    rows[f"runtime suffix (k={k_max})"] = suffix_row
+    for module in modules:
+        for k in _drafter_ks(module, ks):
+            proposer = drafter_proposer(module, k, 1, max_len, rt.config)
+            rows[f"runtime {_drafter_name(module)} (k={k})"] = lambda p=proposer: runtime(p)
+    if batch_size > 1:
+        rows[f"runtime plain, batch {batch_size}"] = lambda: runtime(None, batch_size)
+        for module in modules:
+            k = _drafter_ks(module, ks)[0]
+            proposer = drafter_proposer(module, k, batch_size, max_len, rt.config)
+            rows[f"runtime {_drafter_name(module)} (k={k}), batch {batch_size}"] = lambda p=proposer: runtime(p, batch_size)
 
     from inference.acceptance import acceptance_from_histogram
 
-    # one warm-up prompt per row (kernels, graphs, allocator) outside the timing
+    # one warm-up prompt (a whole batch for batched rows) per row outside the timing: kernels,
+    # graph captures, allocator
     saved = prompts[:]
-    prompts[:] = saved[:1]
-    for fn in rows.values():
+    for name, fn in rows.items():
+        prompts[:] = saved[: batch_size if name.endswith(f"batch {batch_size}") else 1]
         fn()
     prompts[:] = saved
     results = {}
     for name, fn in rows.items():
-        (outs, hist), sec = _timed(fn)
+        (outs, stats), sec = _timed(fn)
         n_tokens = sum(len(o) for o in outs)
-        results[name] = {"tokens_per_s": n_tokens / sec, "seconds": sec, "new_tokens": n_tokens, "outputs": outs}
-        if hist is not None:
-            results[name]["acceptance"] = acceptance_from_histogram(hist)
-        print(f"{name:40s} {n_tokens / sec:10.1f} tok/s", flush=True)
+        r = results[name] = {"tokens_per_s": n_tokens / sec, "seconds": sec, "new_tokens": n_tokens, "outputs": outs,
+                             "batch": batch_size if name.endswith(f"batch {batch_size}") else 1,
+                             "prompts": len(outs)}
+        line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"
+        if stats is not None:
+            split = stats.summary()
+            r["split"] = {key: split[key] for key in ("steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
+                                                       "host_syncs_per_token", "device_loop")}
+            line += (f"  draft {split['draft_ms_per_step']:.3f} / verify {split['verify_ms_per_step']:.3f} / other "
+                     f"{split['other_ms_per_step']:.3f} ms per step, {split['host_syncs_per_token']:.3f} syncs per token")
+            if stats.k:
+                r["acceptance"] = acceptance_from_histogram(stats.histogram)
+                line += f", tau {r['acceptance']['tau']:.3f}"
+        print(line, flush=True)
     hf_tps = results["transformers generate"]["tokens_per_s"]
     plain = results["runtime plain"]
-    for r in results.values():
+    for name, r in results.items():
+        same_batch = results.get(f"runtime plain, batch {r['batch']}", plain) if r["batch"] > 1 else plain
         r["vs_transformers"] = r["tokens_per_s"] / hf_tps
         r["vs_runtime_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+        r["vs_runtime_plain_same_batch"] = r["tokens_per_s"] / same_batch["tokens_per_s"]
         r["outputs_equal_runtime_plain"] = sum(a == b for a, b in zip(r["outputs"], plain["outputs"]))
     summary = {
         "target": target, "prompts": prompts_spec, "num_prompts": len(prompts), "max_new_tokens": max_new,
-        "k": k, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
+        "k": ks, "transformers_prompts": len(hf_subset), "batch_size": batch_size,
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
         "rows": {name: {kk: vv for kk, vv in r.items() if kk != "outputs"} for name, r in results.items()},
     }
+    print(f"{'row':52s} {'tok/s':>9s} {'vs plain':>9s} {'vs HF':>7s} {'tau':>6s}  = plain")
+    for name, r in summary["rows"].items():
+        tau = f"{r['acceptance']['tau']:.3f}" if "acceptance" in r else "-"
+        print(f"{name:52s} {r['tokens_per_s']:9.1f} {r['vs_runtime_plain_same_batch']:8.2f}x {r['vs_transformers']:6.1f}x "
+              f"{tau:>6s}  {r['outputs_equal_runtime_plain']}/{r['prompts']}")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     _chart(summary, out_dir / "bench.png")
@@ -155,31 +216,36 @@ def _chart(summary: dict, path: Path):
 
     names = list(summary["rows"])
     tps = [summary["rows"][n]["tokens_per_s"] for n in names]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(names) + 1.5))
     bars = ax.barh(names, tps, color="#4878a8")
     for bar, n in zip(bars, names):
         r = summary["rows"][n]
-        label = f" {r['tokens_per_s']:.0f} tok/s ({r['vs_transformers']:.1f}x)"
+        label = f" {r['tokens_per_s']:.0f} tok/s ({r['vs_runtime_plain_same_batch']:.2f}x plain)"
         if "acceptance" in r:
             label += f", tau {r['acceptance']['tau']:.2f}"
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center", fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("tokens / s (batch 1, greedy)")
+    ax.set_xlabel("tokens / s (greedy; batch 1 unless named)")
     ax.set_title(f"{summary['target']} on {summary['prompts']} ({summary['num_prompts']} prompts, {summary['device']})", fontsize=9)
-    ax.set_xlim(0, max(tps) * 1.45)
+    ax.set_xlim(0, max(tps) * 1.6)  # room for the longest label right of the longest bar
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m inference.bench")
+    ap = argparse.ArgumentParser(prog="python -m inference.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--dataset", default="mt-bench", help="mt-bench, humaneval or a JSON/JSONL file of prompts")
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("-k", type=int, default=4)
-    ap.add_argument("--drafter", help="EAGLE-3 export folder")
+    ap.add_argument("-k", type=int, nargs="+", default=[4], help="draft lengths: a row per k for each proposer "
+                    "(a drafter takes those it can draft)")
+    ap.add_argument("--drafter", nargs="+", default=[], help="export folders (EAGLE-3, EAGLE-1, Medusa, MTP, DFlash)")
+    ap.add_argument("--batch-size", type=int, default=0, help="also serve the prompts B at a time: plain and each "
+                    "drafter (at its first k), speedup against plain at the same batch")
+    ap.add_argument("--hf-prompts", type=int, default=None, help="transformers rows on the first N prompts only "
+                    "(they run at tens of tokens/s); default: all")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--out", default="bench")
@@ -187,12 +253,18 @@ def main(argv=None) -> int:
     import torch
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if args.drafter and not (Path(args.drafter) / "config.json").is_file():
-        print(f"error: --drafter: {args.drafter} is not an export folder (no config.json)", file=sys.stderr)
+    problems = [f"--drafter: {d} is not an export folder (no config.json)" for d in args.drafter
+                if not (Path(d) / "config.json").is_file()]
+    if min(args.k) < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 0:
+        problems.append("-k, --num-prompts and --max-new-tokens must be at least 1, --batch-size at least 0")
+    if args.batch_size > args.num_prompts:
+        problems.append(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
+    if problems:
+        print(f"error: {problems[0]}", file=sys.stderr)
         return 2
     try:
-        run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, args.k, args.drafter, device,
-                  Path(args.out), hf_static=args.hf_static)
+        run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
+                  device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts)
     except (ValueError, KeyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from inference.model import cache_mask, cached_attention
+import torch.nn.functional as F
+
+from kernels.decode_attention import decode_attention
+from kernels.rejection_sample import inverse_cdf
+from kernels.rms_norm import rms_norm
+from kernels.rope_cache import rope_cache
+from kernels.silu_mul import silu_mul
 from models.eagle3 import Eagle3Drafter
-from models.layers import rope_cos_sin
-
-
-def _to_target_vocab(probs: torch.Tensor, draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B,Vd] probabilities over the draft vocabulary → [B,V] over the target's (zero elsewhere)."""
-    out = torch.zeros(probs.shape[0], vocab_size, dtype=probs.dtype, device=probs.device)
-    return out.index_copy_(1, draft_ids, probs)
 
 
 class Eagle3Proposer:
@@ -24,7 +23,15 @@ class Eagle3Proposer:
     feature g_t) (the "step 0" of training). A chain from the last such position t0 feeds
     its own hidden state and drafted token at positions t0+1, t0+2, ...; those entries are
     overwritten by step-0 entries once the target has verified the tokens.
+
+    A device proposer: `draft` and `advance` run on tensors alone (no host sync, fixed shapes,
+    state updated in place), so the engine captures them in CUDA graphs. EAGLE-3 runs its
+    layer through the runtime's kernels (`_eagle3_layer`: fused norms, RoPE written straight
+    into the cache, the decode-attention kernel); EAGLE-1 runs its own modules with the cache
+    read by the same attention kernel.
     """
+
+    on_device = True  # draft / advance run in the engine's device loop
 
     def __init__(self, drafter: Eagle3Drafter, k: int, batch: int, max_len: int, target_config=None):
         cfg = drafter.config
@@ -43,91 +50,145 @@ class Eagle3Proposer:
         self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers if target_config is not None
                                                              else drafter.config.target_num_layers,)
         p = drafter.fc.weight
-        shape = (batch, cfg.num_attention_heads, max_len, cfg.head_dim)
+        self.fused = isinstance(drafter, Eagle3Drafter)
+        if self.fused:
+            # q, k, v in one matmul, as the runtime model stores them ([2H] → [(nh + 2 nkv) d])
+            attn = drafter.layers[0].self_attn
+            self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
+            mlp = drafter.layers[0].mlp
+            self.gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+        heads = cfg.num_key_value_heads if self.fused else cfg.num_attention_heads  # EAGLE-1's attend sees expanded heads
+        shape = (batch, heads, max_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.draft_ids = drafter.draft_ids()  # [Vd] target id of each draft row
         self.last = torch.zeros(batch, dtype=torch.long, device=p.device)  # t0 per row
-        self.hidden = None  # [B,H]: drafter output at t0
+        self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=p.dtype, device=p.device)  # drafter output at t0
+        self.drafts = torch.zeros(batch, k, dtype=torch.long, device=p.device)
+        self.q = torch.zeros(batch, k, cfg.vocab_size, dtype=torch.float32, device=p.device)  # sampled drafts' q
 
     def _run(self, tokens, hidden, positions):
         """tokens [B,q], hidden [B,q,H], positions [B,q] → output hidden [B,q,H], caching K/V."""
-        mask = cache_mask(positions, self.k_cache.shape[2])
+        if self.fused:
+            return _eagle3_layer(self, tokens, hidden, positions)
 
-        def attend(q, k, v):
-            return cached_attention(q, k, v, self.k_cache, self.v_cache, positions, mask)
+        def attend(q, k, v):  # [B,nh,q,d] each → [B,nh,q,d]; a query at p sees cache keys <= p
+            B, nh, n, d = q.shape
+            index = positions[:, None, :, None].expand(B, nh, n, d)
+            self.k_cache.scatter_(2, index, k.to(self.k_cache.dtype))
+            self.v_cache.scatter_(2, index, v.to(self.v_cache.dtype))
+            return decode_attention(q, self.k_cache, self.v_cache, positions).view(B, n, nh, d).transpose(1, 2)
 
         return self.drafter.step(tokens, hidden, positions, attend)
 
     def _step0(self, tokens, aux, positions, last_index):
+        """Step-0 entries of `tokens` [B,q] with target features `aux` [B,q,n*Ht] at `positions`;
+        → (hidden, position) of each row's entry at `last_index` [B]."""
         fused = self.drafter.fuse(aux.to(self.drafter.fc.weight.dtype))
         out = self._run(tokens, fused, positions)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
-        self.hidden = out[rows, last_index]
-        self.last = positions[rows, last_index]
+        return out[rows, last_index], positions[rows, last_index]
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
         B, T = aux.shape[:2]
         dev = self.last.device
         tokens = torch.zeros(B, T, dtype=torch.long, device=dev)
+        first = [int(f) for f in first]
         for b, p in enumerate(prompts):  # entry t pairs token t_{t+1} with feature g_t
             tokens[b, : len(p)] = torch.as_tensor(list(p[1:]) + [first[b]], device=dev)
         last_index = torch.as_tensor([len(p) - 1 for p in prompts], device=dev)
-        self._step0(tokens, aux, torch.arange(T, device=dev).expand(B, T), last_index)
+        hidden, last = self._step0(tokens, aux, torch.arange(T, device=dev).expand(B, T), last_index)
+        self.hidden.copy_(hidden)
+        self.last.copy_(last)
 
     @torch.no_grad()
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        return self._chain(None, None)[0].tolist()
+    def draft(self) -> torch.Tensor:
+        """Greedy chains [B,k] from each row's t0 (a static buffer)."""
+        self._chain(None, None)
+        return self.drafts
 
     @torch.no_grad()
-    def propose_sampled(self, tokens, temperature: float, generator=None):
+    def draft_sampled(self, temperature: float, generator=None):
         """Drafts sampled from the drafter's own softmax(logits / T), each step fed the last
-        sample, with their distributions q [B,k,V] for rejection sampling."""
-        drafts, q = self._chain(temperature, generator)
-        return drafts.tolist(), q
+        sample, with their distributions q [B,k,V] over the target vocabulary."""
+        self._chain(temperature, generator)
+        return self.drafts, self.q
 
     def _chain(self, temperature, generator):
-        draft_ids = self.drafter.draft_ids()
         hidden = self.hidden[:, None]
-        drafts, qs = [], []
+        B = hidden.shape[0]
         for s in range(self.k):
             logits = self.drafter.logits(hidden)[:, -1]  # [B,Vd]
             if temperature:
                 probs = torch.softmax(logits.float() / temperature, -1)
-                d = draft_ids[torch.multinomial(probs, 1, generator=generator)[:, 0]]
-                qs.append(_to_target_vocab(probs, draft_ids, self.drafter.config.vocab_size))
+                u = torch.rand(B, device=probs.device, generator=generator)
+                d = self.draft_ids[inverse_cdf(probs, u)]
+                self.q[:, s].index_copy_(1, self.draft_ids, probs)  # other columns stay 0
             else:
-                d = draft_ids[logits.argmax(-1)]  # [B]
-            drafts.append(d)
+                d = self.draft_ids[logits.argmax(-1)]  # [B]
+            self.drafts[:, s] = d
             if s + 1 < self.k:
                 hidden = self._run(d[:, None], hidden, (self.last + 1 + s)[:, None])
-        return torch.stack(drafts, 1), (torch.stack(qs, 1) if qs else None)
 
     @torch.no_grad()
-    def accepted(self, fed, aux, counts, active):
-        # fed [B,k+1] = [t_{N-1}, d_1..d_k]; after n accepted the next tokens are d_1..d_n, bonus.
-        # Entries t = N-1 .. N-1+n pair (next token, feature of the fed token at t).
-        fed = torch.as_tensor(fed, device=self.last.device)
-        B, q = fed.shape
-        counts_t = torch.as_tensor([c for c, _ in counts], device=fed.device)
-        nxt = fed[:, 1:].clone()
-        nxt = torch.cat([nxt, torch.zeros(B, 1, dtype=torch.long, device=fed.device)], 1)  # [B,k+1]
-        nxt[torch.arange(B, device=fed.device), counts_t] = torch.as_tensor([b for _, b in counts], device=fed.device)
+    def advance(self, fed, aux, accepted, bonus, active):
+        """fed [B,q] = [t_{N-1}, d_1..d_{q-1}] with target features aux [B,q,n*Ht]; after n =
+        accepted drafts the next tokens are d_1..d_n, bonus, so entries t = N-1 .. N-1+n pair
+        (next token, feature of the fed token at t). Rows not `active` keep their place, so
+        their (ignored) entries never run past the cache."""
+        q = fed.shape[1]
+        nxt = torch.cat([fed[:, 1:], bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
         positions = (self.last + 1)[:, None] + torch.arange(q, device=fed.device)
-        last, hidden = self.last, self.hidden
-        self._step0(nxt, aux, positions, counts_t)
-        # finished rows keep their place, so their (ignored) entries never run past the cache
-        keep = ~torch.as_tensor(active, device=fed.device)
-        self.last = torch.where(keep, last, self.last)
-        self.hidden = torch.where(keep[:, None], hidden, self.hidden)
+        hidden, last = self._step0(nxt, aux, positions, accepted)
+        self.hidden.copy_(torch.where(active[:, None], hidden, self.hidden))
+        self.last.copy_(torch.where(active, last, self.last))
+
+    # the host loop's interface (inference/proposers.py), on top of the device one
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        return self.draft().tolist()
+
+    def propose_sampled(self, tokens, temperature: float, generator=None):
+        drafts, q = self.draft_sampled(temperature, generator)
+        return drafts.tolist(), q
+
+    def accepted(self, fed, aux, counts, active):
+        self.advance(*_advance_args(self.last.device, fed, aux, counts, active))
+
+
+def _advance_args(device, fed, aux, counts, active):
+    """The host loop's (fed, aux, [(accepted, bonus)], [active]) as `advance`'s tensors."""
+    fed = torch.as_tensor(fed, device=device)
+    accepted = torch.as_tensor([c for c, _ in counts], device=device)
+    bonus = torch.as_tensor([b for _, b in counts], device=device)
+    return fed, aux, accepted, bonus, torch.as_tensor(active, device=device)
+
+
+def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
+    """EAGLE-3's decoder layer (models/eagle3.py: Eagle3Layer) through the runtime's kernels:
+    tokens [B,q], hidden [B,q,H], positions [B,q] → [B,q,H], writing K/V into p's cache.
+    The same function as `drafter.step`: about 15 launches instead of about 60."""
+    d = p.drafter
+    layer, cfg = d.layers[0], d.config
+    normed, _ = rms_norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps)
+    embeds, _ = rms_norm(d.embed_tokens(tokens).to(hidden.dtype), layer.input_layernorm.weight, layer.input_layernorm.eps)
+    qkv = F.linear(torch.cat([embeds, normed], -1), p.qkv_weight)  # embedding first
+    q = rope_cache(qkv, positions, d.inv_freq, p.k_cache, p.v_cache, cfg.num_attention_heads, cfg.num_key_value_heads)
+    attn = layer.self_attn.o_proj(decode_attention(q, p.k_cache, p.v_cache, positions))  # [B,q,H]
+    residual = normed if layer.norm_before_residual else hidden
+    post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
+    return layer.mlp.down_proj(silu_mul(F.linear(post, p.gate_up_weight))) + h
 
 
 class MedusaProposer:
     """Medusa drafting: one draft per head from the target's final hidden state at the last
     verified position (the state whose head output is the bonus token), exactly the chain
-    training's predictor drafts. Needs no cache of its own."""
+    training's predictor drafts. Needs no cache of its own; a device proposer (see
+    Eagle3Proposer)."""
 
-    def __init__(self, drafter, k: int, target_config):
+    on_device = True
+
+    def __init__(self, drafter, k: int, target_config, batch: int = 1):
         cfg = drafter.config
         problems = []
         if cfg.vocab_size != target_config.vocab_size:
@@ -140,35 +201,57 @@ class MedusaProposer:
             raise ValueError(f"k={k}: this Medusa drafter has {cfg.num_heads} heads, one draft each")
         self.drafter, self.k = drafter.eval(), k
         self.aux_layers = (target_config.num_layers,)  # the runtime's id for the final normed hidden state
-        self.hidden = None  # [B,H]
+        p = drafter.lm_head.weight if hasattr(drafter, "lm_head") else next(drafter.parameters())
+        self.draft_ids = drafter.draft_ids()
+        self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=p.dtype, device=p.device)  # [B,H]
+        self.drafts = torch.zeros(batch, k, dtype=torch.long, device=p.device)
+        self.q = torch.zeros(batch, k, cfg.vocab_size, dtype=torch.float32, device=p.device)
+
+    def _resize(self, batch):
+        """The host loop may serve another batch size than the one built for (cache-free)."""
+        if self.hidden.shape[0] != batch:
+            self.hidden = self.hidden.new_zeros(batch, self.hidden.shape[1])
+            self.drafts = self.drafts.new_zeros(batch, self.k)
+            self.q = self.q.new_zeros(batch, self.k, self.q.shape[2])
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
+        self._resize(aux.shape[0])
         last = torch.as_tensor([len(p) - 1 for p in prompts], device=aux.device)
-        self.hidden = aux[torch.arange(aux.shape[0], device=aux.device), last]
+        self.hidden.copy_(aux[torch.arange(aux.shape[0], device=aux.device), last])
 
     @torch.no_grad()
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        draft_ids = self.drafter.draft_ids()
-        logits = self.drafter.unroll(None, self.hidden[:, None], self.k)
-        drafts = torch.stack([draft_ids[x[:, 0].argmax(-1)] for x in logits], 1)  # [B,k]
-        return drafts.tolist()
+    def draft(self) -> torch.Tensor:
+        for s, x in enumerate(self.drafter.unroll(None, self.hidden[:, None], self.k)):
+            self.drafts[:, s] = self.draft_ids[x[:, 0].argmax(-1)]
+        return self.drafts
 
     @torch.no_grad()
-    def propose_sampled(self, tokens, temperature: float, generator=None):
+    def draft_sampled(self, temperature: float, generator=None):
         """One sample per head from softmax(head / T), with those distributions q [B,k,V]
         (a head's draft does not depend on the previous ones: still a valid q for rejection
         sampling)."""
-        draft_ids = self.drafter.draft_ids()
-        probs = [torch.softmax(x[:, 0].float() / temperature, -1) for x in self.drafter.unroll(None, self.hidden[:, None], self.k)]
-        drafts = torch.stack([draft_ids[torch.multinomial(p, 1, generator=generator)[:, 0]] for p in probs], 1)
-        q = torch.stack([_to_target_vocab(p, draft_ids, self.drafter.config.vocab_size) for p in probs], 1)
-        return drafts.tolist(), q
+        B = self.hidden.shape[0]
+        for s, x in enumerate(self.drafter.unroll(None, self.hidden[:, None], self.k)):
+            probs = torch.softmax(x[:, 0].float() / temperature, -1)
+            self.drafts[:, s] = self.draft_ids[inverse_cdf(probs, torch.rand(B, device=probs.device, generator=generator))]
+            self.q[:, s].index_copy_(1, self.draft_ids, probs)
+        return self.drafts, self.q
 
     @torch.no_grad()
+    def advance(self, fed, aux, accepted, bonus, active):
+        verified = aux[torch.arange(aux.shape[0], device=aux.device), accepted]  # the bonus token's input state
+        self.hidden.copy_(torch.where(active[:, None], verified.to(self.hidden.dtype), self.hidden))
+
+    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
+        return self.draft().tolist()
+
+    def propose_sampled(self, tokens, temperature: float, generator=None):
+        drafts, q = self.draft_sampled(temperature, generator)
+        return drafts.tolist(), q
+
     def accepted(self, fed, aux, counts, active):
-        n = torch.as_tensor([c for c, _ in counts], device=aux.device)
-        self.hidden = aux[torch.arange(aux.shape[0], device=aux.device), n]
+        self.advance(*_advance_args(self.hidden.device, fed, aux, counts, active))
 
 
 class RecomputeProposer:
@@ -235,99 +318,7 @@ def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
     from models.mtp import MTPDrafter
 
     if isinstance(drafter, MedusaDrafter):
-        return MedusaProposer(drafter, k, target_config)
+        return MedusaProposer(drafter, k, target_config, batch)
     if isinstance(drafter, (MTPDrafter, DFlashDrafter)):
         return RecomputeProposer(drafter, k, batch, max_len, target_config)
     return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)
-
-
-def vocab_intersection(target_tokenizer, draft_tokenizer) -> torch.Tensor:
-    """[draft vocab] target id of each draft token with the same token string, -1 where the
-    target has none (such a draft ends a chain). Greedy drafting across vocabularies."""
-    target_vocab = target_tokenizer.get_vocab()
-    draft_vocab = draft_tokenizer.get_vocab()
-    mapping = torch.full((max(draft_vocab.values()) + 1,), -1, dtype=torch.long)
-    for token, i in draft_vocab.items():
-        j = target_vocab.get(token)
-        if j is not None:
-            mapping[i] = j
-    return mapping
-
-
-class DraftModelProposer:
-    """A separate small LM drafts k tokens greedily.
-
-    Same vocabulary: the draft model keeps its own KV cache; each step feeds the tokens it has
-    not seen (the bonus, and the last accepted draft when all k were taken) and drafts k.
-    Different vocabulary (greedy verification only): each step re-tokenizes the verified text
-    with the draft tokenizer, drafts in the draft vocabulary and maps the drafts to target ids
-    by token string (`vocab_intersection`); a draft without a target counterpart ends the
-    chain. The second path recomputes the draft's prefix every step: exact, not fast."""
-
-    aux_layers = ()
-
-    def __init__(self, draft_model, k: int, batch: int, max_len: int, target_config=None,
-                 target_tokenizer=None, draft_tokenizer=None):
-        self.draft, self.k = draft_model, k
-        self.cross_vocab = draft_tokenizer is not None
-        if self.cross_vocab:
-            if target_tokenizer is None:
-                raise ValueError("a draft model with its own tokenizer needs the target's tokenizer too")
-            self.target_tokenizer, self.draft_tokenizer = target_tokenizer, draft_tokenizer
-            self.to_target = vocab_intersection(target_tokenizer, draft_tokenizer).to(draft_model.embed_tokens.weight.device)
-        elif target_config is not None and draft_model.config.vocab_size != target_config.vocab_size:
-            raise ValueError(f"draft vocabulary {draft_model.config.vocab_size} differs from the target's "
-                             f"{target_config.vocab_size}: pass both tokenizers to draft across vocabularies")
-        self.cache = None if self.cross_vocab else draft_model.new_cache(batch, max_len + k)
-        self.fed = [0] * batch  # tokens of each row whose KV entries in the draft cache are valid
-        self._len = [0] * batch
-
-    def begin(self, prompts, aux, first):
-        self.fed = [0] * len(prompts)
-
-    @torch.no_grad()
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        if self.cross_vocab:
-            return [self._propose_cross(t) for t in tokens]
-        dev = self.draft.embed_tokens.weight.device
-        B = len(tokens)
-        new = [t[f:] for t, f in zip(tokens, self.fed)]
-        width = max(len(n) for n in new)
-        ids = torch.zeros(B, width, dtype=torch.long, device=dev)
-        for b, n in enumerate(new):
-            ids[b, : len(n)] = torch.as_tensor(n, device=dev)
-        positions = torch.as_tensor(self.fed, device=dev)[:, None] + torch.arange(width, device=dev)
-        last = torch.as_tensor([len(n) - 1 for n in new], device=dev)
-        logits, _ = self.draft(ids, positions, self.cache, logits_at=last)
-        drafts = [logits[:, 0].argmax(-1)]
-        self._len = [len(t) for t in tokens]
-        pos = torch.as_tensor(self._len, device=dev)
-        for s in range(1, self.k):
-            logits, _ = self.draft(drafts[-1][:, None], (pos + s - 1)[:, None], self.cache)
-            drafts.append(logits[:, 0].argmax(-1))
-        return torch.stack(drafts, 1).tolist()
-
-    def _propose_cross(self, row: list[int]) -> list[int]:
-        from inference.verify import NO_DRAFT
-
-        text = self.target_tokenizer.decode(row)
-        ids = self.draft_tokenizer(text, add_special_tokens=False)["input_ids"] or [0]
-        dev = self.draft.embed_tokens.weight.device
-        cache = self.draft.new_cache(1, len(ids) + self.k)
-        logits, _ = self.draft(torch.as_tensor([ids], device=dev), torch.arange(len(ids), device=dev)[None], cache,
-                               logits_at=torch.tensor([len(ids) - 1], device=dev))
-        out = []
-        for s in range(self.k):
-            d = logits[0, -1].argmax()
-            t = int(self.to_target[d]) if int(d) < self.to_target.numel() else -1
-            if t < 0:
-                break
-            out.append(t)
-            if s + 1 < self.k:
-                logits, _ = self.draft(d.view(1, 1), torch.tensor([[len(ids) + s]], device=dev), cache)
-        return out + [NO_DRAFT] * (self.k - len(out))
-
-    def accepted(self, fed, aux, counts, active):
-        if not self.cross_vocab:
-            # valid entries: the tokens fed so far plus drafts 1..k-1 where they were accepted
-            self.fed = [length + min(n, self.k - 1) for length, (n, _) in zip(self._len, counts)]

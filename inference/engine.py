@@ -23,15 +23,23 @@ class GenerationStats:
     new_tokens: int = 0
     histogram: list[int] = field(default_factory=list)  # accepted-length counts 0..k per drafted row-step
     row_histograms: list[list[int]] = field(default_factory=list)  # the same per row (histogram: their sum)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0  # drafting (device time on a GPU's device loop)
+    verify_seconds: float = 0.0  # the target's verify forward, acceptance and emission
     total_seconds: float = 0.0
+    host_syncs: int = 0  # times the host waited for the device's results
+    device_loop: bool = False  # drafted and verified by the device loop (inference/spec_loop.py)
 
     def summary(self) -> dict:
+        other = self.total_seconds - self.draft_seconds - self.verify_seconds
+        per_step = (lambda s: round(1e3 * s / self.steps, 4)) if self.steps else (lambda s: None)
         out = {"k": self.k, "steps": self.steps, "new_tokens": self.new_tokens,
                "tokens_per_s": self.new_tokens / self.total_seconds if self.total_seconds else None,
                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
-               "other_seconds": round(self.total_seconds - self.draft_seconds - self.verify_seconds, 4)}
+               "other_seconds": round(other, 4),
+               "draft_ms_per_step": per_step(self.draft_seconds), "verify_ms_per_step": per_step(self.verify_seconds),
+               "other_ms_per_step": per_step(other), "host_syncs": self.host_syncs,
+               "host_syncs_per_token": round(self.host_syncs / self.new_tokens, 4) if self.new_tokens else None,
+               "device_loop": self.device_loop}
         if self.k:
             out["acceptance"] = acceptance_from_histogram(self.histogram)
         return out
@@ -69,7 +77,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
              generator: torch.Generator | None = None,
              k_table: list[list[int]] | None = None,
              fast_plain: bool = True, top_k: int = 0, top_p: float = 1.0,
-             verification: str = "standard") -> tuple[list[list[int]], GenerationStats]:
+             verification: str = "standard", device_loop: bool = True) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
@@ -86,7 +94,13 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
 
     Plain greedy decoding (no proposer, temperature 0) takes a device-side loop unless
     fast_plain=False: each step feeds its own argmax back, and the host checks for
-    end-of-sequence once every `EOS_CHECK_EVERY` tokens instead of syncing per token."""
+    end-of-sequence once every `EOS_CHECK_EVERY` tokens instead of syncing per token.
+
+    A device proposer (`on_device`, inference/proposers.py) runs in the device loop of
+    inference/spec_loop.py unless device_loop=False: drafts, acceptance and emitted tokens stay
+    on the device, each step is captured in CUDA graphs on a GPU, and the host looks at the
+    done flags once every few steps. Other proposers (suffix decoding, the host n-gram, drafting
+    across vocabularies) run in the host loop below, which reads every step's result."""
     k = proposer.k if proposer is not None else 0
     if k_table is not None and proposer is not None:
         k = draft_length(k_table, len(prompts), proposer.k)
@@ -120,13 +134,20 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         nxt = logits[:, 0].argmax(-1).tolist()
     if proposer is None and temperature == 0 and fast_plain:
         first = logits[:, 0].argmax(-1)
-        outputs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens, eos_ids,
-                                graphed=cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True))
+        outputs, stats.host_syncs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens,
+                                                  eos_ids, graphed=cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True))
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.verify_seconds = stats.total_seconds
         stats.new_tokens = sum(len(o) for o in outputs)
         stats.steps = max(len(o) for o in outputs) - 1
+        return outputs, stats
+    if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
+        outputs = _device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
+                                      cuda_graphs, temperature, top_k, top_p, verification, generator)
+        _sync(device)
+        stats.total_seconds = time.perf_counter() - t_start
+        stats.new_tokens = sum(len(o) for o in outputs)
         return outputs, stats
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
@@ -175,6 +196,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         else:
             accepted, bonus = greedy_verify(draft_t, logits)
         accepted, bonus = accepted.tolist(), bonus.tolist()
+        stats.host_syncs += 2  # the drafts read by the proposer, the verification's result
         for b in range(B):
             if done[b]:
                 continue
@@ -200,8 +222,35 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
 
 
 EOS_CHECK_EVERY = 16
+SPEC_CHECK_EVERY = 4  # device loop on a GPU: speculative steps between reads of the done flags
 CACHE_BUCKET = 256  # cache lengths are rounded up to this
-WORKSPACE_SLOTS = 6  # caches and captured graphs kept per model, least recently used dropped
+WORKSPACE_SLOTS = 16  # caches and captured graphs kept per model, least recently used dropped
+
+
+def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
+                        cuda_graphs, temperature, top_k, top_p, verification, generator) -> list[list[int]]:
+    """The speculative steps of `generate` in the device loop; fills `stats`, returns the outputs."""
+    from inference.spec_loop import SpecLoop
+
+    B, k = len(prompts), proposer.k
+    device = model.embed_tokens.weight.device
+    proposer.begin(prompts, aux, first)
+    key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
+           id(generator), cuda_graphs, _kernels_mode())
+    loop = _reuse(model, key, lambda: SpecLoop(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
+                                               verification, generator, graphed=cuda_graphs))
+    loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
+    timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
+    n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
+    outputs = [row[len(p): len(p) + n] for row, p, n in zip(rows, prompts, n_out)]
+    stats.row_histograms = loop.histogram.tolist()
+    stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
+    stats.steps = int(loop.row_steps.max())
+    stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
+    stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
+    if hasattr(proposer, "end"):
+        proposer.end(outputs)
+    return outputs
 
 
 def _kernels_mode() -> str:
@@ -261,8 +310,9 @@ class GreedyDecodeStep:
             self._step()
 
 
-def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> list[list[int]]:
-    """first [B] (the prefill's argmax), lengths [B] → each row's tokens, cut after its EOS."""
+def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> tuple[list[list[int]], int]:
+    """first [B] (the prefill's argmax), lengths [B] → (each row's tokens, cut after its EOS;
+    the host syncs it took)."""
     B = first.shape[0]
     step = _reuse(model, ("plain", id(cache), B, graphed, _kernels_mode()),
                   lambda: GreedyDecodeStep(model, cache, B, graphed))
@@ -271,10 +321,12 @@ def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, gr
     history = torch.empty(B, max_new_tokens, dtype=torch.long, device=first.device)
     history[:, 0] = first
     eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=first.device)
-    n = 1
+    n, syncs = 1, 2  # the prefill's first tokens and the final read
     while n < max_new_tokens:
-        if eos.numel() and n % EOS_CHECK_EVERY == 0 and bool(torch.isin(history[:, :n], eos).any(1).all()):
-            break  # every row has ended (one host sync per EOS_CHECK_EVERY tokens)
+        if eos.numel() and n % EOS_CHECK_EVERY == 0:
+            syncs += 1
+            if bool(torch.isin(history[:, :n], eos).any(1).all()):
+                break  # every row has ended (one host sync per EOS_CHECK_EVERY tokens)
         step()
         history[:, n] = step.ids[:, 0]
         n += 1
@@ -282,7 +334,7 @@ def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, gr
     for row in history[:, :n].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         outputs.append(row[:cut])
-    return outputs
+    return outputs, syncs
 
 
 def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):

@@ -12,14 +12,28 @@
 
 Positions are 0-based. A row holding tokens t_0..t_{N-1} feeds t_{N-1} and its drafts at
 positions N-1.. in the verify step.
+
+Device proposers (`on_device = True`) also provide the loop's own interface, which runs on
+tensors alone, so the engine captures it in CUDA graphs (inference/spec_loop.py):
+
+    draft() -> drafts [B,k]       greedy drafts (a static buffer; -1 = no draft)
+    draft_sampled(T, generator) -> (drafts [B,k], q [B,k,V])
+                                  drafts sampled from the proposer's own distribution q
+    advance(fed, aux, accepted, bonus, active)
+                                  `accepted` as tensors: fed [B,k+1], aux [B,k+1,n*Ht] or None,
+                                  accepted [B], bonus [B], active [B] bool
+
+These never wait on the host (no .item(), .tolist(), branches on tensor values), keep fixed
+shapes, and update their state tensors in place, so a captured replay sees the same storage.
 """
 from __future__ import annotations
 
 import torch
 
-# the model-based proposers live in inference/drafter_proposers.py; importable from here too
-from inference.drafter_proposers import (  # noqa: F401
-    DraftModelProposer, Eagle3Proposer, MedusaProposer, RecomputeProposer, drafter_proposer, vocab_intersection)
+# the model-based proposers live in inference/drafter_proposers.py and inference/draft_model.py;
+# importable from here too
+from inference.draft_model import DraftModelProposer, vocab_intersection  # noqa: F401
+from inference.drafter_proposers import Eagle3Proposer, MedusaProposer, RecomputeProposer, drafter_proposer  # noqa: F401
 
 
 def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
@@ -102,31 +116,55 @@ def ngram_drafts(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int
 
 
 class GpuNgramProposer:
-    """`NgramProposer` with the matching on the device: the rows' tokens live in a device
-    buffer extended as they are verified, and one vectorised search serves the batch."""
+    """`NgramProposer` on the device: each row's verified tokens live in a device buffer that
+    `advance` extends, and one vectorised search (`ngram_drafts`) serves the batch. A device
+    proposer: the engine captures it in its CUDA graphs with the rest of the step."""
 
     aux_layers: tuple = ()
+    on_device = True
 
     def __init__(self, k: int, batch: int, max_len: int, min_n: int = 1, max_n: int = 4, device="cpu"):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.k, self.min_n, self.max_n = k, min_n, max_n
-        self.buffer = torch.zeros(batch, max_len, dtype=torch.long, device=device)
-        self.synced = [0] * batch
+        self.buffer = torch.zeros(batch, max_len + k + 1, dtype=torch.long, device=device)
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(batch, k, dtype=torch.long, device=device)
 
     def begin(self, prompts, aux, first):
-        self.synced = [0] * len(prompts)
+        dev = self.buffer.device
+        self.buffer.zero_()
+        for b, (p, f) in enumerate(zip(prompts, first)):
+            self.buffer[b, : len(p) + 1] = torch.as_tensor(list(p) + [int(f)], device=dev)
+        self.length.copy_(torch.as_tensor([len(p) + 1 for p in prompts], device=dev))
+
+    def draft(self) -> torch.Tensor:
+        self.drafts.copy_(ngram_drafts(self.buffer, self.length, self.k, self.min_n, self.max_n))
+        return self.drafts
+
+    def advance(self, fed, aux, accepted, bonus, active):
+        # the verified tokens d_1..d_n, bonus go after each active row's end
+        B, q = fed.shape
+        new = torch.cat([fed[:, 1:], bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
+        columns = torch.arange(q, device=fed.device)
+        index = self.length[:, None] + columns
+        keep = self.buffer.gather(1, index)
+        self.buffer.scatter_(1, index, torch.where(active[:, None] & (columns <= accepted[:, None]), new, keep))
+        self.length.add_(torch.where(active, accepted + 1, 0))
 
     def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        for b, row in enumerate(tokens):  # copy only what the buffer has not seen
-            if len(row) > self.synced[b]:
-                self.buffer[b, self.synced[b] : len(row)] = torch.as_tensor(row[self.synced[b]:], device=self.buffer.device)
-                self.synced[b] = len(row)
-        lengths = torch.as_tensor([len(t) for t in tokens], device=self.buffer.device)
-        return ngram_drafts(self.buffer, lengths, self.k, self.min_n, self.max_n).tolist()
+        """The host loop's interface: the rows' tokens are given, the buffer takes what is new."""
+        dev = self.buffer.device
+        for b, row in enumerate(tokens):
+            seen = int(self.length[b])
+            if len(row) < seen or (seen and int(self.buffer[b, seen - 1]) != row[seen - 1]):
+                seen = 0  # another request in this row
+            self.buffer[b, seen : len(row)] = torch.as_tensor(row[seen:], device=dev)
+        self.length.copy_(torch.as_tensor([len(t) for t in tokens], device=dev))
+        return self.draft().tolist()
 
     def accepted(self, fed, aux, counts, active):
-        pass
+        pass  # the host loop hands the verified tokens to `propose`
 
 
 class _SuffixTrie:

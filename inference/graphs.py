@@ -1,0 +1,42 @@
+"""CUDA-graph capture, written once for every captured step of the runtime.
+
+A step function reads and writes only tensors that live across calls (static buffers, KV
+caches, a proposer's state); capturing it records its kernels once, and each replay launches
+them all with one call and no Python in between. Warm-up runs the function eagerly on a side
+stream first (Triton compiles, cuBLAS picks its kernels, the allocator settles), so its
+effects on the state are real: callers either make the warm-up a real step or pass `restore`,
+the tensors to put back afterwards.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def capture_graph(fn, warmup: int = 2, restore: tuple = (), pool=None, generator=None) -> torch.cuda.CUDAGraph:
+    """Warm `fn` up `warmup` times, then capture one call of it; the tensors in `restore` get
+    their pre-warm-up contents back. `pool` shares a memory pool with graphs captured earlier
+    (replayed in the same order, as one step's phases are). `generator`, a CUDA generator
+    `fn` draws from, is registered so that each replay draws fresh numbers from it."""
+    saved = [t.clone() for t in restore]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.no_grad():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph, pool=pool), torch.no_grad():
+        fn()
+    for t, s in zip(restore, saved):
+        t.copy_(s)
+    return graph
+
+
+def graph_generator_ok(generator) -> bool:
+    """Whether draws from `generator` can live inside a captured graph (the default CUDA
+    generator always; another CUDA generator where torch can register it)."""
+    if generator is None:
+        return True
+    return generator.device.type == "cuda" and hasattr(torch.cuda.CUDAGraph, "register_generator_state")

@@ -1,0 +1,175 @@
+"""The speculative loop on the device: draft → verify → accept → advance, from device tensors.
+
+Every per-step value (drafts, accepted lengths, bonus tokens, positions, per-row done flags,
+the emitted tokens) stays on the device, so the host only launches steps. On a GPU each step
+is three CUDA-graph replays (draft, verify, advance; one shared memory pool) and the host reads
+the done flags once every `check_every` steps; on a CPU the same functions run eagerly.
+
+Shapes: B rows, S token/cache slots per row, k drafts per step, V vocabulary, W aux width.
+Row b holds tokens[b, :length[b]] (prompt + emitted); the verify step feeds its last token and
+k drafts at positions length-1 .. length-1+k. Finished rows keep their length, so their later
+(ignored) steps write only at positions the row owns, inside its cache.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from inference.graphs import capture_graph, graph_generator_ok
+from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
+
+
+class SpecLoop:
+    """Static buffers and (on a GPU) captured graphs of one (model cache, proposer, B, S, k,
+    sampling) combination, reused by every `generate` call of that shape."""
+
+    def __init__(self, model, cache, proposer, batch: int, max_len: int, k: int, eos_ids, temperature: float,
+                 top_k: int, top_p: float, verification: str, generator, graphed: bool):
+        dev = model.embed_tokens.weight.device
+        self.model, self.cache, self.proposer, self.k = model, cache, proposer, k
+        self.aux_layers = tuple(getattr(proposer, "aux_layers", ()))
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.verification, self.generator = verification, generator
+        self.sampled = temperature > 0 and not verification.startswith("synthetic:") and hasattr(proposer, "draft_sampled")
+        self.tokens = torch.zeros(batch, max_len, dtype=torch.long, device=dev)
+        self.length = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens held per row
+        self.n_out = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens emitted per row
+        self.budget = torch.zeros(1, dtype=torch.long, device=dev)  # max_new_tokens (a tensor: graphs stay reusable)
+        self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.histogram = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # accepted-length counts per row
+        self.row_steps = torch.zeros(batch, dtype=torch.long, device=dev)  # steps each row took part in
+        self.eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=dev)
+        self.columns = torch.arange(k + 1, device=dev)
+        self.graphed = graphed and dev.type == "cuda" and getattr(model, "graphable", True) and graph_generator_ok(generator)
+        self.graphs = None
+        self.state_ids = None  # the proposer's state tensors the graphs were captured with
+
+    # ------------------------------------------------------------------ one step, three phases
+    def draft_phase(self):
+        if self.sampled:
+            self.drafts, self.q = self.proposer.draft_sampled(self.temperature, self.generator)
+        else:
+            self.drafts, self.q = self.proposer.draft(), None
+
+    def verify_phase(self):
+        drafts, k = self.drafts, self.k
+        active = ~self.done
+        fed = torch.cat([self.tokens.gather(1, (self.length - 1)[:, None]), drafts.clamp_min(0)], 1)  # [B,k+1]
+        positions = (self.length - 1)[:, None] + self.columns
+        logits, aux = self.model(fed, positions, self.cache, self.aux_layers)
+        if self.verification.startswith("synthetic:"):
+            accepted, bonus = synthetic_verify(drafts, float(self.verification.split(":", 1)[1]), logits, self.generator)
+        elif self.temperature > 0:
+            verify = block_verify if self.verification == "block" else rejection_verify
+            probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)
+            accepted, bonus = verify(drafts, self.q, probs, self.generator)
+        else:
+            accepted, bonus = greedy_verify(drafts, logits)
+        # emitted tokens: the accepted drafts, then the bonus; cut after an end-of-sequence
+        # token and at the row's budget; none for finished rows
+        emitted = torch.cat([drafts.clamp_min(0), bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
+        n_new = accepted + 1
+        is_eos = (emitted[:, :, None] == self.eos).any(-1) & (self.columns < n_new[:, None])  # [B,k+1]
+        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), k + 1)
+        n_new = torch.minimum(torch.minimum(n_new, first_eos + 1), self.budget - self.n_out)
+        n_new = torch.where(active, n_new, 0)
+        write = self.length[:, None] + self.columns
+        self.tokens.scatter_(1, write, torch.where(self.columns < n_new[:, None], emitted, self.tokens.gather(1, write)))
+        self.histogram.scatter_add_(1, accepted[:, None], active.long()[:, None])
+        self.row_steps.add_(active.long())
+        self.length.add_(n_new)
+        self.n_out.add_(n_new)
+        self.done.logical_or_(active & ((self.n_out >= self.budget) | (first_eos < n_new)))
+        self.fed, self.aux, self.accepted, self.bonus = fed, aux, accepted, bonus
+
+    def advance_phase(self):
+        # after the step: a row that has just finished keeps its proposer state in place
+        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, ~self.done)
+
+    def _capture(self):
+        """Two real steps run eagerly on a side stream (warm-up), then the three phases are
+        captured into one memory pool, in the order they replay."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.no_grad():
+            for _ in range(2):
+                self.draft_phase()
+                self.verify_phase()
+                self.advance_phase()
+        torch.cuda.current_stream().wait_stream(stream)
+        draft = capture_graph(self.draft_phase, warmup=0, generator=self.generator if self.sampled else None)
+        verify = capture_graph(self.verify_phase, warmup=0, pool=draft.pool(), generator=self.generator)
+        advance = capture_graph(self.advance_phase, warmup=0, pool=draft.pool())
+        self.graphs = (draft, verify, advance)
+        self.state_ids = _state_ids(self.proposer)
+
+    # ------------------------------------------------------------------ a whole generation
+    def reset(self, prompts: list[list[int]], first: torch.Tensor, max_new_tokens: int):
+        """Prompts and each row's first token (from the prefill) into the buffers."""
+        B = len(prompts)
+        lengths = torch.as_tensor([len(p) for p in prompts], device=self.tokens.device)
+        padded = torch.zeros(B, max(len(p) for p in prompts), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            padded[b, : len(p)] = torch.as_tensor(p)
+        self.tokens.zero_()
+        self.tokens[:, : padded.shape[1]] = padded.to(self.tokens.device)
+        self.tokens.scatter_(1, lengths[:, None], first[:, None])
+        self.length.copy_(lengths + 1)
+        self.n_out.fill_(1)
+        self.budget.fill_(max_new_tokens)
+        self.done.copy_((first[:, None] == self.eos).any(-1) | (max_new_tokens <= 1))
+        self.histogram.zero_()
+        self.row_steps.zero_()
+
+    def run(self, max_steps: int, check_every: int) -> dict:
+        """Steps until every row is done (read every `check_every` steps). Returns the device
+        time of the draft and verify phases (CUDA events on a GPU, host clock on a CPU), the
+        steps launched and the host syncs."""
+        timing = {"draft": 0.0, "verify": 0.0, "launched": 0, "syncs": 0}
+        cuda = self.tokens.device.type == "cuda"
+        if self.graphed and (self.graphs is None or self.state_ids != _state_ids(self.proposer)):
+            self._capture()
+            timing["launched"] += 2  # the warm-up steps were real steps
+        if cuda:
+            events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
+        while timing["launched"] < max_steps:
+            if bool(self.done.all()):  # one host sync per check_every steps
+                break
+            timing["syncs"] += 1
+            for i in range(check_every):
+                if cuda:
+                    events[i][0].record()
+                    self._phase(0, self.draft_phase)
+                    events[i][1].record()
+                    self._phase(1, self.verify_phase)
+                    events[i][2].record()
+                    self._phase(2, self.advance_phase)
+                else:
+                    t0 = time.perf_counter()
+                    self.draft_phase()
+                    t1 = time.perf_counter()
+                    self.verify_phase()
+                    timing["draft"] += t1 - t0
+                    timing["verify"] += time.perf_counter() - t1
+                    self.advance_phase()
+            if cuda:
+                events[-1][2].synchronize()
+                for e0, e1, e2 in events:
+                    timing["draft"] += e0.elapsed_time(e1) / 1e3
+                    timing["verify"] += e1.elapsed_time(e2) / 1e3
+            timing["launched"] += check_every
+        timing["syncs"] += 1  # the read of the outputs
+        return timing
+
+    def _phase(self, i, fn):
+        if self.graphs is not None:
+            self.graphs[i].replay()
+        else:
+            fn()
+
+
+def _state_ids(proposer) -> tuple:
+    """Identity of the proposer's state tensors: a proposer that re-allocated its state (a new
+    batch size) needs new graphs."""
+    return tuple(id(v) for v in vars(proposer).values() if isinstance(v, torch.Tensor))

@@ -1,0 +1,194 @@
+"""The device loop (inference/spec_loop.py) emits exactly what the host loop emits, step for step.
+
+float32 on a tiny random Llama: for every device proposer, the outputs, the per-row
+accepted-length histograms, the step counts and every step's drafts equal the host loop's
+(`generate(..., device_loop=False)`), and both equal plain greedy decoding. On a GPU the
+captured graphs give what the same loop gives eagerly.
+"""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference.engine import cache_size, generate
+from inference.model import RuntimeModel
+from inference.proposers import DraftModelProposer, GpuNgramProposer, drafter_proposer
+from inference.verify import NO_DRAFT
+from tests.test_sampling import chi_square_p
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
+
+
+def _random_drafters(hf, seed=0):
+    """EAGLE-3 (both norm placements), EAGLE-1 and Medusa with small random weights: their
+    drafts are sometimes right, mostly wrong (bookkeeping is what is checked)."""
+    from models.eagle1 import Eagle1Config, Eagle1Drafter
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.medusa import MedusaConfig, MedusaDrafter
+
+    V = hf.config.vocab_size
+    keep = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    torch.manual_seed(seed)
+    drafters = {
+        "eagle3": Eagle3Drafter(Eagle3Config.from_target(hf.config, V)),
+        "eagle3-norms": Eagle3Drafter(Eagle3Config.from_target(hf.config, V, norm_before_fc=True, norm_before_residual=True)),
+        "eagle1": Eagle1Drafter(Eagle1Config.from_target(hf.config, V)),
+        "medusa": MedusaDrafter(MedusaConfig.from_target(hf.config, V, num_heads=3)),
+    }
+    for d in drafters.values():
+        for name, p in d.named_parameters():
+            if "embed" not in name and p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.05)
+        d.init_from_target(hf, *keep)
+        d.eval()
+    return drafters
+
+
+def _recorded(proposer, calls, on_device: bool):
+    """Record every draft the proposer makes (the device loop calls `draft`, the host loop
+    `propose`, which may call `draft` itself)."""
+    if on_device:
+        draft = proposer.draft
+        proposer.draft = lambda: calls.append(draft().tolist()) or proposer.drafts
+    else:
+        propose = proposer.propose
+        proposer.propose = lambda tokens: calls.append(propose(tokens)) or calls[-1]
+    return proposer
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(3)
+    # ragged prompts; a repeated pattern gives the n-gram drafter something to find
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
+    return hf, rt, prompts
+
+
+def test_device_loop_equals_the_host_loop_for_every_device_proposer(tiny):
+    hf, rt, prompts = tiny
+    max_new, eos = 24, (rt.config.vocab_size - 1, 1880)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos)
+    n = cache_size(prompts, max_new, 4)
+    drafters = _random_drafters(hf)
+    draft_model = RuntimeModel.from_pretrained(hf.name_or_path)
+    with torch.no_grad():  # a draft model that agrees with the target most of the time, not always
+        draft_model.layers[-1].mlp.down_proj.weight.mul_(1.5)
+    makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config)) for name, d in drafters.items()}
+    makers["ngram-gpu"] = lambda: GpuNgramProposer(4, len(prompts), n, max_n=3)
+    makers["draft-model"] = lambda: DraftModelProposer(draft_model, 4, len(prompts), n, rt.config)
+    partly = 0
+    for name, make in makers.items():
+        host_calls, device_calls = [], []
+        host, host_stats = generate(rt, prompts, max_new, proposer=_recorded(make(), host_calls, False), eos_ids=eos, max_len=n,
+                                    device_loop=False)
+        dev, dev_stats = generate(rt, prompts, max_new, proposer=_recorded(make(), device_calls, True), eos_ids=eos, max_len=n)
+        assert dev_stats.device_loop and not host_stats.device_loop
+        assert dev == host == plain, name
+        assert dev_stats.row_histograms == host_stats.row_histograms, name
+        assert dev_stats.steps == host_stats.steps, name
+        assert device_calls == host_calls, name  # the same drafts at every step, every row
+        k = host_stats.k
+        partly += sum(sum(row[1:k]) > 0 for row in host_stats.row_histograms)  # rows with partly accepted chains
+    assert partly >= 3, "no proposer had chains that were partly accepted: the check would miss an off-by-one"
+
+
+def test_rows_that_finish_apart_keep_every_cache_write_inside_its_row(tiny):
+    """Synthetic acceptance (each draft taken with probability 0.8) makes rows overshoot their
+    budget in their last step at different times: the loop cuts each row at its budget, and the
+    drafter's cache is never written past its end (an out-of-range write raises on a CPU)."""
+    hf, rt, _ = tiny
+    drafter = _random_drafters(hf)["eagle3"]
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 40000, (9,)).tolist() for _ in range(6)]
+    k, max_new = 4, 24
+    size = cache_size(prompts, max_new, k)
+    proposer = drafter_proposer(drafter, k, len(prompts), size, rt.config)
+    reach = []
+    advance = proposer.advance
+    proposer.advance = lambda *a: (advance(*a), reach.append(int(proposer.last.max()) + k + 1))
+    outs, stats = generate(rt, prompts, max_new, proposer=proposer, verification="synthetic:0.8", max_len=size,
+                           generator=torch.Generator().manual_seed(0))
+    assert stats.device_loop and all(len(o) == max_new for o in outs)
+    steps = [sum(row) for row in stats.row_histograms]
+    assert len(set(steps)) > 1, "every row took as many steps: none finished before the others"
+    assert max(reach) <= size
+
+
+class _FixedDeviceDrafts:
+    """A device proposer that always drafts the same tokens (no probabilities)."""
+
+    aux_layers = ()
+    on_device = True
+
+    def __init__(self, drafts, batch):
+        self.k = len(drafts)
+        self.drafts = torch.tensor([drafts] * batch)
+
+    def begin(self, *a):
+        pass
+
+    def draft(self):
+        return self.drafts
+
+    def advance(self, *a):
+        pass
+
+
+@pytest.mark.parametrize("drafts,verification", [([3, 5], "standard"), ([3, NO_DRAFT], "standard"),
+                                                  ([3, 5], "block"), ([3, NO_DRAFT], "block")])
+def test_sampling_through_the_device_loop_follows_the_target(tmp_path, drafts, verification):
+    """The first two sampled tokens follow softmax(logits / T) (8-token vocabulary, 20,000 rows
+    in one batch), through the device loop with fixed drafts and no q."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)
+    hf.save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
+    outs, stats = generate(rt, [prompt] * N, 2, proposer=_FixedDeviceDrafts(drafts, N), temperature=T,
+                           generator=torch.Generator().manual_seed(1), verification=verification)
+    assert stats.device_loop and sum(n * c for n, c in enumerate(stats.histogram)) > 1000  # drafts were accepted
+    first = torch.tensor([o[0] for o in outs])
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
+    mode = int(torch.bincount(first).argmax())
+    second = torch.tensor([o[1] for o in outs if o[0] == mode])
+    with torch.no_grad():
+        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
+    """float32 on CUDA: each proposer's step captured in CUDA graphs emits what the same loop
+    emits eagerly, with the same histograms, and both equal plain greedy decoding."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target, device="cuda")
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
+    max_new, eos = 40, (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, 4)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    drafters = {name: d.cuda() for name, d in _random_drafters(hf).items()}
+    makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config)) for name, d in drafters.items()}
+    makers["ngram-gpu"] = lambda: GpuNgramProposer(4, len(prompts), n, max_n=3, device="cuda")
+    makers["draft-model"] = lambda: DraftModelProposer(rt, 4, len(prompts), n, rt.config)
+    for name, make in makers.items():
+        eager, eager_stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
+        proposer = make()
+        for _ in range(2):  # the second call replays the graphs captured by the first
+            graphed, graphed_stats = generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n)
+            assert graphed == eager == plain, name
+            assert graphed_stats.row_histograms == eager_stats.row_histograms, name
+    # sampling inside the graphs: runs, and the tokens stay in the vocabulary
+    proposer = drafter_proposer(drafters["eagle3"], 3, len(prompts), n, rt.config)
+    outs, stats = generate(rt, prompts, max_new, proposer=proposer, temperature=1.0, max_len=n)
+    assert stats.device_loop and all(0 <= t < rt.config.vocab_size for o in outs for t in o)
