@@ -4,7 +4,7 @@
 #   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
 #   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start the recipes in RUNS
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
-#   bash scripts/device_session.sh bench              # runtime side by side on the zoo target (GPU otherwise idle)
+#   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
@@ -79,7 +79,8 @@ part1)
   nvidia-smi -L
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
-    python3 scripts/profile_decode.py --out $R 2>&1 | grep -v -i warn
+    # the speculative step's split at a known acceptance, random weights of the real shapes
+    python3 scripts/profile_spec.py --out $R 2>&1 | grep -v -i "warn\|Loading weights"
   fi
   ;;
 part2)
@@ -103,10 +104,11 @@ part2)
   ;;
 wait)
   limit=$1; t0=$SECONDS
-  # once, while the trainings run (the target is whole only after part2): the batched-serving
-  # regression on the GPU (session 5: a device-side assert in EAGLE's cache)
+  # once, while the trainings run (the target is whole only after part2): every GPU-only test
+  # (graphed device loop against eager, CUDA graph steps, the batched-serving regression)
   if [ ! -f /tmp/regression-checked ]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee $R/regression.log
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -4 | tee $R/regression.log
+    python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     touch /tmp/regression-checked
   fi
   while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
@@ -114,7 +116,12 @@ wait)
   collect
   ;;
 bench)
-  python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -25
+  # every trained export side by side with plain, n-gram and suffix (BENCH_K draft lengths), and
+  # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts
+  drafters=$(ls -d /tmp/run-*/export 2> /dev/null | tr '\n' ' ')
+  python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
+    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
+  cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
 final | validate)

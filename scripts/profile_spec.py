@@ -1,0 +1,108 @@
+"""Where a speculative step's time goes, before any drafter is trained: a random target shaped
+like SmolLM2-135M (bf16), random drafters of the real shapes, drafts accepted at a chosen rate
+(`synthetic:RATE` verification), so the step's cost is measured at a known acceptance.
+
+    python scripts/profile_spec.py [--rate 0.75] [--prompts 6] [--max-new 256] [--out DIR]
+
+Prints, per row: tok/s, ratio to plain (same process), tau, draft / verify / other ms per step,
+host syncs per token; writes profile_spec.json to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def smollm2_shaped(folder: Path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
+                      tie_word_embeddings=True, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    hf.save_pretrained(folder)
+    return hf
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rate", type=float, default=0.75, help="probability that each draft is accepted")
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    from inference.engine import CACHE_BUCKET, cache_size, generate
+    from inference.model import RuntimeModel
+    from inference.proposers import GpuNgramProposer, drafter_proposer
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.medusa import MedusaConfig, MedusaDrafter
+
+    dev = args.device
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    folder = Path(tempfile.mkdtemp())
+    hf = smollm2_shaped(folder)
+    rt = RuntimeModel.from_pretrained(folder, dtype=torch.bfloat16, device=dev)
+    V = hf.config.vocab_size
+    keep = (torch.zeros(16384, dtype=torch.long), torch.zeros(V, dtype=torch.bool).index_fill_(0, torch.arange(16384), True))
+    eagle = Eagle3Drafter(Eagle3Config.from_target(hf.config, 16384, norm_before_fc=True, norm_before_residual=True))
+    eagle.init_from_target(hf.float(), *keep)
+    medusa = MedusaDrafter(MedusaConfig.from_target(hf.config, 16384, num_heads=4))
+    medusa.init_from_target(hf, *keep)
+    eagle, medusa = eagle.to(dev, torch.bfloat16).eval(), medusa.to(dev, torch.bfloat16).eval()
+    torch.manual_seed(1)
+    prompts = [torch.randint(100, 40000, (n,)).tolist() for n in torch.randint(60, 300, (args.prompts,)).tolist()]
+    max_len = -(-cache_size(prompts, args.max_new, 8) // CACHE_BUCKET) * CACHE_BUCKET
+    verification = f"synthetic:{args.rate}"
+    rows = {"plain": None}
+    for k in (4, 7):
+        rows[f"EAGLE-3 k={k}"] = drafter_proposer(eagle, k, 1, max_len, rt.config)
+        rows[f"n-gram on the device k={k}"] = GpuNgramProposer(k, 1, max_len, device=dev)
+    rows["Medusa k=4"] = drafter_proposer(medusa, 4, 1, max_len, rt.config)
+
+    def run(proposer):
+        total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None}
+        for p in prompts:
+            outs, st = generate(rt, [p], args.max_new, proposer=proposer, max_len=max_len, verification=verification)
+            total["tokens"] += st.new_tokens
+            total["steps"] += st.steps
+            total["draft"] += st.draft_seconds
+            total["verify"] += st.verify_seconds
+            total["seconds"] += st.total_seconds
+            total["syncs"] += st.host_syncs
+            if st.k:
+                total["hist"] = st.histogram if total["hist"] is None else [a + b for a, b in zip(total["hist"], st.histogram)]
+        return total
+
+    results = {}
+    for name, proposer in rows.items():
+        run(proposer)  # warm-up: kernels, graph capture
+        sync()
+        t0 = time.perf_counter()
+        r = run(proposer)
+        sync()
+        r["wall"] = time.perf_counter() - t0
+        results[name] = r
+    plain = results["plain"]["tokens"] / results["plain"]["wall"]
+    print(f"{'row':28s} {'tok/s':>8s} {'x plain':>8s} {'tau':>6s} {'draft':>7s} {'verify':>7s} {'other':>7s} ms/step  syncs/token")
+    for name, r in results.items():
+        tps = r["tokens"] / r["wall"]
+        steps = max(r["steps"], 1)
+        other = r["seconds"] - r["draft"] - r["verify"]
+        tau = r["tokens"] / steps if r["hist"] else 1.0
+        print(f"{name:28s} {tps:8.1f} {tps / plain:7.2f}x {tau:6.2f} {1e3 * r['draft'] / steps:7.3f} "
+              f"{1e3 * r['verify'] / steps:7.3f} {1e3 * other / steps:7.3f}          {r['syncs'] / r['tokens']:.3f}")
+        r.update(tokens_per_s=tps, vs_plain=tps / plain, tau=tau)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
+                                                                 "rows": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
