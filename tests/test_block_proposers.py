@@ -141,6 +141,7 @@ def test_first_draft_and_a_finished_row_stay_put(small_target, kind):
     tokens = [p + [f] for p, f in zip(prompts, first)]
     for proposer in (cached, recompute):
         proposer.begin(prompts, aux, first)
+    buffers = {name: t.data_ptr() for name, t in vars(cached).items() if isinstance(t, torch.Tensor)}
     drafts = cached.draft()
     assert drafts is cached.draft()  # a static buffer
     assert drafts.tolist() == recompute.propose(tokens)
@@ -164,5 +165,38 @@ def test_first_draft_and_a_finished_row_stay_put(small_target, kind):
         tokens[b] += fed[b, 1 : 1 + accepted[b]].tolist() + [int(bonus[b])]
     again = cached.draft()
     assert torch.equal(again[1], stuck_draft)
+    # draft and advance update state in place (what a captured graph needs)
+    assert buffers == {name: t.data_ptr() for name, t in vars(cached).items() if isinstance(t, torch.Tensor)}
     expect = recompute.propose(tokens)
     assert [again[0].tolist(), again[2].tolist()] == [expect[0], expect[2]]
+
+
+@pytest.mark.parametrize("kind,verification", [("mtp", "standard"), ("mtp", "block"), ("dflash", "standard"), ("dflash", "block")])
+def test_sampled_drafts_keep_the_target_distribution(tmp_path, kind, verification):
+    """Drafts sampled from the drafter's own softmax at T with their q: the first two emitted
+    tokens still follow the target (8-token vocabulary, N rows in one batch), and drafts were
+    accepted."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)
+    hf.save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    prompt, T, N, k = [1, 2, 3, 4], 0.8, 10_000, 2
+    drafter = _drafter(kind, hf, list(range(8)), std=0.5)
+    proposer = CACHED[kind](drafter, k, N, cache_size([prompt], 2, k), rt.config)
+    outs, stats = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T,
+                           generator=torch.Generator().manual_seed(1), verification=verification)
+    assert sum(n * c for n, c in enumerate(stats.histogram)) > 1000  # drafts were accepted
+    assert torch.allclose(proposer.q.sum(-1), torch.ones(N, k))  # q: a distribution per draft
+    first = torch.tensor([o[0] for o in outs])
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
+    mode = int(torch.bincount(first).argmax())
+    second = torch.tensor([o[1] for o in outs if o[0] == mode])
+    with torch.no_grad():
+        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
