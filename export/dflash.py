@@ -46,12 +46,14 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
-def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> DFlashDrafter:
-    """Read the layout back strictly; embedding and head come from the target."""
+def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None,
+                served: bool = False) -> DFlashDrafter:
+    """Read the layout back strictly; embedding and head come from the target. served: from
+    config.json alone, as z-lab's DFlashDraftModel reads it."""
     folder = Path(folder)
     meta = json.loads((folder / "draftsmith.json").read_text()) if (folder / "draftsmith.json").is_file() else {}
     config = json.loads((folder / "config.json").read_text())
-    if "drafter_config" in meta:
+    if "drafter_config" in meta and not served:
         cfg = DFlashConfig.from_dict(meta["drafter_config"])
     else:
         d = config["dflash_config"]
