@@ -66,6 +66,18 @@ def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
+def served_config(config: dict, folder) -> Eagle1Config:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return Eagle1Config(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+                       hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                       num_attention_heads=config["num_attention_heads"],
+                       num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                       head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                       target_num_layers=0, rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                       rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"],
+                       fc_bias=(config.get("architectures") or [""])[0] != ARCHITECTURES["eagle-vllm"])
+
+
 def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None,
                 served: bool = False) -> Eagle1Drafter:
     """Read the layout back strictly; the head comes from the target (named in draftsmith.json
@@ -76,15 +88,8 @@ def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
     config = json.loads((folder / "config.json").read_text())
     if "drafter_config" in meta and not served:
         cfg = Eagle1Config.from_dict(meta["drafter_config"])
-    else:
-        cfg = Eagle1Config(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
-                           hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                           num_attention_heads=config["num_attention_heads"],
-                           num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                           target_num_layers=0, rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-                           rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"],
-                           fc_bias=(config.get("architectures") or [""])[0] != ARCHITECTURES["eagle-vllm"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     target = target or meta.get("target") or config.get("base_model_name_or_path")
     if not target:
         raise ValueError(f"{folder}: an EAGLE-1 export uses its target's head; name the target")

@@ -45,3 +45,29 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
 
         return load_medusa(folder, dtype=dtype, served=served)
     raise ValueError(f"{config_path}: architecture {arch!r} has no reader ({', '.join(READERS)})")
+
+
+def served_config(folder: str | Path):
+    """The drafter config a server builds from the folder's config.json alone (with its
+    defaults for absent keys), whether or not the tensors then load: export.check compares it
+    field by field with the trained drafter's."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    arch = (config.get("architectures") or [None])[0]
+    if config.get("num_nextn_predict_layers"):
+        from export.mtp import served_config as of_layout
+    elif arch == "Eagle3DraftModel" or config.get("speculators_model_type") in ("eagle3", "dflash"):
+        from export.speculators import _dflash_config, _eagle3_config
+
+        return (_dflash_config if config.get("speculators_model_type") == "dflash" else _eagle3_config)(config, folder)
+    elif arch == "LlamaForCausalLMEagle3":
+        from export.sglang import served_config as of_layout
+    elif arch in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM"):
+        from export.eagle1 import served_config as of_layout
+    elif arch == "DFlashDraftModel":
+        from export.dflash import served_config as of_layout
+    elif arch == "MedusaModel":
+        from export.medusa import served_config as of_layout
+    else:
+        raise ValueError(f"{folder}/config.json: architecture {arch!r} has no reader ({', '.join(READERS)})")
+    return of_layout(config, folder)

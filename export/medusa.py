@@ -69,6 +69,13 @@ def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
+def served_config(config: dict, folder) -> MedusaConfig:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return MedusaConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("truncated_vocab_size") or config["vocab_size"],
+                       hidden_size=config["hidden_size"], target_num_layers=0, num_heads=config["num_heads"],
+                       num_layers=config["num_hidden_layers"])
+
+
 def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> MedusaDrafter:
     """Read the layout back strictly: every tensor present with its shape, nothing else.
     served: from config.json alone, as a server reads it."""
@@ -77,10 +84,8 @@ def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     meta_path = folder / "draftsmith.json"
     if meta_path.is_file() and not served:
         cfg = MedusaConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:  # an export made elsewhere: the config says everything this module needs
-        cfg = MedusaConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("truncated_vocab_size") or config["vocab_size"],
-                           hidden_size=config["hidden_size"], target_num_layers=0, num_heads=config["num_heads"],
-                           num_layers=config["num_hidden_layers"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     if not config.get("medusa_fc_bias", False) and cfg.num_layers:
         raise ValueError(f"{folder}/config.json: medusa_fc_bias is not true, so a server would drop the block biases")
     drafter = MedusaDrafter(cfg)

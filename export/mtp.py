@@ -59,6 +59,11 @@ def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, ta
     return Path(out_dir)
 
 
+def served_config(config: dict, folder) -> MTPConfig:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return MTPConfig.from_target(_Namespace(config), config["vocab_size"], config["num_nextn_predict_layers"])
+
+
 def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> MTPDrafter:
     """Read the layout back strictly into draftsmith's module (served: from config.json alone)."""
     folder = Path(folder)
@@ -66,8 +71,8 @@ def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32, served: boo
     meta_path = folder / "draftsmith.json"
     if meta_path.is_file() and not served:
         cfg = MTPConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:
-        cfg = MTPConfig.from_target(_Namespace(config), config["vocab_size"], config["num_nextn_predict_layers"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     L = cfg.target_num_layers
     state = load_file(str(folder / "model.safetensors"))
     drafter = MTPDrafter(cfg)

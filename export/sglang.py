@@ -86,6 +86,25 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
+def served_config(config: dict, folder) -> Eagle3Config:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    if "draft_vocab_size" not in config:
+        raise KeyError(f"{folder}/config.json: draft_vocab_size is missing")
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        raise KeyError(f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is missing (name the layers)")
+    return Eagle3Config(vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+                       hidden_size=config["hidden_size"], target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+                       intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+                       num_key_value_heads=config["num_key_value_heads"],
+                       head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                       aux_layer_ids=sorted(set(ids)),  # SGLang captures distinct layers in layer order
+                       target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
+                       rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
+                       max_position_embeddings=config["max_position_embeddings"],
+                       norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))))
+
+
 def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> Eagle3Drafter:
     """Read the layout back strictly into draftsmith's EAGLE-3 module (served: from config.json
     alone, with SGLang's defaults for absent keys)."""
@@ -94,21 +113,8 @@ def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     meta_path = folder / "draftsmith.json"
     if meta_path.is_file() and not served:
         cfg = Eagle3Config.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:
-        if "draft_vocab_size" not in config:
-            raise KeyError(f"{folder}/config.json: draft_vocab_size is missing")
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids is None:
-            raise KeyError(f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is missing (name the layers)")
-        cfg = Eagle3Config(vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
-                           hidden_size=config["hidden_size"], target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-                           intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
-                           num_key_value_heads=config["num_key_value_heads"],
-                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                           aux_layer_ids=list(ids), target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
-                           rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
-                           max_position_embeddings=config["max_position_embeddings"],
-                           norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))))
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     drafter = Eagle3Drafter(cfg)
     state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
              for k, v in load_file(str(folder / "model.safetensors")).items()}

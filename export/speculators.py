@@ -212,7 +212,7 @@ def _eagle3_config(config: dict, folder) -> Eagle3Config:
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         raise KeyError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids is missing (name the layers)")
-    aux = [i - 1 for i in ids]  # HF hidden_states indices → output-of-layer ids
+    aux = [i - 1 for i in sorted(set(ids))]  # vLLM captures sorted, distinct HF hidden_states indices
     return Eagle3Config(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
                         target_hidden_size=config.get("target_hidden_size") or fields["hidden_size"], aux_layer_ids=aux,
                         target_num_layers=max(aux) + 4,  # unknown here; only bounds the ids
@@ -230,7 +230,7 @@ def _dflash_config(config: dict, folder):
     for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if config.get(key) is None:
             raise KeyError(f"{folder}/config.json: {key} is missing")
-    ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
+    ids = [i - 1 for i in sorted(set(config["aux_hidden_state_layer_ids"]))]  # vLLM sorts and de-duplicates
     return DFlashConfig(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
                         target_num_layers=max(ids) + 4, mask_token_id=config["mask_token_id"], target_layer_ids=ids,
                         num_layers=layer.num_hidden_layers, block_size=config["block_size"])
