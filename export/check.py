@@ -267,6 +267,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
         else:
             ref = reference.unroll(ids, features, steps, greedy=True)
             got = drafter.unroll(ids, features, steps, greedy=True)
+    shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(ref, got) if a.shape != b.shape]
+    if shapes or len(ref) != len(got):  # e.g. a block size config.json changed
+        c.problems.append(f"the served drafter's outputs have other shapes than the trained one's ({shapes[:1] or len(got)})")
+        return c
     diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
     note = f"max abs diff {diff:.2e} over {steps} steps"
     (c.notes if diff <= PARITY_TOLERANCE else c.problems).append(note + ("" if diff <= PARITY_TOLERANCE else f" > {PARITY_TOLERANCE:g}"))

@@ -117,5 +117,6 @@ def check_layer_ids(ids: list[int], num_layers: int, what: str = "aux layer id")
         if not 0 <= i < num_layers:
             raise ValueError(f"{what} {i} is out of range for a {num_layers}-layer target (0..{num_layers - 1})")
     if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"{what}s {list(ids)} must be strictly increasing (servers capture the layers sorted and "
+        field = "target_layer_ids" if what == "target layer id" else "aux_layer_ids"
+        raise ValueError(f"{field} {list(ids)} must be strictly increasing (servers capture the layers sorted and "
                          f"de-duplicated: use {sorted(set(ids))})")

@@ -231,7 +231,6 @@ SERVED_FIELDS = [
     ("eagle3", "sglang", "rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
     ("eagle3", "sglang", "eagle_config.norm_before_fc", lambda v: not v, "norm_before_fc"),
     ("eagle3", "sglang", "eagle_config.eagle_aux_hidden_state_layer_ids", lambda v: v[:-1], "aux_layer_ids"),
-    ("dflash", "speculators", "sliding_window_non_causal", lambda v: False, "is_causal"),
     ("dflash", "speculators", "transformer_layer_config.is_causal", lambda v: True, "is_causal"),
     ("dflash", "speculators", "transformer_layer_config.rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
     ("dflash", "speculators", "aux_hidden_state_layer_ids", lambda v: v[:-1], "target_layer_ids"),
