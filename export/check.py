@@ -3,11 +3,14 @@ would load silently wrong. Four levels, each reported; exit 0 only when all hold
 
   (a) keys: every expected tensor present with its shape and dtype, nothing unexpected, the
       safetensors file whole (the format's strict reader, plus a dtype census);
-  (b) semantics: config flags and layer ids agree with the drafter's own config and with the
-      target (depth, hidden size, vocabulary, RoPE base);
-  (c) parity: the reloaded drafter computes what the training checkpoint computes on the same
-      inputs (float32, the checkpoint's weights rounded to the export's dtype; max abs diff
-      reported, must be <= 1e-5);
+  (b) semantics: the drafter a server builds from config.json alone (with the server's
+      defaults for absent keys: vocab sizes, widths, eps, RoPE, layer ids as the server
+      captures them, norm flags) equals the trained drafter's config field by field; causal
+      flags, speculative token count and bias flags are what draftsmith computes; layer ids
+      and shapes agree with the target (depth, hidden size, vocabulary, RoPE base);
+  (c) parity: the drafter built from config.json and the exported weights computes what the
+      training checkpoint computes on the same inputs (float32, the checkpoint's weights
+      rounded to the export's dtype; max abs diff reported, must be <= 1e-5);
   (d) nothing random or defaulted: copied tensors equal the target's (embedding, frozen
       heads), the draft vocabulary maps are consistent, no tensor is all zeros, and the flags
       a reader would otherwise default are written out.
@@ -82,7 +85,7 @@ def check_keys(folder: Path, meta: dict):
     if len(dtypes) > 1:
         c.problems.append(f"mixed floating dtypes {sorted(dtypes)}")
     try:
-        drafter = load_export(folder, dtype=torch.float32)
+        drafter = load_export(folder, dtype=torch.float32, served=True)  # as a server builds it
     except (KeyError, ValueError, FileNotFoundError) as e:
         c.problems.append(str(e).strip("'\""))
         return c, None
@@ -90,20 +93,59 @@ def check_keys(folder: Path, meta: dict):
     return c, drafter
 
 
+# fields config.json cannot state (the target's depth is checked against the target below)
+NOT_SERVED = {"target_num_layers", "layer_id_convention"}
+
+
+def served_problems(folder: Path, meta: dict, config: dict) -> list[str]:
+    """Every field of the drafter a server builds from config.json that differs from the trained
+    one, plus what the config module does not hold: causal flags, token count, bias flags."""
+    from export.load import served_config
+
+    trained = meta["drafter_config"]
+    try:
+        served = served_config(folder).to_dict()
+    except (KeyError, ValueError, TypeError) as e:
+        return [f"config.json does not build a drafter: {str(e).strip(chr(39))}"]
+    problems = [f"{key}: config.json serves {served[key]}, the trained drafter has {trained[key]}"
+                for key in trained if key in served and key not in NOT_SERVED and served[key] != trained[key]]
+    method, fmt = meta["method"], meta.get("format")
+    proposal = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
+    k = ((meta.get("training_config") or {}).get("eval") or {}).get("k")
+    if fmt == "speculators" and method == "dflash":
+        layer = config.get("transformer_layer_config") or {}
+        causal = layer["is_causal"] if layer.get("is_causal") is not None else not config.get("sliding_window_non_causal", True)
+        if causal:  # vLLM 0.33 qwen3_dflash.py: is_causal first, then not sliding_window_non_causal
+            problems.append("is_causal / sliding_window_non_causal: vLLM 0.33 would build the draft layers causal; "
+                            "draftsmith's blocks attend bidirectionally")
+        if proposal.get("speculative_tokens") != trained["block_size"] - 1:
+            problems.append(f"speculative_tokens: config.json says {proposal.get('speculative_tokens')}, a block of "
+                            f"{trained['block_size']} drafts {trained['block_size'] - 1} (vLLM ignores block_size)")
+    elif fmt == "speculators" and k is not None and proposal.get("speculative_tokens") != k:
+        problems.append(f"speculative_tokens: config.json says {proposal.get('speculative_tokens')}, trained and "
+                        f"predicted for k = {k}")
+    if method == "eagle1" and (config.get("bias") or config.get("attention_bias")):
+        problems.append("bias / attention_bias: servers would create attention biases the file does not hold")
+    if fmt == "sglang" and config.get("norm_before_residual"):
+        problems.append("norm_before_residual: SGLang 0.5.23 has no such option (the residual is pre-norm)")
+    return problems
+
+
 def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
-    """(b) Flags and layer ids of config.json against the drafter's config and the target."""
+    """(b) The drafter config.json serves against the trained drafter's config and the target."""
     c = Check("b", "flags and layer ids consistent with the target")
     config = json.loads((folder / "config.json").read_text())
     cfg = meta["drafter_config"]
     method = meta["method"]
     L = target_config.num_hidden_layers
     expect = {"vocab_size": target_config.vocab_size}
+    c.problems.extend(served_problems(folder, meta, config))
     if method == "eagle3" and meta.get("format") == "sglang":
         ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         if ids != cfg["aux_layer_ids"] or max(ids or [L]) >= L:
             c.problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} != trained {cfg['aux_layer_ids']} (< {L})")
-        if cfg["norm_before_residual"] or cfg["norm_before_fc"]:
-            c.problems.append("a norm_before_* drafter in the SGLang layout, which cannot express it")
+        if cfg["norm_before_residual"]:
+            c.problems.append("a norm_before_residual drafter in the SGLang layout, which SGLang 0.5.23 cannot compute")
         expect.update(hidden_size=target_config.hidden_size)
         theta = config.get("rope_theta")
     elif method == "eagle3":
@@ -225,6 +267,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
         else:
             ref = reference.unroll(ids, features, steps, greedy=True)
             got = drafter.unroll(ids, features, steps, greedy=True)
+    shapes = [(tuple(a.shape), tuple(b.shape)) for a, b in zip(ref, got) if a.shape != b.shape]
+    if shapes or len(ref) != len(got):  # e.g. a block size config.json changed
+        c.problems.append(f"the served drafter's outputs have other shapes than the trained one's ({shapes[:1] or len(got)})")
+        return c
     diff = max((a - b).abs().max().item() for a, b in zip(ref, got))
     note = f"max abs diff {diff:.2e} over {steps} steps"
     (c.notes if diff <= PARITY_TOLERANCE else c.problems).append(note + ("" if diff <= PARITY_TOLERANCE else f" > {PARITY_TOLERANCE:g}"))
@@ -279,9 +325,12 @@ def run_checks(folder: str | Path, target: str | None = None, checkpoint: str | 
     method, meta = _method_and_config(folder)
     keys, drafter = check_keys(folder, meta)
     checks = [keys]
-    if drafter is None:
-        for level, name in (("b", "flags and layer ids consistent with the target"), ("c", "forward parity with the training checkpoint"),
-                            ("d", "nothing random-initialised or defaulted")):
+    if drafter is None:  # (b) still names the served fields that disagree with the trained drafter
+        semantics = Check("b", "flags and layer ids consistent with the target")
+        semantics.problems.extend(served_problems(folder, meta, json.loads((folder / "config.json").read_text()))
+                                  or ["not checked: the export does not load"])
+        checks.append(semantics)
+        for level, name in (("c", "forward parity with the training checkpoint"), ("d", "nothing random-initialised or defaulted")):
             skipped = Check(level, name)
             skipped.problems.append("not checked: the export does not load")
             checks.append(skipped)

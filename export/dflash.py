@@ -46,23 +46,30 @@ def export_dflash(drafter: DFlashDrafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
-def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> DFlashDrafter:
-    """Read the layout back strictly; embedding and head come from the target."""
+def served_config(config: dict, folder) -> DFlashConfig:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    d = config["dflash_config"]
+    return DFlashConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+                       hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                       num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
+                       head_dim=config["head_dim"], target_num_layers=config["num_target_layers"],
+                       mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"],
+                       num_layers=config["num_hidden_layers"], block_size=config["block_size"],
+                       rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                       rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
+
+
+def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None,
+                served: bool = False) -> DFlashDrafter:
+    """Read the layout back strictly; embedding and head come from the target. served: from
+    config.json alone, as z-lab's DFlashDraftModel reads it."""
     folder = Path(folder)
     meta = json.loads((folder / "draftsmith.json").read_text()) if (folder / "draftsmith.json").is_file() else {}
     config = json.loads((folder / "config.json").read_text())
-    if "drafter_config" in meta:
+    if "drafter_config" in meta and not served:
         cfg = DFlashConfig.from_dict(meta["drafter_config"])
-    else:
-        d = config["dflash_config"]
-        cfg = DFlashConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
-                           hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                           num_attention_heads=config["num_attention_heads"], num_key_value_heads=config["num_key_value_heads"],
-                           head_dim=config["head_dim"], target_num_layers=config["num_target_layers"],
-                           mask_token_id=d["mask_token_id"], target_layer_ids=d["target_layer_ids"],
-                           num_layers=config["num_hidden_layers"], block_size=config["block_size"],
-                           rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-                           rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     target = target or meta.get("target") or config.get("base_model_name_or_path")
     return dflash_from_state(cfg, load_file(str(folder / "model.safetensors")), target, folder).to(dtype)
 

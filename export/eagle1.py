@@ -1,9 +1,14 @@
-"""EAGLE-1 checkpoint layout (SafeAILab EAGLE / SGLang `LlamaForCausalLMEagle`, FORMATS.md):
-config.json (a one-layer Llama config) + model.safetensors with `embed_tokens`, `fc` (with
-bias), `layers.0.*` (no input norm) and no head or final norm: the server uses the target's
-head. A draft vocabulary smaller than the target's adds `d2t`/`t2d`, which only draftsmith's
-runtime reads: the layout itself drafts over the full vocabulary, so train with Vd = V to
-serve it elsewhere unchanged.
+"""EAGLE-1 layouts (FORMATS.md), both a one-layer Llama config.json + model.safetensors with
+`embed_tokens`, `fc`, `layers.0.*` (no input norm) and no head or final norm: the server uses
+the target's head.
+
+- `eagle` (SGLang 0.5.23 `LlamaForCausalLMEagle`, the EAGLE reference): fc with a bias. No
+  `bias` key: SGLang's Llama attention reads `bias` as "attention biases", which the file has
+  not, and its fc has a bias whatever the config says. A draft vocabulary smaller than the
+  target's adds `d2t`/`t2d`, which only draftsmith's runtime reads.
+- `eagle-vllm` (vLLM 0.33 method `eagle`, `EagleLlamaForCausalLM`): vLLM's fc has no bias and
+  its head is the target's whole one, so only a drafter trained with `drafter.fc_bias=false`
+  and Vd = V is written; anything else is refused, naming why (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -17,47 +22,74 @@ from export.io import atomic_folder, check_tensors, full_vocab_maps, target_embe
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 
 
-def eagle1_config(cfg: Eagle1Config, target_name: str) -> dict:
+ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle-vllm": "EagleLlamaForCausalLM"}
+
+
+def eagle1_config(cfg: Eagle1Config, target_name: str, fmt: str = "eagle") -> dict:
     return {
-        "architectures": ["LlamaForCausalLMEagle"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [ARCHITECTURES[fmt]], "model_type": "llama", "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size, "num_hidden_layers": 1,
         "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
-        "hidden_act": "silu", "bias": True, "draft_vocab_size": cfg.draft_vocab_size,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "draft_vocab_size": cfg.draft_vocab_size,
         "base_model_name_or_path": target_name,
     }
 
 
+def vllm_problems(cfg: Eagle1Config) -> list[str]:
+    """Why vLLM 0.33's `eagle` method would not compute this drafter (empty: it would)."""
+    problems = []
+    if cfg.fc_bias:
+        problems.append("vLLM 0.33's EAGLE-1 fc has no bias and this drafter's has one (train with drafter.fc_bias=false)")
+    if cfg.draft_vocab_size != cfg.vocab_size:
+        problems.append(f"vLLM 0.33's EAGLE-1 drafts over the target's whole vocabulary and this drafter's "
+                        f"draft_vocab_size is {cfg.draft_vocab_size} < {cfg.vocab_size} (train with Vd = V)")
+    return problems
+
+
 def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
-                  provenance: dict | None = None) -> Path:
+                  provenance: dict | None = None, fmt: str = "eagle") -> Path:
     cfg = drafter.config
+    if fmt == "eagle-vllm" and vllm_problems(cfg):
+        raise ValueError("cannot export to eagle-vllm: " + "; ".join(vllm_problems(cfg)) + " (--format eagle serves it in SGLang)")
+    if fmt == "eagle" and not cfg.fc_bias:
+        raise ValueError("cannot export to eagle: SGLang 0.5.23's EAGLE-1 fc always has a bias and this drafter has "
+                         "none (--format eagle-vllm serves it in vLLM)")
     tensors = {n: t.detach().cpu() for n, t in drafter.state_dict().items() if n != "lm_head.weight"}
     tensors = {n: (t.to(dtype) if t.is_floating_point() else t).contiguous() for n, t in tensors.items()}
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.pop("d2t"), tensors.pop("t2d")
     with atomic_folder(out_dir) as tmp:
-        write_export_files(tmp, tensors, eagle1_config(cfg, target_name),
-                           {"format": "eagle", "method": "eagle1", "drafter_config": cfg.to_dict()}, provenance)
+        write_export_files(tmp, tensors, eagle1_config(cfg, target_name, fmt),
+                           {"format": fmt, "method": "eagle1", "drafter_config": cfg.to_dict()}, provenance)
     return Path(out_dir)
 
 
-def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None) -> Eagle1Drafter:
+def served_config(config: dict, folder) -> Eagle1Config:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return Eagle1Config(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
+                       hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+                       num_attention_heads=config["num_attention_heads"],
+                       num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
+                       head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                       target_num_layers=0, rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
+                       rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"],
+                       fc_bias=(config.get("architectures") or [""])[0] != ARCHITECTURES["eagle-vllm"])
+
+
+def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None,
+                served: bool = False) -> Eagle1Drafter:
     """Read the layout back strictly; the head comes from the target (named in draftsmith.json
-    unless given), restricted to the draft vocabulary."""
+    unless given), restricted to the draft vocabulary. served: build the drafter from
+    config.json alone, as a server does (draftsmith.json's drafter config ignored)."""
     folder = Path(folder)
     meta = json.loads((folder / "draftsmith.json").read_text()) if (folder / "draftsmith.json").is_file() else {}
     config = json.loads((folder / "config.json").read_text())
-    if "drafter_config" in meta:
+    if "drafter_config" in meta and not served:
         cfg = Eagle1Config.from_dict(meta["drafter_config"])
-    else:
-        cfg = Eagle1Config(vocab_size=config["vocab_size"], draft_vocab_size=config.get("draft_vocab_size", config["vocab_size"]),
-                           hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
-                           num_attention_heads=config["num_attention_heads"],
-                           num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                           target_num_layers=0, rms_norm_eps=config["rms_norm_eps"], rope_theta=config["rope_theta"],
-                           rope_scaling=config.get("rope_scaling"), max_position_embeddings=config["max_position_embeddings"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     target = target or meta.get("target") or config.get("base_model_name_or_path")
     if not target:
         raise ValueError(f"{folder}: an EAGLE-1 export uses its target's head; name the target")

@@ -4,6 +4,12 @@ draft vocabulary smaller than the target's, `token_map` [Vd] (the target id of e
 
 vLLM drops unknown keys silently and loads block biases only with `medusa_fc_bias: true`: the
 config always says so, since draftsmith's residual blocks have biases.
+
+Which vLLM serves it: 0.33 has no Medusa; 0.15-0.32 size every head to the target's whole
+vocabulary and assert when a `token_map` comes with fewer rows. So a drafter with Vd = V is
+written with full-vocabulary heads (what those versions load and compute as trained), and one
+with Vd < V is refused, unless written for draftsmith's own runtime (`runtime_only`: the
+training run's export, which `python -m inference.validate` reads).
 """
 from __future__ import annotations
 
@@ -32,34 +38,54 @@ def medusa_config(cfg: MedusaConfig, target_name: str) -> dict:
     }
 
 
+VLLM_REFUSAL = ("vLLM 0.33 has no Medusa, and vLLM 0.15-0.32 size each Medusa head to the target's whole vocabulary "
+                "(they assert on a token_map head)")
+
+
 def export_medusa(drafter: MedusaDrafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
-                  provenance: dict | None = None, target_model=None) -> Path:
+                  provenance: dict | None = None, target_model=None, runtime_only: bool = False) -> Path:
     """target_model (Medusa-2): the jointly trained target, saved beside the heads in target/
-    (an HF folder to serve in place of the original)."""
+    (an HF folder to serve in place of the original). runtime_only: a draft vocabulary smaller
+    than the target's is written for draftsmith's runtime instead of refused."""
     cfg = drafter.config
+    served_by = ["vllm>=0.15,<=0.32", "draftsmith"]
+    if cfg.draft_vocab_size < cfg.vocab_size:
+        if not runtime_only:
+            raise ValueError(f"cannot export to medusa for vLLM: {VLLM_REFUSAL}, and this drafter's draft_vocab_size is "
+                             f"{cfg.draft_vocab_size} < {cfg.vocab_size} (train with drafter.draft_vocab_size={cfg.vocab_size}; "
+                             "the training run's own export serves it in draftsmith's runtime)")
+        served_by = ["draftsmith"]
+        print(f"note: {out_dir} is served by draftsmith's runtime only: {VLLM_REFUSAL}")
     state = drafter.state_dict()
     tensors = {n: t.detach().cpu().to(dtype).contiguous() for n, t in state.items() if n not in ("d2t", "t2d")}
     if cfg.draft_vocab_size < cfg.vocab_size:
         tensors["token_map"] = drafter.draft_ids().detach().cpu().contiguous()
     with atomic_folder(out_dir) as tmp:
         write_export_files(tmp, tensors, medusa_config(cfg, target_name),
-                           {"format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict()}, provenance)
+                           {"format": "medusa", "method": "medusa", "drafter_config": cfg.to_dict(), "served_by": served_by},
+                           provenance)
         if target_model is not None:
             target_model.save_pretrained(tmp / "target")
     return Path(out_dir)
 
 
-def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32) -> MedusaDrafter:
-    """Read the layout back strictly: every tensor present with its shape, nothing else."""
+def served_config(config: dict, folder) -> MedusaConfig:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return MedusaConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("truncated_vocab_size") or config["vocab_size"],
+                       hidden_size=config["hidden_size"], target_num_layers=0, num_heads=config["num_heads"],
+                       num_layers=config["num_hidden_layers"])
+
+
+def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> MedusaDrafter:
+    """Read the layout back strictly: every tensor present with its shape, nothing else.
+    served: from config.json alone, as a server reads it."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     meta_path = folder / "draftsmith.json"
-    if meta_path.is_file():
+    if meta_path.is_file() and not served:
         cfg = MedusaConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:  # an export made elsewhere: the config says everything this module needs
-        cfg = MedusaConfig(vocab_size=config["vocab_size"], draft_vocab_size=config.get("truncated_vocab_size") or config["vocab_size"],
-                           hidden_size=config["hidden_size"], target_num_layers=0, num_heads=config["num_heads"],
-                           num_layers=config["num_hidden_layers"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     if not config.get("medusa_fc_bias", False) and cfg.num_layers:
         raise ValueError(f"{folder}/config.json: medusa_fc_bias is not true, so a server would drop the block biases")
     drafter = MedusaDrafter(cfg)

@@ -54,20 +54,25 @@ def export_mtp(drafter: MTPDrafter, out_dir: str | Path, *, target_name: str, ta
     config = {**target_config, "num_nextn_predict_layers": cfg.num_modules}
     with atomic_folder(out_dir) as tmp:
         write_export_files(tmp, tensors, config, {
-            "format": "mtp", "method": "mtp", "drafter_config": cfg.to_dict(),
+            "format": "mtp", "method": "mtp", "drafter_config": cfg.to_dict(), "served_by": ["draftsmith"],
             "layer_id_convention": {"mtp_module_d": f"model.layers.{{{L} + d}}"}}, provenance)
     return Path(out_dir)
 
 
-def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32) -> MTPDrafter:
-    """Read the layout back strictly into draftsmith's module."""
+def served_config(config: dict, folder) -> MTPConfig:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    return MTPConfig.from_target(_Namespace(config), config["vocab_size"], config["num_nextn_predict_layers"])
+
+
+def load_mtp(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> MTPDrafter:
+    """Read the layout back strictly into draftsmith's module (served: from config.json alone)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     meta_path = folder / "draftsmith.json"
-    if meta_path.is_file():
+    if meta_path.is_file() and not served:
         cfg = MTPConfig.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:
-        cfg = MTPConfig.from_target(_Namespace(config), config["vocab_size"], config["num_nextn_predict_layers"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     L = cfg.target_num_layers
     state = load_file(str(folder / "model.safetensors"))
     drafter = MTPDrafter(cfg)

@@ -1,13 +1,14 @@
 """SGLang / EAGLE layout for EAGLE-3 (FORMATS.md): a flat one-layer LlamaConfig with
 `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size` always written,
-`eagle_config: {eagle_aux_hidden_state_layer_ids (output-of-layer ids), use_aux_hidden_state}`,
-every value a reader would default written out, and tensors named `midlayer.*` instead of
-`layers.0.*`, with the embedding shipped (a missing one is random-initialised by the EAGLE
-reference loader without an error).
+`eagle_config: {eagle_aux_hidden_state_layer_ids (output-of-layer ids), use_aux_hidden_state,
+norm_before_fc}`, every value a reader would default written out, and tensors named
+`midlayer.*` instead of `layers.0.*`, with the embedding shipped (a missing one is
+random-initialised by the EAGLE reference loader without an error).
 
-The layout has no `input_norm` and its residual is always the pre-norm hidden state: a
-drafter trained with `norm_before_fc` or `norm_before_residual` cannot be written here, and
-the exporter refuses, naming the option and the layout that carries it (speculators).
+SGLang 0.5.23 reads `norm_before_fc` (eagle_config first, then the top level) and then loads
+`input_norm.weight`, so that option is carried (the EAGLE reference loader does not know it:
+such an export is for SGLang). Its residual is always the pre-norm hidden state: a drafter
+trained with `norm_before_residual` is refused, naming the layout that carries it (speculators).
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def sglang_config(cfg: Eagle3Config, target_name: str) -> dict:
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True,
+                         "norm_before_fc": cfg.norm_before_fc},
+        "norm_before_fc": cfg.norm_before_fc, "norm_before_residual": False,
         "base_model_name_or_path": target_name,
         **({"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size != cfg.hidden_size else {}),
     }
@@ -43,11 +46,9 @@ def check_expressible(cfg: Eagle3Config) -> list[str]:
     """Reasons this drafter cannot be written faithfully in the SGLang layout (empty: it can)."""
     problems = []
     if cfg.norm_before_residual:
-        problems.append("drafter.norm_before_residual=true: the SGLang/EAGLE layout's residual is always the pre-norm "
-                        "hidden state (the speculators layout carries this option)")
-    if cfg.norm_before_fc:
-        problems.append("drafter.norm_before_fc=true: the SGLang/EAGLE layout has no input_norm (the speculators layout "
-                        "carries this option)")
+        problems.append("drafter.norm_before_residual=true: SGLang 0.5.23's EAGLE-3 layer always takes the pre-norm "
+                        "hidden state as the residual and has no such option (the speculators layout carries it; "
+                        "norm_before_fc alone is served by both)")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     if cfg.head_dim != head_dim:
         problems.append(f"head_dim {cfg.head_dim}: EAGLE readers take hidden_size // num_attention_heads = {head_dim}")
@@ -70,6 +71,8 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: s
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.pop("d2t"), tensors.pop("t2d")
     notes = []
+    if cfg.norm_before_fc:
+        notes.append("norm_before_fc: SGLang 0.5.23 reads it and loads input_norm; the EAGLE reference loader does not")
     if list(cfg.aux_layer_ids) != default_aux_layer_ids(cfg.target_num_layers):
         notes.append(f"aux layers {cfg.aux_layer_ids} are not the default {default_aux_layer_ids(cfg.target_num_layers)}: "
                      "SGLang reads eagle_config, but the EAGLE reference loader ignores it and would feed other layers")
@@ -83,27 +86,35 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: s
     return Path(out_dir)
 
 
-def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
-    """Read the layout back strictly into draftsmith's EAGLE-3 module."""
+def served_config(config: dict, folder) -> Eagle3Config:
+    """The drafter config a server builds from config.json alone (its defaults for absent keys)."""
+    if "draft_vocab_size" not in config:
+        raise KeyError(f"{folder}/config.json: draft_vocab_size is missing")
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        raise KeyError(f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is missing (name the layers)")
+    return Eagle3Config(vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
+                       hidden_size=config["hidden_size"], target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
+                       intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
+                       num_key_value_heads=config["num_key_value_heads"],
+                       head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+                       aux_layer_ids=sorted(set(ids)),  # SGLang captures distinct layers in layer order
+                       target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
+                       rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
+                       max_position_embeddings=config["max_position_embeddings"],
+                       norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))))
+
+
+def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> Eagle3Drafter:
+    """Read the layout back strictly into draftsmith's EAGLE-3 module (served: from config.json
+    alone, with SGLang's defaults for absent keys)."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     meta_path = folder / "draftsmith.json"
-    if meta_path.is_file():
+    if meta_path.is_file() and not served:
         cfg = Eagle3Config.from_dict(json.loads(meta_path.read_text())["drafter_config"])
-    else:
-        if "draft_vocab_size" not in config:
-            raise KeyError(f"{folder}/config.json: draft_vocab_size is missing")
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids is None:
-            raise KeyError(f"{folder}/config.json: eagle_config.eagle_aux_hidden_state_layer_ids is missing (name the layers)")
-        cfg = Eagle3Config(vocab_size=config["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
-                           hidden_size=config["hidden_size"], target_hidden_size=config.get("target_hidden_size", config["hidden_size"]),
-                           intermediate_size=config["intermediate_size"], num_attention_heads=config["num_attention_heads"],
-                           num_key_value_heads=config["num_key_value_heads"],
-                           head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
-                           aux_layer_ids=list(ids), target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
-                           rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
-                           max_position_embeddings=config["max_position_embeddings"])
+    else:  # an export made elsewhere, or read as a server reads it
+        cfg = served_config(config, folder)
     drafter = Eagle3Drafter(cfg)
     state = {k.replace("midlayer.", "layers.0.", 1) if k.startswith("midlayer.") else k: v
              for k, v in load_file(str(folder / "model.safetensors")).items()}

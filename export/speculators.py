@@ -29,6 +29,10 @@ SPECULATORS_VERSION = "0.2.0"
 
 
 def _header(algorithm: str, k: int, target_name: str, target_arch: list[str]) -> dict:
+    from models.zoo import served_target_name
+
+    # `vllm serve DIR` resolves verifier.name_or_path itself (a hub id or a local path): never
+    # a draftsmith zoo alias
     return {
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
@@ -36,7 +40,7 @@ def _header(algorithm: str, k: int, target_name: str, target_arch: list[str]) ->
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target_name, "architectures": target_arch},
+            "verifier": {"name_or_path": served_target_name(target_name), "architectures": target_arch},
         },
     }
 
@@ -87,6 +91,9 @@ def dflash_speculators_config(cfg, target_name: str, target_arch: list[str], dty
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "rope_scaling": cfg.rope_scaling, "max_position_embeddings": cfg.max_position_embeddings,
         "attention_bias": False, "tie_word_embeddings": False,
+        # vLLM 0.33 reads is_causal first (qwen3_dflash.py): draftsmith's blocks attend
+        # bidirectionally, so every layer is non-causal
+        "is_causal": False,
     }
     return {
         "architectures": ["DFlashDraftModel"],
@@ -98,7 +105,7 @@ def dflash_speculators_config(cfg, target_name: str, target_arch: list[str], dty
         "target_hidden_size": cfg.hidden_size,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": True,  # vLLM: causal = not this (absent counts as true)
         "sample_from_anchor": False,  # the anchor is the verified bonus token: B-1 drafts
         "dtype": dtype,
     }
@@ -130,8 +137,10 @@ def export_speculators(drafter, out_dir: str | Path, *, target_name: str, target
     return Path(out_dir)
 
 
-def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None):
-    """Read a speculators-layout EAGLE-3 or DFlash folder into draftsmith's module, strictly.
+def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32, target: str | None = None,
+                     served: bool = False):
+    """Read a speculators-layout EAGLE-3 or DFlash folder into draftsmith's module, strictly
+    (served: from config.json alone, with vLLM's defaults for absent keys).
 
     draftsmith's own exports carry the drafter's config in draftsmith.json; a folder made
     elsewhere (by the speculators package, say) is read from its config.json alone, and an
@@ -145,13 +154,16 @@ def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32, tar
     meta_path = folder / "draftsmith.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     method = meta.get("method") or config.get("speculators_model_type")
+    target = target or meta.get("target")
+    if served:  # as vLLM reads the folder: config.json alone
+        meta = {}
     state = load_file(str(folder / "model.safetensors"))
     if method == "dflash":
         from export.dflash import dflash_from_state
         from models.dflash import DFlashConfig
 
         cfg = DFlashConfig.from_dict(meta["drafter_config"]) if meta else _dflash_config(config, folder)
-        target = target or meta.get("target") or ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+        target = target or ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
         drafter = dflash_from_state(cfg, state, target, folder)
         return drafter.to(dtype) if dtype is not None else drafter
     if method != "eagle3":
@@ -200,7 +212,7 @@ def _eagle3_config(config: dict, folder) -> Eagle3Config:
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         raise KeyError(f"{folder}/config.json: eagle_aux_hidden_state_layer_ids is missing (name the layers)")
-    aux = [i - 1 for i in ids]  # HF hidden_states indices → output-of-layer ids
+    aux = [i - 1 for i in sorted(set(ids))]  # vLLM captures sorted, distinct HF hidden_states indices
     return Eagle3Config(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
                         target_hidden_size=config.get("target_hidden_size") or fields["hidden_size"], aux_layer_ids=aux,
                         target_num_layers=max(aux) + 4,  # unknown here; only bounds the ids
@@ -218,7 +230,7 @@ def _dflash_config(config: dict, folder):
     for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size"):
         if config.get(key) is None:
             raise KeyError(f"{folder}/config.json: {key} is missing")
-    ids = [i - 1 for i in config["aux_hidden_state_layer_ids"]]
+    ids = [i - 1 for i in sorted(set(config["aux_hidden_state_layer_ids"]))]  # vLLM sorts and de-duplicates
     return DFlashConfig(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
                         target_num_layers=max(ids) + 4, mask_token_id=config["mask_token_id"], target_layer_ids=ids,
                         num_layers=layer.num_hidden_layers, block_size=config["block_size"])

@@ -25,16 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
 
 def default_target_layer_ids(num_layers: int, n: int = 5) -> list[int]:
-    """Evenly spaced output-of-layer ids round(1 + i (L-4)/(n-1)), clamped for tiny targets."""
+    """Evenly spaced output-of-layer ids round(1 + i (L-4)/(n-1)), clamped and de-duplicated for
+    tiny targets (servers capture sorted, distinct layers)."""
     if n == 1:
         return [min(1, num_layers - 1)]
-    return [min(max(round(1 + i * (num_layers - 4) / (n - 1)), 0), num_layers - 1) for i in range(n)]
+    return sorted({min(max(round(1 + i * (num_layers - 4) / (n - 1)), 0), num_layers - 1) for i in range(n)})
 
 
 @dataclass
@@ -62,9 +63,7 @@ class DFlashConfig(DictConfig):
             raise ValueError(f"block_size {self.block_size} must be in 2..16")
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.target_num_layers)
-        for i in self.target_layer_ids:
-            if not 0 <= i < self.target_num_layers:
-                raise ValueError(f"target layer id {i} is out of range for a {self.target_num_layers}-layer target")
+        check_layer_ids(self.target_layer_ids, self.target_num_layers, "target layer id")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's embedding (0..{self.vocab_size - 1})")
         if not 0 < self.draft_vocab_size <= self.vocab_size:

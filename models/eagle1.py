@@ -9,7 +9,8 @@ f̂, an estimate of f_{t+1}, and head(f̂) predicts x_{t+2}. A chain feeds f̂ b
 drafted token at t+1, t+2, ...; training unrolls the same way (`objective.ttt_steps`; EAGLE-1's
 original training is the single teacher-forced step, ttt_steps = 1).
 
-Layout as FORMATS.md describes the EAGLE-1 checkpoint: `fc` Linear(2H -> H) with bias, one
+Layout as FORMATS.md describes the EAGLE-1 checkpoint: `fc` Linear(2H -> H) with bias (without
+when `fc_bias` is false, the form vLLM's `eagle` method computes), one
 decoder layer without an input norm, no final norm, the target's head (frozen here, restricted
 to the draft vocabulary; Vd = V serves the layout as is).
 """
@@ -38,6 +39,8 @@ class Eagle1Config(DictConfig):
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 8192
+    # fc with a bias (SGLang's and the EAGLE reference's EAGLE-1); vLLM's `eagle` fc has none
+    fc_bias: bool = True
     layer_id_convention: str = "output_of_layer"
 
     def __post_init__(self):
@@ -45,8 +48,8 @@ class Eagle1Config(DictConfig):
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
 
     @classmethod
-    def from_target(cls, hf_config, draft_vocab_size: int) -> "Eagle1Config":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size)
+    def from_target(cls, hf_config, draft_vocab_size: int, fc_bias: bool = True) -> "Eagle1Config":
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, fc_bias=fc_bias)
 
 
 class Eagle1Attention(nn.Module):
@@ -92,7 +95,7 @@ class Eagle1Drafter(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)  # frozen copy of the target's
-        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
         self.layers = nn.ModuleList([Eagle1Layer(cfg)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows, frozen

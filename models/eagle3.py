@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """Low, middle and high layers as output-of-layer ids: [1, L//2 - 1, L - 4] (clamped into
-    range for the tiny test targets)."""
-    return [min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)]
+    """Low, middle and high layers as output-of-layer ids: [1, L//2 - 1, L - 4], clamped into
+    range and de-duplicated for tiny targets (servers capture sorted, distinct layers)."""
+    return sorted({min(max(i, 0), num_layers - 1) for i in (1, num_layers // 2 - 1, num_layers - 4)})
+
 
 
 @dataclass
@@ -52,9 +53,7 @@ class Eagle3Config(DictConfig):
     layer_id_convention: str = "output_of_layer"
 
     def __post_init__(self):
-        for i in self.aux_layer_ids:
-            if not 0 <= i < self.target_num_layers:
-                raise ValueError(f"aux layer id {i} is out of range for a {self.target_num_layers}-layer target (0..{self.target_num_layers - 1})")
+        check_layer_ids(self.aux_layer_ids, self.target_num_layers)
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
         if self.hidden_size != self.target_hidden_size:

@@ -107,3 +107,16 @@ def decoder_shape(hf_config) -> dict:
                 head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
                 target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
                 rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
+
+
+def check_layer_ids(ids: list[int], num_layers: int, what: str = "aux layer id") -> None:
+    """Layer ids must be in range and strictly increasing: vLLM sorts and de-duplicates them
+    and SGLang captures in layer order, so any other list trains on one feature order and is
+    served another."""
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise ValueError(f"{what} {i} is out of range for a {num_layers}-layer target (0..{num_layers - 1})")
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        field = "target_layer_ids" if what == "target layer id" else "aux_layer_ids"
+        raise ValueError(f"{field} {list(ids)} must be strictly increasing (servers capture the layers sorted and "
+                         f"de-duplicated: use {sorted(set(ids))})")

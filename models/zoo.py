@@ -59,6 +59,10 @@ ASSETS: dict[str, Asset] = {
     ),
 }
 TARGETS = ("smollm2-135m-instruct", "tiny-random-llama")
+# The hub repository each zoo target was made from: what an export names as its verifier, since
+# a server resolves that name itself and knows nothing of draftsmith's zoo aliases. (The zoo's
+# weights are a GGUF quantisation of it: a served verifier is the unquantised original.)
+UPSTREAM_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 DATASETS = ("sharegpt", "mt-bench", "humaneval")
 
 
@@ -239,6 +243,16 @@ def tiny_random_llama(num_layers: int = 2, seed: int = 0) -> Path:
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out_dir)
     return out_dir
+
+
+def served_target_name(spec: str) -> str:
+    """The target as a server names it: a zoo alias becomes its upstream hub id, a local
+    folder or file its absolute path (a GGUF's converted HF folder), a hub id stays as is."""
+    if spec in UPSTREAM_HUB_IDS:
+        return UPSTREAM_HUB_IDS[spec]
+    resolved = resolve_target(spec)
+    path = Path(resolved).expanduser()
+    return str(path.resolve()) if path.exists() else resolved
 
 
 def resolve_target(spec: str) -> str:

@@ -56,3 +56,15 @@ def test_recipes_parse():
     for name in ("quickstart", "eagle3"):
         cfg = load_config(f"configs/{name}.yaml", [])
         assert cfg.drafter.method == "eagle3"
+
+
+def test_aux_layer_ids_must_be_strictly_increasing():
+    """vLLM sorts and de-duplicates aux ids and SGLang captures in layer order: an unsorted
+    list would train on one feature order and be served another."""
+    import pytest
+
+    from train.config import ConfigError, load_config
+
+    for ids in ("[14,1,26]", "[1,1,26]"):
+        with pytest.raises(ConfigError, match="strictly increasing"):
+            load_config(None, [f"drafter.aux_layer_ids={ids}"])

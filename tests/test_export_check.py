@@ -120,11 +120,15 @@ def test_an_interrupted_export_leaves_the_old_one_intact(exports, tmp_path):
     io_module.save_file = dies_midway
     try:
         with pytest.raises(Boom):
-            export_medusa(drafter, folder, target_name="tiny-random-llama")
+            export_medusa(drafter, folder, target_name="tiny-random-llama", runtime_only=True)
     finally:
         io_module.save_file = original
     assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(".medusa")]  # no temporary left behind
+
+
+# pairs the tiny recipes cannot be served as: EAGLE-1 with an fc bias in vLLM; Medusa with Vd < V
+SERVER_REFUSES = {("eagle1", "eagle-vllm"): "vLLM 0.33's EAGLE-1 fc has no bias", ("medusa", "medusa"): "vLLM 0.33 has no Medusa"}
 
 
 def test_export_cli_writes_every_supported_pair_and_refuses_the_rest(exports, tmp_path, capsys):
@@ -146,6 +150,10 @@ def test_export_cli_writes_every_supported_pair_and_refuses_the_rest(exports, tm
             err = capsys.readouterr().err
             if fmt not in FORMATS[method]:
                 assert code == 2 and f"cannot carry a {method} drafter" in err and len(err.strip().splitlines()) == 1, err
+                assert not out.exists()
+                continue
+            if (method, fmt) in SERVER_REFUSES:  # the recipe trains what that server cannot compute
+                assert code == 2 and SERVER_REFUSES[method, fmt] in err and len(err.strip().splitlines()) == 1, err
                 assert not out.exists()
                 continue
             assert code == 0, err[-2000:]
@@ -190,3 +198,71 @@ def test_an_export_made_elsewhere_reads_the_same_without_draftsmith_json(exports
     assert set(a) == set(b)
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def _exported(exports, tmp_path, method, fmt):
+    from export.__main__ import main as export_main
+
+    out = tmp_path / f"{method}-{fmt}"
+    assert export_main(["--checkpoint", str(exports[method].parent), "--format", fmt, "--out", str(out), "--dtype", "float32"]) == 0
+    return out
+
+
+def _edit(config: dict, path: str, change):
+    *parents, last = path.split(".")
+    node = config
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[last] = change(node[last])
+
+
+# every field a server reads from config.json, edited: export.check names it (level b)
+SERVED_FIELDS = [
+    ("eagle3", "speculators", "draft_vocab_size", lambda v: v // 2, "draft_vocab_size"),
+    ("eagle3", "speculators", "transformer_layer_config.intermediate_size", lambda v: v * 2, "intermediate_size"),
+    ("eagle3", "speculators", "transformer_layer_config.rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+    ("eagle3", "speculators", "transformer_layer_config.rope_theta", lambda v: v * 2, "rope_theta"),
+    ("eagle3", "speculators", "eagle_aux_hidden_state_layer_ids", lambda v: v[:-1], "aux_layer_ids"),
+    ("eagle3", "speculators", "norm_before_fc", lambda v: not v, "norm_before_fc"),
+    ("eagle3", "speculators", "norm_before_residual", lambda v: not v, "norm_before_residual"),
+    ("eagle3", "speculators", "speculators_config.proposal_methods.0.speculative_tokens", lambda v: v + 1, "speculative_tokens"),
+    ("eagle3", "sglang", "draft_vocab_size", lambda v: v // 2, "draft_vocab_size"),
+    ("eagle3", "sglang", "intermediate_size", lambda v: v * 2, "intermediate_size"),
+    ("eagle3", "sglang", "rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+    ("eagle3", "sglang", "eagle_config.norm_before_fc", lambda v: not v, "norm_before_fc"),
+    ("eagle3", "sglang", "eagle_config.eagle_aux_hidden_state_layer_ids", lambda v: v[:-1], "aux_layer_ids"),
+    ("dflash", "speculators", "transformer_layer_config.is_causal", lambda v: True, "is_causal"),
+    ("dflash", "speculators", "transformer_layer_config.rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+    ("dflash", "speculators", "aux_hidden_state_layer_ids", lambda v: v[:-1], "target_layer_ids"),
+    ("dflash", "speculators", "speculators_config.proposal_methods.0.speculative_tokens", lambda v: v + 1, "speculative_tokens"),
+    ("dflash", "dflash", "rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+    ("dflash", "dflash", "intermediate_size", lambda v: v * 2, "intermediate_size"),
+    ("dflash", "dflash", "dflash_config.target_layer_ids", lambda v: v[::-1], "target_layer_ids"),
+    ("dflash", "dflash", "block_size", lambda v: v + 1, "block_size"),
+    ("eagle1", "eagle", "rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+    ("eagle1", "eagle", "intermediate_size", lambda v: v * 2, "intermediate_size"),
+    ("medusa", "medusa", "truncated_vocab_size", lambda v: v // 2, "draft_vocab_size"),
+    ("mtp", "mtp", "rms_norm_eps", lambda v: 0.1, "rms_norm_eps"),
+]
+
+
+@pytest.mark.parametrize("method,fmt,path,change,name", SERVED_FIELDS, ids=[f"{m}-{f}-{p}" for m, f, p, _, _ in SERVED_FIELDS])
+def test_an_edited_served_field_is_named(exports, tmp_path, method, fmt, path, change, name):
+    folder = _copy(exports, tmp_path, method) if json.loads((exports[method] / "draftsmith.json").read_text())["format"] == fmt \
+        else _exported(exports, tmp_path, method, fmt)
+    assert all(c.ok for c in run_checks(folder))
+    config = json.loads((folder / "config.json").read_text())
+    _edit(config, path, change)
+    (folder / "config.json").write_text(json.dumps(config))
+    semantics = next(c for c in run_checks(folder) if c.level == "b")
+    assert not semantics.ok and name in semantics.line(), semantics.line()
+
+
+def test_parity_is_computed_from_the_served_config(exports, tmp_path):
+    """An eps only config.json states moves the served drafter's outputs: (c) sees it too."""
+    folder = _copy(exports, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["transformer_layer_config"]["rms_norm_eps"] = 0.5
+    (folder / "config.json").write_text(json.dumps(config))
+    parity = next(c for c in run_checks(folder) if c.level == "c")
+    assert not parity.ok and "max abs diff" in parity.line()

@@ -41,16 +41,18 @@ def speculators_site():
     return site
 
 
-@pytest.mark.parametrize("recipe", [None, "configs/eagle3.yaml"], ids=["quickstart", "eagle3-normed"])
-def test_speculators_package_loads_the_export_and_agrees(speculators_site, recipe, tmp_path):
+@pytest.mark.parametrize("recipe,residual", [(None, False), ("configs/eagle3.yaml", False), ("configs/eagle3.yaml", True)],
+                         ids=["quickstart", "eagle3-norm-before-fc", "eagle3-both-norms"])
+def test_speculators_package_loads_the_export_and_agrees(speculators_site, recipe, residual, tmp_path):
     chat = tmp_path / "chat.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
     overrides = tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2, "trainer.precision": "32-true",
                                                                 "trainer.accelerator": "cpu", "trainer.devices": 1})
-    run(load_config(recipe, overrides))
+    run(load_config(recipe, overrides + ([f"drafter.norm_before_residual={str(residual).lower()}"] if recipe else [])))
     export = tmp_path / "run" / "export"
     config = json.loads((export / "config.json").read_text())
-    assert config["norm_before_residual"] == (recipe is not None)  # the GPU recipe trains with both norm flags
+    # the GPU recipe trains norm_before_fc (served by vLLM and SGLang); norm_before_residual on request
+    assert config["norm_before_fc"] == (recipe is not None) and config["norm_before_residual"] == residual
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(speculators_site), str(Path.cwd())])}
     res = subprocess.run([sys.executable, "tests/speculators_forward.py", str(export), str(tmp_path / "theirs")],

@@ -36,6 +36,8 @@ class DrafterConfig:
     """Residual around the drafter's attention is the normed feature (True) or pre-norm (False)."""
     norm_before_fc: bool = False
     """RMSNorm over the concatenated aux features before fc."""
+    fc_bias: bool = True
+    """EAGLE-1: fc has a bias (the SGLang / EAGLE layout); false to serve it in vLLM (`--format eagle-vllm`)."""
     medusa_heads: int = 4
     """Medusa: K heads; head k (1-based) predicts the token k+1 positions after the last verified one."""
     medusa_layers: int = 1
@@ -367,6 +369,10 @@ def validate(cfg: RunConfig):
         for i, layer in enumerate(cfg.drafter.aux_layer_ids):
             if not 0 <= layer < layers:
                 raise ConfigError(f"drafter.aux_layer_ids[{i}]: layer {layer} is out of range for the {layers}-layer target (0..{layers - 1})")
+    ids = cfg.drafter.aux_layer_ids or []
+    if any(b <= a for a, b in zip(ids, ids[1:])):  # servers capture layers sorted and de-duplicated
+        raise ConfigError(f"drafter.aux_layer_ids: {ids} must be strictly increasing (vLLM sorts and de-duplicates "
+                          f"them, SGLang captures in layer order: use {sorted(set(ids))})")
     if "max_steps" not in cfg.trainer and not cfg.trainer.get("fast_dev_run"):
         raise ConfigError("trainer.max_steps: required (training length is counted in optimizer steps)")
 

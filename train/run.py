@@ -211,7 +211,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         fmt = EXPORT_FORMATS[cfg.drafter.method] if cfg.export_format == "auto" else cfg.export_format
         write_export(module.drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
                      hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
-                     provenance=provenance)
+                     provenance=provenance, runtime_only=True)
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
             print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
                   f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}"
@@ -265,7 +265,7 @@ def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int, mask_token_i
     if cfg.drafter.method == "eagle1":
         from models.eagle1 import Eagle1Config, Eagle1Drafter
 
-        return Eagle1Drafter(Eagle1Config.from_target(hf_config, draft_vocab_size))
+        return Eagle1Drafter(Eagle1Config.from_target(hf_config, draft_vocab_size, fc_bias=cfg.drafter.fc_bias))
     if cfg.drafter.method == "mtp":
         from models.mtp import MTPConfig, MTPDrafter
 
