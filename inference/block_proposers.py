@@ -52,6 +52,8 @@ class _DeviceProposer:
     """What the MTP and DFlash proposers share: the checks RecomputeProposer makes, the static
     output buffers, the pick of a draft (greedy or sampled) and the host-loop wrappers."""
 
+    on_device = True  # draft / advance run in the engine's device loop
+
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         cfg = drafter.config
         if cfg.vocab_size != target_config.vocab_size or cfg.hidden_size != target_config.hidden_size:

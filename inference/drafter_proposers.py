@@ -255,8 +255,8 @@ class MedusaProposer:
 
 
 class RecomputeProposer:
-    """Drafting by recomputation, for drafters without a cached runtime path yet (MTP,
-    DFlash): each step runs the drafter over a row's verified prefix and takes the chain at
+    """Drafting by recomputation, the exact reference of the cached MTP and DFlash proposers
+    (inference/block_proposers.py): each step runs the drafter over a row's verified prefix and takes the chain at
     its end, with the very function training's predictor uses (`unroll(greedy=True)`, or one
     DFlash block), so it drafts exactly what training predicts. Cost grows with the context:
     a correctness path, not a fast one.
@@ -311,14 +311,18 @@ class RecomputeProposer:
 
 
 def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
-    """The runtime proposer for a trained drafter module: EAGLE-3 / EAGLE-1 (cached),
-    Medusa (cache-free), MTP and DFlash (recomputed)."""
+    """The runtime proposer for a trained drafter module, every one a device proposer:
+    EAGLE-3 / EAGLE-1 (own KV cache), Medusa (cache-free), MTP and DFlash (cached streams,
+    inference/block_proposers.py; `RecomputeProposer` is their exact reference)."""
+    from inference.block_proposers import DFlashCachedProposer, MTPCachedProposer
     from models.dflash import DFlashDrafter
     from models.medusa import MedusaDrafter
     from models.mtp import MTPDrafter
 
     if isinstance(drafter, MedusaDrafter):
         return MedusaProposer(drafter, k, target_config, batch)
-    if isinstance(drafter, (MTPDrafter, DFlashDrafter)):
-        return RecomputeProposer(drafter, k, batch, max_len, target_config)
+    if isinstance(drafter, MTPDrafter):
+        return MTPCachedProposer(drafter, k, batch, max_len, target_config)
+    if isinstance(drafter, DFlashDrafter):
+        return DFlashCachedProposer(drafter, k, batch, max_len, target_config)
     return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)

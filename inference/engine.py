@@ -28,6 +28,12 @@ class GenerationStats:
     total_seconds: float = 0.0
     host_syncs: int = 0  # times the host waited for the device's results
     device_loop: bool = False  # drafted and verified by the device loop (inference/spec_loop.py)
+    # the device loop's "other" time, in parts: the proposer's advance phase (device time), the
+    # setup before the first step (prefill, first token, proposer's begin; synced), and the
+    # host's time launching the steps (when it exceeds the device's, the GPU waits on the host)
+    advance_seconds: float = 0.0
+    setup_seconds: float = 0.0
+    launch_seconds: float = 0.0
 
     def summary(self) -> dict:
         other = self.total_seconds - self.draft_seconds - self.verify_seconds
@@ -37,7 +43,9 @@ class GenerationStats:
                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
                "other_seconds": round(other, 4),
                "draft_ms_per_step": per_step(self.draft_seconds), "verify_ms_per_step": per_step(self.verify_seconds),
-               "other_ms_per_step": per_step(other), "host_syncs": self.host_syncs,
+               "other_ms_per_step": per_step(other), "advance_ms_per_step": per_step(self.advance_seconds),
+               "host_launch_ms_per_step": per_step(self.launch_seconds), "setup_seconds": round(self.setup_seconds, 4),
+               "host_syncs": self.host_syncs,
                "host_syncs_per_token": round(self.host_syncs / self.new_tokens, 4) if self.new_tokens else None,
                "device_loop": self.device_loop}
         if self.k:
@@ -144,7 +152,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         return outputs, stats
     if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
         outputs = _device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
-                                      cuda_graphs, temperature, top_k, top_p, verification, generator)
+                                      cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.new_tokens = sum(len(o) for o in outputs)
@@ -228,13 +236,15 @@ WORKSPACE_SLOTS = 16  # caches and captured graphs kept per model, least recentl
 
 
 def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
-                        cuda_graphs, temperature, top_k, top_p, verification, generator) -> list[list[int]]:
+                        cuda_graphs, temperature, top_k, top_p, verification, generator, t_start) -> list[list[int]]:
     """The speculative steps of `generate` in the device loop; fills `stats`, returns the outputs."""
     from inference.spec_loop import SpecLoop
 
     B, k = len(prompts), proposer.k
     device = model.embed_tokens.weight.device
     proposer.begin(prompts, aux, first)
+    _sync(device)
+    setup_end = time.perf_counter()
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, _kernels_mode())
     loop = _reuse(model, key, lambda: SpecLoop(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
@@ -247,6 +257,8 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
     stats.steps = int(loop.row_steps.max())
     stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
+    stats.advance_seconds, stats.launch_seconds = timing["advance"], timing["launch"]
+    stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
     if hasattr(proposer, "end"):
         proposer.end(outputs)

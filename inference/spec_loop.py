@@ -124,40 +124,37 @@ class SpecLoop:
 
     def run(self, max_steps: int, check_every: int) -> dict:
         """Steps until every row is done (read every `check_every` steps). Returns the device
-        time of the draft and verify phases (CUDA events on a GPU, host clock on a CPU), the
-        steps launched and the host syncs."""
-        timing = {"draft": 0.0, "verify": 0.0, "launched": 0, "syncs": 0}
+        time of the draft, verify and advance phases (CUDA events on a GPU, the host clock on a
+        CPU), the host's time spent launching them, the steps launched and the host syncs."""
+        timing = {"draft": 0.0, "verify": 0.0, "advance": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
         cuda = self.tokens.device.type == "cuda"
         if self.graphed and (self.graphs is None or self.state_ids != _state_ids(self.proposer)):
             self._capture()
             timing["launched"] += 2  # the warm-up steps were real steps
         if cuda:
-            events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
+            events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(check_every)]
+        phases = (self.draft_phase, self.verify_phase, self.advance_phase)
         while timing["launched"] < max_steps:
             if bool(self.done.all()):  # one host sync per check_every steps
                 break
             timing["syncs"] += 1
             for i in range(check_every):
-                if cuda:
-                    events[i][0].record()
-                    self._phase(0, self.draft_phase)
-                    events[i][1].record()
-                    self._phase(1, self.verify_phase)
-                    events[i][2].record()
-                    self._phase(2, self.advance_phase)
-                else:
+                for j, phase in enumerate(phases):
+                    if cuda:
+                        events[i][j].record()
                     t0 = time.perf_counter()
-                    self.draft_phase()
-                    t1 = time.perf_counter()
-                    self.verify_phase()
-                    timing["draft"] += t1 - t0
-                    timing["verify"] += time.perf_counter() - t1
-                    self.advance_phase()
+                    self._phase(j, phase)
+                    if not cuda:
+                        timing[("draft", "verify", "advance")[j]] += time.perf_counter() - t0
+                    timing["launch"] += time.perf_counter() - t0
+                if cuda:
+                    events[i][3].record()
             if cuda:
-                events[-1][2].synchronize()
-                for e0, e1, e2 in events:
-                    timing["draft"] += e0.elapsed_time(e1) / 1e3
-                    timing["verify"] += e1.elapsed_time(e2) / 1e3
+                events[-1][3].synchronize()
+                for e in events:
+                    timing["draft"] += e[0].elapsed_time(e[1]) / 1e3
+                    timing["verify"] += e[1].elapsed_time(e[2]) / 1e3
+                    timing["advance"] += e[2].elapsed_time(e[3]) / 1e3
             timing["launched"] += check_every
         timing["syncs"] += 1  # the read of the outputs
         return timing

@@ -19,11 +19,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph cap
 
 
 def _random_drafters(hf, seed=0):
-    """EAGLE-3 (both norm placements), EAGLE-1 and Medusa with small random weights: their
-    drafts are sometimes right, mostly wrong (bookkeeping is what is checked)."""
+    """EAGLE-3 (both norm placements), EAGLE-1, Medusa, MTP and DFlash with small random
+    weights: their drafts are sometimes right, mostly wrong (bookkeeping is what is checked)."""
+    from models.dflash import DFlashConfig, DFlashDrafter
     from models.eagle1 import Eagle1Config, Eagle1Drafter
     from models.eagle3 import Eagle3Config, Eagle3Drafter
     from models.medusa import MedusaConfig, MedusaDrafter
+    from models.mtp import MTPConfig, MTPDrafter
 
     V = hf.config.vocab_size
     keep = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
@@ -33,6 +35,8 @@ def _random_drafters(hf, seed=0):
         "eagle3-norms": Eagle3Drafter(Eagle3Config.from_target(hf.config, V, norm_before_fc=True, norm_before_residual=True)),
         "eagle1": Eagle1Drafter(Eagle1Config.from_target(hf.config, V)),
         "medusa": MedusaDrafter(MedusaConfig.from_target(hf.config, V, num_heads=3)),
+        "mtp": MTPDrafter(MTPConfig.from_target(hf.config, V, 3)),
+        "dflash": DFlashDrafter(DFlashConfig.from_target(hf.config, V, 0, num_layers=1, block_size=4)),
     }
     for d in drafters.values():
         for name, p in d.named_parameters():
