@@ -12,6 +12,8 @@ import torch
 
 from inference.acceptance import acceptance_from_histogram
 from inference.model import GraphedStep, RuntimeModel
+from inference.graphs import kernels_mode as _kernels_mode, reuse as _reuse
+from inference.steps import GreedyDecodeStep, prefill
 from inference.verify import (NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs,
                               synthetic_verify)
 
@@ -126,14 +128,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     t_start = time.perf_counter()
     cache = _reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
-    # prefill, right-padded; each row's next token comes from its last real position
-    T = max(lengths)
-    ids = torch.zeros(B, T, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = torch.as_tensor(p, device=device)
-    last = torch.as_tensor(lengths, device=device) - 1
-    logits, aux = model(ids, torch.arange(T, device=device).expand(B, T), cache, aux_layers, logits_at=last,
-                        causal_prefill=True)
+    graphed = cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True)
+    logits, aux = prefill(model, cache, prompts, aux_layers, graphed)
     if verification not in ("standard", "block") and not verification.startswith("synthetic:"):
         raise ValueError(f"verification {verification!r} is not one of standard, block, synthetic:RATE")
     if temperature > 0:
@@ -143,7 +139,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     if proposer is None and temperature == 0 and fast_plain:
         first = logits[:, 0].argmax(-1)
         outputs, stats.host_syncs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens,
-                                                  eos_ids, graphed=cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True))
+                                                  eos_ids, graphed=graphed)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.verify_seconds = stats.total_seconds
@@ -232,7 +228,6 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
 EOS_CHECK_EVERY = 16
 SPEC_CHECK_EVERY = 4  # device loop on a GPU: speculative steps between reads of the done flags
 CACHE_BUCKET = 256  # cache lengths are rounded up to this
-WORKSPACE_SLOTS = 16  # caches and captured graphs kept per model, least recently used dropped
 
 
 def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
@@ -265,61 +260,6 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     return outputs
 
 
-def _kernels_mode() -> str:
-    import os
-
-    return os.environ.get("DRAFTSMITH_KERNELS", "1")
-
-
-def _reuse(model, key, build):
-    """A KV cache or captured step kept on the model and reused by later calls of the same
-    shape: capturing a CUDA graph costs more than decoding a short answer. Stale cache
-    entries are harmless: a query sees only positions its own request has written."""
-    slots = model.__dict__.setdefault("_workspace", {})
-    if key in slots:
-        slots[key] = slots.pop(key)  # most recently used last
-    else:
-        slots[key] = build()
-        while len(slots) > WORKSPACE_SLOTS:
-            slots.pop(next(iter(slots)))
-    return slots[key]
-
-
-class GreedyDecodeStep:
-    """One plain greedy step that feeds itself: reads ids / positions [B,1], writes the argmax
-    back into ids and advances positions. On a GPU it is one CUDA-graph replay with nothing
-    for the host to wait on."""
-
-    def __init__(self, model: RuntimeModel, cache, batch: int, graphed: bool):
-        dev = model.embed_tokens.weight.device
-        self.model, self.cache = model, cache
-        self.ids = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=dev)
-        self.graph = None
-        if graphed:
-            k_snapshot, v_snapshot = cache.k.clone(), cache.v.clone()  # warm-up writes into the cache
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(stream)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self._step()
-            cache.k.copy_(k_snapshot)
-            cache.v.copy_(v_snapshot)
-
-    def _step(self):
-        logits, _ = self.model(self.ids, self.positions, self.cache)
-        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
-        self.positions.add_(1)
-
-    def __call__(self):
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._step()
 
 
 def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> tuple[list[list[int]], int]:

@@ -9,7 +9,11 @@ the tensors to put back afterwards.
 """
 from __future__ import annotations
 
+import os
+
 import torch
+
+WORKSPACE_SLOTS = 64  # caches and captured graphs kept per model (prefill shapes too), least recently used dropped
 
 
 def capture_graph(fn, warmup: int = 2, restore: tuple = (), pool=None, generator=None) -> torch.cuda.CUDAGraph:
@@ -40,3 +44,22 @@ def graph_generator_ok(generator) -> bool:
     if generator is None:
         return True
     return generator.device.type == "cuda" and hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+
+def kernels_mode() -> str:
+    """Which kernels a captured step holds (DRAFTSMITH_KERNELS): part of every workspace key."""
+    return os.environ.get("DRAFTSMITH_KERNELS", "1")
+
+
+def reuse(model, key, build):
+    """A KV cache or captured step kept on the model and reused by later calls of the same
+    shape: capturing a CUDA graph costs more than decoding a short answer. Stale cache
+    entries are harmless: a query sees only positions its own request has written."""
+    slots = model.__dict__.setdefault("_workspace", {})
+    if key in slots:
+        slots[key] = slots.pop(key)  # most recently used last
+    else:
+        slots[key] = build()
+        while len(slots) > WORKSPACE_SLOTS:
+            slots.pop(next(iter(slots)))
+    return slots[key]

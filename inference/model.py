@@ -296,21 +296,16 @@ class GraphedStep:
     """
 
     def __init__(self, model: RuntimeModel, cache: KVCache, batch: int, q: int, aux_layers: tuple = ()):
+        from inference.graphs import capture_graph
+
         dev = model.embed_tokens.weight.device
         self.ids = torch.zeros(batch, q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, q, dtype=torch.long, device=dev)
-        k_snapshot, v_snapshot = cache.k.clone(), cache.v.clone()  # warm-up writes into the cache
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.no_grad():
-            for _ in range(2):
-                model(self.ids, self.positions, cache, aux_layers)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+
+        def forward():
             self.logits, self.aux = model(self.ids, self.positions, cache, aux_layers)
-        cache.k.copy_(k_snapshot)
-        cache.v.copy_(v_snapshot)
+
+        self.graph = capture_graph(forward, restore=(cache.k, cache.v))  # the warm-up writes into the cache
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor):
         self.ids.copy_(ids)
