@@ -1,4 +1,4 @@
-"""z-lab DFlash layout (FORMATS.md): a Qwen3-style decoder config with
+"""z-lab DFlash layout (docs/formats.md): a Qwen3-style decoder config with
 `architectures: ["DFlashDraftModel"]`, `block_size`, `num_target_layers`,
 `dflash_config: {mask_token_id, target_layer_ids}` (output-of-layer ids, as draftsmith counts),
 and tensors `layers.{i}.*` (with q_norm / k_norm), `norm`, `fc` [H, n*Ht], `hidden_norm`; no

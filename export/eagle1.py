@@ -1,4 +1,4 @@
-"""EAGLE-1 layouts (FORMATS.md), both a one-layer Llama config.json + model.safetensors with
+"""EAGLE-1 layouts (docs/formats.md), both a one-layer Llama config.json + model.safetensors with
 `embed_tokens`, `fc`, `layers.0.*` (no input norm) and no head or final norm: the server uses
 the target's head.
 

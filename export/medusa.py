@@ -1,4 +1,4 @@
-"""vLLM's Medusa layout (`MedusaModel`, FORMATS.md): config.json + model.safetensors +
+"""vLLM's Medusa layout (`MedusaModel`, docs/formats.md): config.json + model.safetensors +
 draftsmith.json. Tensors `blocks.{i}.layers.{j}.weight/.bias`, `lm_heads.{i}.weight` and, for a
 draft vocabulary smaller than the target's, `token_map` [Vd] (the target id of each row).
 

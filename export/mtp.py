@@ -1,4 +1,4 @@
-"""DeepSeek-V3 MTP layout (FORMATS.md): MTP module d is stored as an extra decoder layer of the
+"""DeepSeek-V3 MTP layout (docs/formats.md): MTP module d is stored as an extra decoder layer of the
 target, index L + d: `model.layers.{L+d}.{embed_tokens, enorm, hnorm, eh_proj,
 shared_head.norm, shared_head.head, self_attn.*, mlp.*, input_layernorm,
 post_attention_layernorm}`; config.json is the target's with `num_nextn_predict_layers`.

@@ -1,4 +1,4 @@
-"""SGLang / EAGLE layout for EAGLE-3 (FORMATS.md): a flat one-layer LlamaConfig with
+"""SGLang / EAGLE layout for EAGLE-3 (docs/formats.md): a flat one-layer LlamaConfig with
 `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size` always written,
 `eagle_config: {eagle_aux_hidden_state_layer_ids (output-of-layer ids), use_aux_hidden_state,
 norm_before_fc}`, every value a reader would default written out, and tensors named

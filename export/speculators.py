@@ -1,4 +1,4 @@
-"""vLLM "speculators" layout for EAGLE-3 and DFlash (FORMATS.md): config.json +
+"""vLLM "speculators" layout for EAGLE-3 and DFlash (docs/formats.md): config.json +
 model.safetensors + draftsmith.json (provenance and predicted acceptance). `vllm serve DIR`
 reads it directly.
 

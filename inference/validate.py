@@ -29,7 +29,7 @@ from inference.report import write_report
 
 
 def tau_at(a: list[float], k: int) -> float:
-    """tau of a k-chain from per-position acceptance a_1..a_k (DESIGN.md definition)."""
+    """tau of a k-chain from per-position acceptance a_1..a_k (docs/design.md definition)."""
     tau, run = 1.0, 1.0
     for x in a[:k]:
         run *= x

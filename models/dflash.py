@@ -14,7 +14,7 @@ Each layer: queries from the block's hidden states; keys and values projected fr
 every layer undiluted. Attention is bidirectional inside a block and sees the context up to
 its anchor; blocks never see each other. Embedding and head are the target's, frozen; the
 mask token is a real row of the target's embedding. Parameter names follow the z-lab layout
-(FORMATS.md).
+(docs/formats.md).
 """
 from __future__ import annotations
 

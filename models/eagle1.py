@@ -9,7 +9,7 @@ f̂, an estimate of f_{t+1}, and head(f̂) predicts x_{t+2}. A chain feeds f̂ b
 drafted token at t+1, t+2, ...; training unrolls the same way (`objective.ttt_steps`; EAGLE-1's
 original training is the single teacher-forced step, ttt_steps = 1).
 
-Layout as FORMATS.md describes the EAGLE-1 checkpoint: `fc` Linear(2H -> H) with bias (without
+Layout as docs/formats.md describes the EAGLE-1 checkpoint: `fc` Linear(2H -> H) with bias (without
 when `fc_bias` is false, the form vLLM's `eagle` method computes), one
 decoder layer without an input norm, no final norm, the target's head (frozen here, restricted
 to the draft vocabulary; Vd = V serves the layout as is).

