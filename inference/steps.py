@@ -9,15 +9,18 @@ import torch
 from inference.graphs import capture_graph, kernels_mode, reuse
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this: few prefill shapes, graphs reused
+# larger prefills run eagerly: they are bound by compute, not by launches, and a captured graph
+# would keep its activations (B x width x intermediate) allocated for good
+PREFILL_GRAPH_MAX_TOKENS = 8192
 
 
 def prefill(model, cache, prompts: list[list[int]], aux_layers: tuple, graphed: bool):
     """Every row's prompt into the cache from position 0, right-padded.
 
     Returns (logits [B,1,V] at each row's last prompt token, aux [B,T,n*H] at positions 0..T-1
-    with T the longest prompt, or None). On a GPU the forward is a CUDA-graph replay for the
-    prompts' length rounded up to PREFILL_BUCKET: an eager prefill launches every layer's
-    kernels from Python, a fixed cost each answer pays. Padding tokens sit at positions beyond
+    with T the longest prompt, or None). On a GPU a small prefill (up to PREFILL_GRAPH_MAX_TOKENS
+    padded tokens) is a CUDA-graph replay for the prompts' length rounded up to PREFILL_BUCKET:
+    an eager prefill launches every layer's kernels from Python, a fixed cost each answer pays. Padding tokens sit at positions beyond
     their row's prompt: no real query sees them, and decoding overwrites them."""
     B, T = len(prompts), max(len(p) for p in prompts)
     padded = torch.zeros(B, T, dtype=torch.long)
@@ -26,7 +29,7 @@ def prefill(model, cache, prompts: list[list[int]], aux_layers: tuple, graphed: 
     last = torch.as_tensor([len(p) - 1 for p in prompts])
     device = model.embed_tokens.weight.device
     width = min(-(-T // PREFILL_BUCKET) * PREFILL_BUCKET, cache.max_len)
-    if not graphed:
+    if not graphed or B * width > PREFILL_GRAPH_MAX_TOKENS:
         positions = torch.arange(T, device=device).expand(B, T)
         return model(padded.to(device), positions, cache, aux_layers, logits_at=last.to(device), causal_prefill=True)
     step = reuse(model, ("prefill", id(cache), B, width, aux_layers, kernels_mode()),
