@@ -44,7 +44,7 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
     trained = Eagle3Drafter(reloaded.config)
     trained.load_state_dict({k[len("drafter."):]: v for k, v in state.items()})
     ids = torch.randint(0, 1000, (1, 12))
-    aux = torch.randn(1, 12, 3 * reloaded.config.target_hidden_size)
+    aux = torch.randn(1, 12, len(reloaded.config.aux_layer_ids) * reloaded.config.target_hidden_size)
     a = reloaded.unroll(ids, aux, 3, greedy=True)
     b = trained.unroll(ids, aux, 3, greedy=True)
     for x, y in zip(a, b):  # export is bf16: same drafts, close logits
