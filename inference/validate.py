@@ -6,7 +6,9 @@
 Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
 per category and per turn, and compares them with the prediction stored in the export
-(`draftsmith.json`). Exit 1 when |tau_measured - tau_predicted| / tau_predicted > tolerance.
+(`draftsmith.json`) at the served temperature and verification (the greedy promise at T = 0;
+at T > 0 the sampled one, inference/sampled_acceptance.py). Exit 1 when
+|tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
 function training uses, now on the text the runtime produced). Predicted-on-held-out vs
