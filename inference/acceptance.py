@@ -28,14 +28,17 @@ def length_histogram(lengths: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def acceptance_from_histogram(hist) -> dict:
-    """{'a': [a_1..a_k], 'tau': float, 'num_chains': int, 'histogram': [...]}."""
+    """{'a': [a_1..a_k], 'tau': float, 'num_chains': int, 'histogram': [...]} from counts [k+1]
+    (integers, or expected counts from a sampled walk)."""
     hist = torch.as_tensor(hist, dtype=torch.float64)
     k = hist.numel() - 1
     n = hist.sum().item()
     at_least = hist.flip(0).cumsum(0).flip(0)  # at_least[i] = #chains with >= i accepted
     a = [(at_least[i] / at_least[i - 1]).item() if at_least[i - 1] > 0 else 0.0 for i in range(1, k + 1)]
     tau = 1.0 + (at_least[1:].sum() / n).item() if n else 1.0
-    return {"a": a, "tau": tau, "num_chains": int(n), "histogram": [int(x) for x in hist.tolist()]}
+    # sampled promises (inference/sampled_acceptance.py) hold expected, fractional counts
+    counts = [int(x) if float(x).is_integer() else x for x in hist.tolist()]
+    return {"a": a, "tau": tau, "num_chains": int(round(n)), "histogram": counts}
 
 
 def acceptance_by_turn(hist) -> dict:
@@ -78,16 +81,10 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
     for b in range(ids.shape[0]):
         n = int(lengths[b])
         answer = loss_mask[b, :n].bool().tolist()
-        # a can anchor a chain when x_{a+1} is answer text and not its span's last token
-        # (serving stops after that token)
-        anchorable = [answer[a + 1] and a + 2 < n and answer[a + 2] for a in range(n - 1)]
-        span_start = [answer[a + 1] and not answer[a] for a in range(n - 1)]  # x_{a+1} opens a span
-        # x_{a+1} is in a row's second or later span (a span at x_0 opened before any marker)
-        later_span = [answer[0] + opened > 1 for opened in accumulate(span_start)]
         lengths_at = {}  # anchor -> accepted length, filled a window of anchors at a time
 
         def fill(a0):
-            window_anchors = list(islice((a for a in range(a0, n - 1) if anchorable[a]), window))
+            window_anchors = list(islice(anchorable_from(answer, a0), window))
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]
             found = chain_lengths(ids[b, :n], greedy[b, :n], anchors, chain)
@@ -100,21 +97,48 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
                 found[graft] = accepted_lengths(chain[graft], choice)
             lengths_at.update(zip(window_anchors, found.tolist()))
 
-        a, chains = 0, 0
-        while a < n - 1 and (anchors_per_sequence is None or chains < anchors_per_sequence):
-            if not anchorable[a]:
-                a += 1
-                continue
+        def accepted_at(a):
             if a not in lengths_at:
                 fill(a)
-            accepted = lengths_at[a]
-            hist[int(later_span[a]), accepted] += 1
-            chains += 1
-            nxt = a + accepted + 1
-            # the chain ran past its span (serving would have stopped there): on to the next span
-            a = nxt if all(answer[a + 1 : min(nxt, n - 1) + 1]) else next(
-                (s for s in range(a + 1, n - 1) if span_start[s]), n)
+            return lengths_at[a]
+
+        for a, later in serving_walk(answer, anchors_per_sequence, accepted_at):
+            hist[int(later), lengths_at[a]] += 1
     return hist if per_turn else hist.sum(0)
+
+
+def anchorable_from(answer: list[bool], a0: int):
+    """Anchors a >= a0 that can start a chain: x_{a+1} is answer text and not its span's last
+    token (serving stops after that token)."""
+    n = len(answer)
+    return (a for a in range(a0, n - 1) if answer[a + 1] and a + 2 < n and answer[a + 2])
+
+
+def serving_walk(answer: list[bool], cap: int | None, accepted_at) -> list[tuple[int, bool]]:
+    """The anchors a serving walk visits in one row, as [(anchor, in_a_later_span)].
+
+    answer [n] marks answer text. Each span is walked from its first token; after
+    `accepted_at(a)` accepted drafts the next chain starts that many + 1 tokens on (the bonus
+    token), until the span's last token or `cap` chains (None: no cap). in_a_later_span: x_{a+1}
+    is in the row's second or later answer span (a span at x_0 opened before any marker).
+    """
+    n = len(answer)
+    anchorable = [answer[a + 1] and a + 2 < n and answer[a + 2] for a in range(n - 1)]
+    span_start = [answer[a + 1] and not answer[a] for a in range(n - 1)]  # x_{a+1} opens a span
+    later_span = [answer[0] + opened > 1 for opened in accumulate(span_start)]
+    visits = []
+    a = 0
+    while a < n - 1 and (cap is None or len(visits) < cap):
+        if not anchorable[a]:
+            a += 1
+            continue
+        accepted = accepted_at(a)
+        visits.append((a, later_span[a]))
+        nxt = a + accepted + 1
+        # the chain ran past its span (serving would have stopped there): on to the next span
+        a = nxt if all(answer[a + 1 : min(nxt, n - 1) + 1]) else next(
+            (s for s in range(a + 1, n - 1) if span_start[s]), n)
+    return visits
 
 
 def chain_lengths(ids: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:

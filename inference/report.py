@@ -26,10 +26,12 @@ def _write_markdown(report: dict, out: Path):
     md = [f"# Acceptance validation: {verdict}", "",
           f"Drafter `{report['drafter']}` on target `{report['target']}`, {report['dataset']} "
           f"({report['num_questions']} questions, {report['num_answers']} answers), k = {report['k']}, "
-          f"T = {report['temperature']}, device {report['device']}."
+          f"T = {report['temperature']}" + (f", {report['verification']} verification" if report['temperature'] else "")
+          + f", device {report['device']}."
           + (f" Stopped by --max-minutes after {report['num_questions']} of {report['questions_planned']} questions."
              if report.get("questions_planned", report["num_questions"]) > report["num_questions"] else ""), "",
-          f"- predicted tau (from the export, {p.get('source', 'held-out data')}): **{p['tau']:.3f}**",
+          f"- predicted tau (from the export, {p.get('source', 'held-out data')}): **{p['tau']:.3f}**"
+          + (f" ± {p['tau_se']:.3f}" if "tau_se" in p else ""),
           f"- measured tau (runtime): **{m['tau']:.3f}** ({report['relative_gap']:+.1%}; tolerance ±{report['tolerance']:.0%})",
           f"- replayed tau (training's predictor on the served answers): {r['tau']:.3f}", "",
           "## Why", "", *[f"- {line}" for line in report["diagnosis"]], "",

@@ -137,7 +137,8 @@ class Eagle1Drafter(nn.Module):
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         return self.lm_head(feature)
 
-    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False, with_features: bool = False):
+    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False, with_features: bool = False,
+               pick=None):
         """`steps` chained draft steps at every position (as EAGLE-3's TTT): step s at index t
         reads token x_{t+1+s} (or the step s-1 draft, greedy) and its previous feature, and
         drafts x_{t+2+s}. Returns logits [B,T,Vd] per step (and the predicted features)."""
@@ -150,7 +151,9 @@ class Eagle1Drafter(nn.Module):
         tokens = shift_left(input_ids, 1)
         for s in range(steps):
             if s > 0:
-                tokens = self.draft_ids()[logits[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
+                # pick: the caller chooses the fed tokens (sampled chains, inference/sampled_acceptance.py)
+                tokens = pick(logits[-1]) if pick is not None else \
+                    self.draft_ids()[logits[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
             feature = self.step(tokens, feature, position_ids + s, attend)
             predicted.append(feature)
             logits.append(self.logits(feature))

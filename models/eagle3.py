@@ -186,7 +186,7 @@ class Eagle3Drafter(nn.Module):
         """[B,T,H] → [B,T,Vd] over the draft vocabulary."""
         return self.lm_head(self.norm(hidden))
 
-    def unroll(self, input_ids, aux, steps: int, position_ids=None, greedy: bool = False):
+    def unroll(self, input_ids, aux, steps: int, position_ids=None, greedy: bool = False, pick=None):
         """Training-time test: `steps` chained draft steps at every position at once.
 
         Step s at index t drafts token t+2+s. Its input token is x_{t+1+s} (teacher forcing,
@@ -202,7 +202,9 @@ class Eagle3Drafter(nn.Module):
         tokens = shift_left(input_ids, 1)
         for s in range(steps):
             if s > 0:
-                tokens = self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
+                # pick: the caller chooses the fed tokens (sampled chains, inference/sampled_acceptance.py)
+                tokens = pick(out[-1]) if pick is not None else \
+                    self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
             hidden = self.step(tokens, hidden, position_ids + s, attend)
             out.append(self.logits(hidden))
         return out

@@ -150,7 +150,7 @@ class MTPDrafter(nn.Module):
     def logits(self, module: MTPModule, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(module.shared_head_norm(hidden))
 
-    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False):
+    def unroll(self, input_ids, features, steps: int, position_ids=None, greedy: bool = False, pick=None):
         """Modules 1..steps at every position: a list of logits [B,T,Vd]; step s at index t
         predicts x_{t+2+s}. greedy: each module reads the previous module's draft (module 1
         reads x_{t+1}, the verified bonus) and sees the teacher-forced entries before t."""
@@ -175,7 +175,10 @@ class MTPDrafter(nn.Module):
             else:  # its entry at t' needs x_{t'+s+1}, known (<= x_{t+1}) only for t' <= t - s
                 h_dr, _ = module(self.embed_tokens(draft).to(dtype), h_dr, cos, sin, context=kv_tf, lag=s)
             logits = self.logits(module, h_dr)
-            draft = self.draft_ids()[logits.argmax(-1)]
+            if pick is None:
+                draft = self.draft_ids()[logits.argmax(-1)]
+            elif s + 1 < steps:  # the caller chooses the fed tokens (sampled chains, inference/sampled_acceptance.py)
+                draft = pick(logits)
             out.append(logits)
         return out
 

@@ -104,6 +104,14 @@ class Target(nn.Module):
         forward over [sequence; all chains] with a mask that keeps every chain to its own
         context (a tree-attention verify of all anchors at once).
         """
+        m, c = chains.shape
+        _, greedy = self.head_outputs(self.hidden_after_chains(input_ids, anchors, chains).view(1, m * c, -1))
+        return greedy.view(m, c)
+
+    @torch.no_grad()
+    def hidden_after_chains(self, input_ids, anchors, chains):
+        """The target's last hidden state [m, c, H] after each chain token (same arguments and
+        forward as `greedy_after_chains`; sampled acceptance needs the whole distribution)."""
         T = input_ids.shape[0]
         m, c = chains.shape
         dev = input_ids.device
@@ -120,5 +128,4 @@ class Target(nn.Module):
         mask[T:, T:] = torch.block_diag(*([own] * m))  # each chain sees its own earlier tokens
         out = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=False)
         self._captured.clear()
-        _, greedy = self.head_outputs(out.last_hidden_state[:, T:])
-        return greedy.view(m, c)
+        return out.last_hidden_state[0, T:].view(m, c, -1)

@@ -30,6 +30,13 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
     assert pred["predicted"]["k"] == 3 and len(pred["predicted"]["a"]) == 3
     assert 1.0 <= pred["predicted"]["tau"] <= 4.0 and pred["predicted"]["num_chains"] > 0
     assert summary["train_steps"] == 6
+    # the promise at T = 1 for standard and block verification (eval.temperatures default [0, 1])
+    sampled = {(e["temperature"], e["verification"]): e for e in pred["predicted"]["sampled"]}
+    assert set(sampled) == {(1.0, "standard"), (1.0, "block")}
+    for e in sampled.values():
+        assert len(e["a"]) == 3 and 1.0 <= e["tau"] <= 4.0 and e["tau_se"] >= 0
+        assert e["num_chains"] == e["per_turn"]["1"]["num_chains"] + e["per_turn"]["2+"]["num_chains"] > 0
+        assert abs(sum(e["histogram"]) - e["num_chains"]) < 1e-6  # expected counts, one per chain
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "export" / "draftsmith.json").read_text())["drafter_config"]["aux_layer_ids"]]
@@ -169,3 +176,13 @@ def test_the_lr_schedule_ends_with_the_time_budget():
     saved = {}
     module.on_save_checkpoint(saved)
     assert saved["draftsmith_train_seconds"] >= 40.0
+
+
+def test_eval_temperatures_are_checked(chat_file, tmp_path):
+    from train.config import ConfigError
+
+    assert load_config(None, tiny_overrides(chat_file, tmp_path)).eval.temperatures == [0.0, 1.0]
+    assert load_config(None, tiny_overrides(chat_file, tmp_path, **{"eval.temperatures": [0, 0.7]})).eval.temperatures == [0, 0.7]
+    for bad in ([], [-1.0], [1.0, 1.0], ["hot"]):
+        with pytest.raises(ConfigError, match="eval.temperatures"):
+            load_config(None, tiny_overrides(chat_file, tmp_path, **{"eval.temperatures": bad}))

@@ -184,3 +184,38 @@ def test_questions_served_in_batches_give_the_same_answers_and_chains(tiny_expor
         assert three[key]["histogram"] == one[key]["histogram"]
     assert three["references"]["ngram"]["histogram"] == one["references"]["ngram"]["histogram"]
     assert three["per_turn"] == one["per_turn"]
+
+
+def test_sampled_serving_is_held_to_the_promise_at_its_temperature_and_humaneval_validates(tiny_export, tmp_path):
+    """At T = 1 validate compares with the export's T = 1 promise for the served verification (an
+    export without one keeps its greedy promise as a reference and says so); HumanEval serves
+    one code question per answer."""
+    import shutil
+
+    from inference.validate import validate
+
+    promise = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
+    block = next(e for e in promise["sampled"] if e["temperature"] == 1.0 and e["verification"] == "block")
+    report = validate(str(tiny_export), "mt-bench", num_prompts=2, max_new_tokens=8, out=str(tmp_path / "t1"),
+                      device="cpu", tolerance=100, progress=False, temperature=1.0, verification="block")
+    assert report["predicted"]["tau"] == pytest.approx(block["tau"]) and report["predicted"]["temperature"] == 1.0
+    assert report["predicted"]["verification"] == "block" and report["predicted"]["tau_se"] == block["tau_se"]
+    assert report["replay_answers"]["num_chains"] > 0 and "tau_se" in report["measured"]
+    assert not any(line.startswith("Sampling:") for line in report["diagnosis"])
+    assert "block verification" in (tmp_path / "t1" / "report.md").read_text()
+
+    old = tmp_path / "old"  # a promise file from before sampled promises: greedy only
+    shutil.copytree(tiny_export, old)
+    meta = json.loads((old / "draftsmith.json").read_text())
+    del meta["predicted_acceptance"]["sampled"]
+    (old / "draftsmith.json").write_text(json.dumps(meta))
+    report = validate(str(old), "mt-bench", num_prompts=1, max_new_tokens=8, out=str(tmp_path / "old_r"),
+                      device="cpu", tolerance=100, progress=False, temperature=1.0)
+    assert report["predicted"]["tau"] == pytest.approx(promise["tau"]) and report["predicted"]["temperature"] == 0.0
+    assert any(line.startswith("Sampling: the export promises nothing at T = 1") for line in report["diagnosis"])
+
+    report = validate(str(tiny_export), "humaneval", num_prompts=2, max_new_tokens=8, out=str(tmp_path / "he"),
+                      device="cpu", tolerance=100, progress=False)
+    assert report["num_questions"] == 2 and report["num_answers"] == 2 and set(report["per_turn"]) == {1}
+    assert set(report["per_category"]) == {"humaneval"} and report["measured"]["num_chains"] > 0
+    assert report["predicted"]["temperature"] == 0.0

@@ -128,6 +128,10 @@ class EvalConfig:
     """Data sets whose held-out split (same prompt-hash rule) is scored; the first is the one
     stored in the export. Default: data.dataset. E.g. train on regenerated answers and also
     score the original ones."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    """Serving temperatures the promise is made for. 0: the greedy promise (always made, the top
+    level of predicted_acceptance); each T > 0 adds a sampled promise for standard and block
+    verification (`sampled` in predicted_acceptance, inference/sampled_acceptance.py)."""
 
 
 @dataclass
@@ -351,6 +355,12 @@ def validate(cfg: RunConfig):
             raise ConfigError(f"{key}: {ds!r} is not a zoo data set or an existing file")
     if cfg.eval.datasets is not None and not cfg.eval.datasets:
         raise ConfigError("eval.datasets: give at least one data set, or leave it unset")
+    temps = cfg.eval.temperatures
+    if not isinstance(temps, list) or not temps or any(isinstance(t, bool) or not isinstance(t, (int, float))
+                                                      or not 0 <= t < float("inf") for t in temps):
+        raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
+    if len(set(map(float, temps))) != len(temps):
+        raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
     positive = {"data.batch_size": cfg.data.batch_size, "data.max_length": cfg.data.max_length,
                 "eval.k": cfg.eval.k, "objective.ttt_steps": cfg.objective.ttt_steps,
                 "drafter.draft_vocab_size": cfg.drafter.draft_vocab_size,

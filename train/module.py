@@ -8,6 +8,7 @@ import lightning as L
 import torch
 
 from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, predicted_histogram
+from inference.sampled_acceptance import VERIFICATIONS, acceptance_with_error, sampled_histogram, setting_key
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
 from train.joint import keep_close_kl, lm_loss
@@ -212,6 +213,13 @@ class DrafterModule(L.LightningModule):
     def on_validation_epoch_start(self):
         # [sets, 2, k+1]: chains in first answers, then in follow-up turns (inference.acceptance)
         self._val_hist = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.long)
+        # the sampled promises: per serving temperature T > 0 and verification, expected counts
+        self._sampled_settings = [(float(t), v) for t in self.evaluation.temperatures if t > 0 for v in VERIFICATIONS]
+        self._sampled_hist = {s: torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.float64)
+                              for s in self._sampled_settings}
+        # drawn chains are seeded by the step: a validation repeats exactly (resume, split runs)
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        self._sampling_generator = torch.Generator(device=self.device).manual_seed(7919 * int(self.global_step) + rank)
 
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
@@ -223,6 +231,11 @@ class DrafterModule(L.LightningModule):
             self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
                                                                    greedy, per_turn=True)
+        for temperature, verification in self._sampled_settings:
+            self._sampled_hist[temperature, verification][dataloader_idx] += sampled_histogram(
+                self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
+                temperature, verification, self._sampling_generator, features=self.drafter.features(out),
+                last_hidden=out.last_hidden, per_turn=True)
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
@@ -234,6 +247,14 @@ class DrafterModule(L.LightningModule):
         if self.trainer.world_size > 1:
             hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
         per_set = [{**acceptance_from_histogram(h.sum(0)), "per_turn": acceptance_by_turn(h)} for h in hist.cpu()]
+        for (temperature, verification), sampled in self._sampled_hist.items():
+            sampled = sampled.to(self.device)
+            if self.trainer.world_size > 1:
+                sampled = self.trainer.strategy.reduce(sampled, reduce_op="sum")
+            for j, h in enumerate(sampled.cpu()):
+                per_set[j].setdefault("sampled", []).append(
+                    {"temperature": temperature, "verification": verification, **acceptance_with_error(h.sum(0)),
+                     "per_turn": {"1": acceptance_with_error(h[0]), "2+": acceptance_with_error(h[1])}})
         common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
         self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
         if len(per_set) > 1:
@@ -243,6 +264,9 @@ class DrafterModule(L.LightningModule):
             self.log(f"val/tau{suffix}", stats["tau"], prog_bar=j == 0, sync_dist=False)
             for i, a in enumerate(stats["a"], 1):
                 self.log(f"val/a_{i}{suffix}", a, sync_dist=False)
+            for promise in stats.get("sampled", []):
+                self.log(f"val/tau_{setting_key(promise['temperature'], promise['verification'])}{suffix}", promise["tau"],
+                         sync_dist=False)
 
     # ----------------------------------------------------------------- time-boxed schedule
     def time_fraction(self) -> float:

@@ -218,6 +218,9 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
                   + "".join(f"; {label} {t['tau']:.3f} ({t['num_chains']} chains)" for label, t in
                             (("first answers", stats.get("per_turn", {}).get("1")),
                              ("follow-up turns", stats.get("per_turn", {}).get("2+"))) if t and t["num_chains"]))
+            for promise in stats.get("sampled", []):
+                print(f"  at T={promise['temperature']:g}, {promise['verification']} verification: tau = "
+                      f"{promise['tau']:.3f} ± {promise['tau_se']:.3f}")
         for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
             print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
                   f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
