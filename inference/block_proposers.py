@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from inference.device_proposer import HostLoopInterface
 from inference.model import cache_mask
 from kernels.rejection_sample import inverse_cdf
 from models.layers import apply_rope, rope_cos_sin
@@ -48,11 +49,10 @@ def write_by_position(buf, dim, positions, values, valid):
     buf.scatter_(dim, index, torch.where(keep, values.to(buf.dtype), buf.gather(dim, index)))
 
 
-class _DeviceProposer:
+class _DeviceProposer(HostLoopInterface):
     """What the MTP and DFlash proposers share: the checks RecomputeProposer makes, the static
-    output buffers, the pick of a draft (greedy or sampled) and the host-loop wrappers."""
-
-    on_device = True  # draft / advance run in the engine's device loop
+    output buffers, the pick of a draft (greedy or sampled); the host-loop wrappers come from
+    HostLoopInterface."""
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         cfg = drafter.config
@@ -92,19 +92,6 @@ class _DeviceProposer:
     def draft_sampled(self, temperature: float, generator=None):
         self._draft(temperature, generator)
         return self.drafts, self.q
-
-    # ------------------------------------------------------------------ host-loop wrappers
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        return self.draft().tolist()
-
-    def propose_sampled(self, tokens, temperature: float, generator=None):
-        drafts, q = self.draft_sampled(temperature, generator)
-        return drafts.tolist(), q
-
-    def accepted(self, fed, aux, counts, active):
-        dev = self.device
-        self.advance(torch.as_tensor(fed, device=dev), aux, torch.as_tensor([n for n, _ in counts], device=dev),
-                     torch.as_tensor([b for _, b in counts], device=dev), torch.as_tensor(active, dtype=torch.bool, device=dev))
 
 
 def _heads(linear, x, heads: int, head_dim: int):

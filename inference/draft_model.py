@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from inference.device_proposer import advance_args
 from inference.verify import NO_DRAFT
 
 
@@ -98,9 +99,7 @@ class DraftModelProposer:
 
     def accepted(self, fed, aux, counts, active):
         if not self.cross_vocab:
-            dev = self.pair.device
-            self.advance(torch.as_tensor(fed, device=dev), aux, torch.as_tensor([c for c, _ in counts], device=dev),
-                         torch.as_tensor([b for _, b in counts], device=dev), torch.as_tensor(active, device=dev))
+            self.advance(*advance_args(self.pair.device, fed, aux, counts, active))
 
     def _propose_cross(self, row: list[int]) -> list[int]:
         text = self.target_tokenizer.decode(row)

@@ -8,6 +8,7 @@ import torch
 
 import torch.nn.functional as F
 
+from inference.device_proposer import HostLoopInterface
 from kernels.decode_attention import decode_attention
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
@@ -16,7 +17,7 @@ from kernels.silu_mul import silu_mul
 from models.eagle3 import Eagle3Drafter
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(HostLoopInterface):
     """EAGLE-3 (and EAGLE-1) drafting with its own KV cache, exactly as the TTT unroll trains it.
 
     The drafter's cache holds, at position t, the entry computed from (token t_{t+1}, target
@@ -30,8 +31,6 @@ class Eagle3Proposer:
     into the cache, the decode-attention kernel); EAGLE-1 runs its own modules with the cache
     read by the same attention kernel.
     """
-
-    on_device = True  # draft / advance run in the engine's device loop
 
     def __init__(self, drafter: Eagle3Drafter, k: int, batch: int, max_len: int, target_config=None):
         cfg = drafter.config
@@ -144,25 +143,6 @@ class Eagle3Proposer:
         self.hidden.copy_(torch.where(active[:, None], hidden, self.hidden))
         self.last.copy_(torch.where(active, last, self.last))
 
-    # the host loop's interface (inference/proposers.py), on top of the device one
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        return self.draft().tolist()
-
-    def propose_sampled(self, tokens, temperature: float, generator=None):
-        drafts, q = self.draft_sampled(temperature, generator)
-        return drafts.tolist(), q
-
-    def accepted(self, fed, aux, counts, active):
-        self.advance(*_advance_args(self.last.device, fed, aux, counts, active))
-
-
-def _advance_args(device, fed, aux, counts, active):
-    """The host loop's (fed, aux, [(accepted, bonus)], [active]) as `advance`'s tensors."""
-    fed = torch.as_tensor(fed, device=device)
-    accepted = torch.as_tensor([c for c, _ in counts], device=device)
-    bonus = torch.as_tensor([b for _, b in counts], device=device)
-    return fed, aux, accepted, bonus, torch.as_tensor(active, device=device)
-
 
 def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     """EAGLE-3's decoder layer (models/eagle3.py: Eagle3Layer) through the runtime's kernels:
@@ -180,13 +160,11 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     return layer.mlp.down_proj(silu_mul(F.linear(post, p.gate_up_weight))) + h
 
 
-class MedusaProposer:
+class MedusaProposer(HostLoopInterface):
     """Medusa drafting: one draft per head from the target's final hidden state at the last
     verified position (the state whose head output is the bonus token), exactly the chain
     training's predictor drafts. Needs no cache of its own; a device proposer (see
     Eagle3Proposer)."""
-
-    on_device = True
 
     def __init__(self, drafter, k: int, target_config, batch: int = 1):
         cfg = drafter.config
@@ -243,15 +221,6 @@ class MedusaProposer:
         verified = aux[torch.arange(aux.shape[0], device=aux.device), accepted]  # the bonus token's input state
         self.hidden.copy_(torch.where(active[:, None], verified.to(self.hidden.dtype), self.hidden))
 
-    def propose(self, tokens: list[list[int]]) -> list[list[int]]:
-        return self.draft().tolist()
-
-    def propose_sampled(self, tokens, temperature: float, generator=None):
-        drafts, q = self.draft_sampled(temperature, generator)
-        return drafts.tolist(), q
-
-    def accepted(self, fed, aux, counts, active):
-        self.advance(*_advance_args(self.hidden.device, fed, aux, counts, active))
 
 
 class RecomputeProposer:

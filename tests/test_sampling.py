@@ -14,6 +14,20 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
+def assert_first_two_tokens_follow(hf, prompt, outs, T, vocab=8):
+    """The first token of `outs` follows softmax(logits / T) after `prompt`, and so does the
+    second after the most frequent first one (chi-square, p > 0.01)."""
+    first = torch.tensor([o[0] for o in outs])
+    with torch.no_grad():
+        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(first, minlength=vocab), p1) > 0.01
+    mode = int(torch.bincount(first).argmax())
+    second = torch.tensor([o[1] for o in outs if o[0] == mode])
+    with torch.no_grad():
+        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
+    assert chi_square_p(torch.bincount(second, minlength=vocab), p2) > 0.01
+
+
 def _setup(V=6, k=3, seed=0, deterministic_drafts=False):
     g = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(k + 1, V, generator=g) * 1.5, -1)  # target, per position
@@ -99,15 +113,7 @@ def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts, verif
     proposer = _FixedDrafts(drafts) if drafts else None
     outs, _ = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T, generator=torch.Generator().manual_seed(1),
                        verification=verification)
-    first = torch.tensor([o[0] for o in outs])
-    with torch.no_grad():
-        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
-    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
-    mode = int(torch.bincount(first).argmax())
-    second = torch.tensor([o[1] for o in outs if o[0] == mode])
-    with torch.no_grad():
-        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
-    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
+    assert_first_two_tokens_follow(hf, prompt, outs, T)
 
 
 def _two_token_sampler(verify, P, Q, k, N, g, with_q=True):
@@ -260,12 +266,4 @@ def test_drafters_sampling_with_their_own_distribution_keep_the_target_distribut
     outs, stats = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T,
                            generator=torch.Generator().manual_seed(1), verification=verification)
     assert sum(n * c for n, c in enumerate(stats.histogram)) > 1000  # drafts were accepted
-    first = torch.tensor([o[0] for o in outs])
-    with torch.no_grad():
-        p1 = torch.softmax(hf(torch.tensor([prompt])).logits[0, -1] / T, -1)
-    assert chi_square_p(torch.bincount(first, minlength=8), p1) > 0.01
-    mode = int(torch.bincount(first).argmax())
-    second = torch.tensor([o[1] for o in outs if o[0] == mode])
-    with torch.no_grad():
-        p2 = torch.softmax(hf(torch.tensor([prompt + [mode]])).logits[0, -1] / T, -1)
-    assert chi_square_p(torch.bincount(second, minlength=8), p2) > 0.01
+    assert_first_two_tokens_follow(hf, prompt, outs, T)
