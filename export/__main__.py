@@ -7,8 +7,11 @@ inside a run folder) in a serving stack's layout, atomically. Formats per method
     medusa: medusa (vLLM)     mtp: mtp (DeepSeek-V3; joint runs: the target with its MTP layers)
     dflash: dflash (z-lab)
 
-A pair the format cannot carry, or an option the layout cannot express, is one error line
-and exit code 2; nothing is written.
+A pair the format cannot carry, an option the layout cannot express, or an --out that holds
+something other than a draftsmith export (a file, a folder of yours, a run folder) is one error
+line and exit code 2; nothing is written. An existing export is replaced only with --force.
+Checkpoints load with weights_only=True: one that holds more than tensors and plain data is
+refused.
 """
 from __future__ import annotations
 
@@ -18,6 +21,12 @@ import sys
 from pathlib import Path
 
 from export.formats import FORMATS, write_export
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def _run_and_checkpoint(spec: str) -> tuple[Path, Path]:
@@ -34,9 +43,12 @@ def _run_and_checkpoint(spec: str) -> tuple[Path, Path]:
     return run_dir, ckpt
 
 
-def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16") -> Path:
+def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16", force: bool = False) -> Path:
     import torch
     from transformers import AutoConfig, AutoTokenizer
+
+    from export.paths import check_export_destination
+    from train.checkpoint_io import load_checkpoint
 
     from models.target import Target
     from models.zoo import resolve_target
@@ -44,12 +56,15 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
     from train.run import _mask_token, _weights_hash, build_drafter
 
     run_dir, ckpt = _run_and_checkpoint(spec)
+    action = check_export_destination(out, force)  # before anything loads: nothing of the user's is replaced
     cfg = load_config(str(run_dir / "config.yaml"), [])
     method = cfg.drafter.method
     if fmt not in FORMATS[method]:  # before anything loads
         raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    state = load_checkpoint(ckpt)["state_dict"]
     drafter_state = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
+    if "d2t" not in drafter_state:
+        raise ValueError(f"--checkpoint: {ckpt} holds no draftsmith drafter (no drafter.d2t)")
     target_path = resolve_target(cfg.target)
     hf_config = AutoConfig.from_pretrained(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -64,24 +79,28 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
         target_model = Target.load(cfg.target, []).model
         if joint:
             target_model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})
+    if action == "replace":
+        print(f"replacing the draftsmith export at {out} (--force)", file=sys.stderr)
     return write_export(drafter, fmt, out, method=method, target_name=cfg.target, hf_config=hf_config,
                         target_model=target_model, joint=joint, k=cfg.eval.k, provenance=provenance,
                         dtype=getattr(torch, dtype_name))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m export", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a run folder (its checkpoints/last.ckpt) or a checkpoint file")
     ap.add_argument("--format", required=True, choices=sorted({f for fs in FORMATS.values() for f in fs}))
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", required=True, help="a new (or empty) folder, or an existing draftsmith export with --force")
+    ap.add_argument("--force", action="store_true", help="replace --out when it is a draftsmith export (nothing else is ever replaced)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args(argv)
     from models.zoo import AssetError
     from train.config import ConfigError
 
     try:
-        out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype)
-    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError) as e:
+        out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.force)
+    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({args.format}); check it with: python -m export.check {out}")

@@ -27,6 +27,12 @@ import torch
 PARITY_TOLERANCE = 1e-5
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 class Check:
     def __init__(self, level: str, name: str):
         self.level, self.name, self.problems, self.notes = level, name, [], []
@@ -237,7 +243,9 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
         return c
     config_cls, drafter_cls = _drafter_class(meta["method"])
     reference = drafter_cls(config_cls.from_dict(meta["drafter_config"]))
-    state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    from train.checkpoint_io import load_checkpoint
+
+    state = load_checkpoint(checkpoint)["state_dict"]  # weights_only; a hostile or corrupt file is an error (exit 2)
     state = {k.removeprefix("drafter."): v for k, v in state.items()}
     from safetensors import safe_open
 
@@ -345,16 +353,23 @@ def run_checks(folder: str | Path, target: str | None = None, checkpoint: str | 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m export.check", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m export.check", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("folder")
-    ap.add_argument("--target", help="default: the target named in draftsmith.json")
+    ap.add_argument("--target", help="the target named in draftsmith.json when not given")
     ap.add_argument("--checkpoint", help="training checkpoint for the parity level (default: the one recorded)")
     args = ap.parse_args(argv)
     from models.zoo import AssetError
 
+    if not Path(args.folder).is_dir():
+        print(f"error: {args.folder} is not a folder (an export folder is expected)", file=sys.stderr)
+        return 2
+    if args.checkpoint is not None and not Path(args.checkpoint).is_file():
+        print(f"error: --checkpoint: {args.checkpoint} does not exist", file=sys.stderr)
+        return 2
     try:
         checks = run_checks(args.folder, args.target, args.checkpoint)
-    except (FileNotFoundError, ValueError, AssetError, json.JSONDecodeError) as e:
+    except (FileNotFoundError, ValueError, KeyError, AssetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for c in checks:

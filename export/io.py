@@ -52,13 +52,21 @@ def write_export_files(folder: Path, tensors: dict, config: dict, meta: dict, pr
 
 
 def atomic_write_json(path: str | Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write a temporary sibling, then rename it over `path`: readers see the old file or the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _umask() -> int:

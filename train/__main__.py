@@ -1,7 +1,8 @@
-"""python -m train [--config configs/NAME.yaml] [dotted.key=value ...] [--resume [CKPT]] [--print-config]
+"""python -m train [--config configs/NAME.yaml] [dotted.key=value ...] [--resume [CKPT]] [--overwrite] [--print-config]
 
-Without --config it runs configs/quickstart.yaml. Bad input (unknown key, wrong type, missing
-file, layer id beyond the target) is one error line and exit code 2, before any model loads.
+Without --config it runs configs/quickstart.yaml. Bad input (unknown key, wrong type or range,
+missing file, layer id beyond the target, an out_dir holding another run) is one error line and
+exit code 2, before any model loads.
 """
 from __future__ import annotations
 
@@ -20,10 +21,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="python -m train", description="Train a speculative-decoding drafter.")
+    parser = _Parser(prog="python -m train", description="Train a speculative-decoding drafter.",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--config", default=None, help=f"YAML recipe (default: {DEFAULT_CONFIG.name})")
     parser.add_argument("--resume", nargs="?", const="last", default=None,
                         help="continue from a checkpoint: a path, or the run's last checkpoint when none is given")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the run already in out_dir (its checkpoints, logs and export) when training starts")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--prepare-only", action="store_true",
                         help="fetch and convert the target, tokenize the data and build the draft vocab, then exit")
@@ -31,6 +35,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from train.config import ConfigError, load_config, to_yaml
+
+    if args.resume is not None and args.overwrite:
+        return _fail("--resume continues the run in out_dir and --overwrite replaces it: give one")
 
     config_path = args.config if args.config is not None else str(DEFAULT_CONFIG)
     try:
@@ -41,8 +48,7 @@ def main(argv=None) -> int:
             if not Path(resume).is_file():
                 raise ConfigError(f"--resume: checkpoint {resume} does not exist")
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _fail(e)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return 0
@@ -58,17 +64,25 @@ def main(argv=None) -> int:
     from models.zoo import AssetError
     from data.sources import DataError
 
+    from train.checkpoint_io import CheckpointError
     from train.run import run
+    from train.run_folder import TrainingInterrupted, resume_command
 
     try:
-        run(cfg, resume=resume, prepare_only=args.prepare_only)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (AssetError, DataError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+        run(cfg, resume=resume, prepare_only=args.prepare_only, overwrite=args.overwrite)
+    except (ConfigError, AssetError, DataError, CheckpointError, FileNotFoundError) as e:
+        return _fail(e)
+    except TrainingInterrupted as e:
+        where = f"the last checkpoint is {e.checkpoint}" if e.checkpoint.is_file() else "no checkpoint was written yet"
+        print(f"interrupted at step {e.step}; {where}; continue with: "
+              f"{resume_command(sys.argv[1:] if argv is None else list(argv))}", file=sys.stderr)
+        return 130
     return 0
+
+
+def _fail(message) -> int:
+    print(f"error: {str(message).strip(chr(39))}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -19,33 +19,16 @@ def _dtype(cfg: RunConfig, accelerator_is_gpu: bool) -> torch.dtype:
     return getattr(torch, cfg.target_dtype)
 
 
-class AtomicCheckpointIO:
-    """Lightning CheckpointIO that writes to a temporary file and renames it into place."""
-
-    @staticmethod
-    def make():
-        from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-        class _Atomic(TorchCheckpointIO):
-            def save_checkpoint(self, checkpoint, path, storage_options=None):
-                path = Path(path)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-                torch.save(checkpoint, tmp)
-                os.replace(tmp, path)
-
-        return _Atomic()
-
-
 def build_trainer(cfg: RunConfig, out_dir: Path):
     import lightning as L
     from lightning.fabric.utilities.exceptions import MisconfigurationException
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+    from lightning.pytorch.loggers import TensorBoardLogger
 
-    from train.callbacks import Throughput
+    from train.callbacks import Throughput, resumable_csv_logger
+    from train.checkpoint_io import make_checkpoint_io
 
-    loggers = [CSVLogger(out_dir, name="logs", version=""), TensorBoardLogger(out_dir, name="tb", version="")]
+    loggers = [resumable_csv_logger(out_dir), TensorBoardLogger(out_dir, name="tb", version="")]
     try:
         import wandb  # noqa: F401
         from lightning.pytorch.loggers import WandbLogger
@@ -55,7 +38,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
     except ImportError:
         pass
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", every_n_train_steps=cfg.checkpoint_every_n_steps,
-                                  save_last=True, save_top_k=1, filename="step{step}", auto_insert_metric_name=False)
+                                  save_last=True, save_top_k=-1, filename="step{step}", auto_insert_metric_name=False)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     total_batches = int(cfg.trainer.get("max_steps", 1)) * accumulate
     callbacks = [checkpoints, Throughput()]
@@ -65,7 +48,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         default_root_dir=str(out_dir),
         logger=loggers,
         callbacks=callbacks,
-        plugins=[AtomicCheckpointIO.make()],
+        plugins=[make_checkpoint_io()],
         # validation every N optimizer steps, counted in batches; at least once, at the end
         val_check_interval=min(cfg.eval.every_n_steps * accumulate, max(total_batches, 1)),
         check_val_every_n_epoch=None,
@@ -94,7 +77,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     key = dataset_key(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit, cfg.data.heldout_fraction)
     counts_path = cache_dir() / "datasets" / key / "token_counts.pt"
     if counts_path.exists():
-        counts = torch.load(counts_path)
+        counts = torch.load(counts_path, weights_only=True)
     else:
         counts = torch.as_tensor(count_tokens(train["input_ids"], train["loss_mask"], vocab_size))
         tmp = counts_path.with_name(f".{counts_path.name}.{os.getpid()}")
@@ -115,25 +98,35 @@ def eval_datasets(cfg: RunConfig) -> list[str]:
     return list(cfg.eval.datasets or [cfg.data.dataset])
 
 
-def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -> dict:
+def is_launched_rank() -> bool:
+    """A process Lightning (or torchrun) started for rank > 0: rank 0 owns the run folder."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) or 0) != 0
+
+
+def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, overwrite: bool = False) -> dict:
+    """Train, predict acceptance, export. `out_dir` is checked first (run_folder.py) and
+    written only once training is about to start: a launch that fails before leaves it as it was."""
     import lightning as L
     from transformers import AutoConfig, AutoTokenizer
 
     from data.module import ChatDataModule
-    from export.io import atomic_write_json
+    from export.io import atomic_write_json, atomic_write_text
     from export.formats import write_export
     from train.config import EXPORT_FORMATS
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
+    from train.checkpoint_io import load_checkpoint, remove_stale_temp_files
     from train.module import DrafterModule
+    from train.run_folder import TrainingInterrupted, check_run_folder, clear_run_outputs
 
     out_dir = Path(cfg.out_dir)
+    if not prepare_only and not is_launched_rank():
+        check_run_folder(out_dir, cfg.to_dict(), resume, overwrite)
+    if resume is not None:
+        load_checkpoint(resume)  # weights_only: a hostile or truncated file stops here, before any load
     L.seed_everything(cfg.seed, workers=True)
     trainer = build_trainer(cfg, out_dir)  # Trainer errors (bad arguments) come before any load
-    if trainer.is_global_zero:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
 
     target_path = resolve_target(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
@@ -167,12 +160,21 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False) -
         # on the CPU this took minutes before a GPU run could start (session 5)
         target.to(trainer.strategy.root_device)
         before = {name: heldout_perplexity(target, datamodule._heldout_loader(h)) for name, h in heldouts.items()}
+    if trainer.is_global_zero:  # training starts now: the first write into the run folder
+        if overwrite and resume is None:
+            clear_run_outputs(out_dir)
+        remove_stale_temp_files(out_dir / "checkpoints")
+        atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     t0 = time.time()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+    except SystemExit:  # Lightning exits after a graceful shutdown on Ctrl-C / SIGTERM
+        if trainer.interrupted:
+            raise TrainingInterrupted(trainer.global_step, out_dir / "checkpoints" / "last.ckpt") from None
+        raise
     fit_seconds = time.time() - t0
     if trainer.interrupted:
-        log.warning("training interrupted; resume with --resume (last checkpoint in %s)", out_dir / "checkpoints")
-        return {}
+        raise TrainingInterrupted(trainer.global_step, out_dir / "checkpoints" / "last.ckpt")
     if trainer.global_step > 0 and not fast:
         # the final state, whatever checkpoint_every_n_steps says, so a later --resume (a longer
         # max_steps, or the second half of a split schedule) continues from exactly here

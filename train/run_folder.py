@@ -1,0 +1,105 @@
+"""The run folder (`out_dir`): what a launch may do to it.
+
+A new or empty folder takes a new run. A folder holding a run (its config.yaml) is continued
+with --resume or replaced with --overwrite, never silently; a non-empty folder that is not a
+run is refused. Nothing is written (or removed) until training is about to start, so a launch
+that fails earlier leaves the folder exactly as it was.
+"""
+from __future__ import annotations
+
+import shlex
+import shutil
+from pathlib import Path
+
+import yaml
+
+from export.paths import OutputPathError, check_writable
+from train.config import ConfigError
+
+# what a run writes into its folder; --overwrite removes these and nothing else
+RUN_ENTRIES = ("config.yaml", "checkpoints", "logs", "tb", "wandb", "predicted.json", "export")
+# settings that shape a checkpoint: resuming with other values is resuming a different run
+SAME_RUN_KEYS = ("target", "drafter")
+
+
+class TrainingInterrupted(Exception):
+    """Ctrl-C (or a signal) stopped training; the last checkpoint is on disk."""
+
+    def __init__(self, step: int, checkpoint: Path):
+        super().__init__(f"training interrupted at step {step}")
+        self.step, self.checkpoint = step, checkpoint
+
+
+def describe_run(out_dir: Path) -> str:
+    if (out_dir / "export").is_dir() or (out_dir / "predicted.json").is_file():
+        return "a finished run"
+    if (out_dir / "checkpoints" / "last.ckpt").is_file():
+        return "a run with checkpoints"
+    return "a run's config"
+
+
+def check_run_folder(out_dir: Path, cfg_dict: dict, resume: str | None, overwrite: bool) -> None:
+    """Refuse a launch that would overwrite what `out_dir` holds (ConfigError naming it)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConfigError(f"out_dir: {out_dir} is a file, not a folder")
+    try:
+        check_writable(out_dir, "out_dir")
+    except OutputPathError as e:
+        raise ConfigError(str(e)) from None
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return
+    if not (out_dir / "config.yaml").is_file():
+        raise ConfigError(f"out_dir: {out_dir} is a non-empty folder that is not a draftsmith run; "
+                          "refusing to write into it (choose another out_dir)")
+    if resume is not None:
+        _check_same_run(out_dir, cfg_dict)
+        return
+    if overwrite:
+        return
+    raise ConfigError(f"out_dir: {out_dir} already holds {describe_run(out_dir)}; continue it with --resume, "
+                      "replace it with --overwrite, or choose another out_dir")
+
+
+def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
+    try:
+        stored = yaml.safe_load((out_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return  # unreadable: the checkpoint's strict load decides
+    for key in SAME_RUN_KEYS:
+        if key in stored and stored[key] != cfg_dict.get(key):
+            raise ConfigError(f"--resume: {out_dir} holds a run with a different {key} ({_short(stored[key])} there, "
+                              f"{_short(cfg_dict.get(key))} now); resume it with its own settings or choose another out_dir")
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def clear_run_outputs(out_dir: Path) -> None:
+    """--overwrite: remove what an earlier run wrote (only the entries a run writes)."""
+    for name in RUN_ENTRIES:
+        path = Path(out_dir) / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues an interrupted launch: the same arguments, without
+    --resume/--overwrite, plus --resume."""
+    kept, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if arg == "--overwrite" or arg.startswith("--resume="):
+            continue
+        if arg == "--resume":
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            skip = nxt.endswith(".ckpt")  # --resume PATH: the path goes too
+            continue
+        kept.append(arg)
+    return "python -m train " + " ".join(shlex.quote(a) for a in kept + ["--resume"])
