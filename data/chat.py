@@ -65,17 +65,19 @@ def _is_heldout(messages: list[dict], fraction: float) -> bool:
     return int.from_bytes(digest[:4], "big") / 2**32 < fraction
 
 
-def dataset_key(spec: str, tokenizer, max_length: int, limit: int | None, heldout_fraction: float) -> str:
+def dataset_key(spec: str, tokenizer, max_length: int, limit: int | None, heldout_fraction: float,
+                plain_text: bool = False) -> str:
     src = Path(spec).expanduser()
     src_id = f"{src.resolve()}:{src.stat().st_size}:{src.stat().st_mtime_ns}" if src.exists() else spec
     template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else json.dumps(tokenizer.chat_template)
     vocab_hash = hashlib.sha1(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
-    blob = json.dumps([FORMAT_VERSION, src_id, template, vocab_hash, max_length, limit, heldout_fraction])
+    blob = json.dumps([FORMAT_VERSION, src_id, template, vocab_hash, max_length, limit, heldout_fraction]
+                      + (["plain_text"] if plain_text else []))
     return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
 
 def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = None,
-                   heldout_fraction: float = 0.02, num_proc: int | None = None):
+                   heldout_fraction: float = 0.02, num_proc: int | None = None, plain_text: bool = False):
     """(train, heldout) `datasets.Dataset`s with columns input_ids, loss_mask, num_tokens.
 
     Tokenized once and cached on disk under $DRAFTSMITH_CACHE/datasets/<key>; a second run
@@ -85,24 +87,25 @@ def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = No
 
     from models.zoo import cache_dir, file_lock
 
-    key = dataset_key(spec, tokenizer, max_length, limit, heldout_fraction)
+    key = dataset_key(spec, tokenizer, max_length, limit, heldout_fraction, plain_text)
     root = cache_dir() / "datasets" / key
     with file_lock(f"dataset-{key}"):  # several ranks (DDP) tokenize once
         if not ((root / "train").exists() and (root / "heldout").exists()):
-            _tokenize_to(root, spec, tokenizer, max_length, limit, heldout_fraction, num_proc)
+            _tokenize_to(root, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text)
         else:
             log.info("loading tokenized data from cache %s", root)
     return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
 
 
-def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fraction, num_proc):
+def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text=False):
     import datasets
 
     from data.sources import load_conversations
+    from data.templates import row_text, tokenize_text
 
     key = root.name
 
-    conversations = load_conversations(spec, limit)
+    conversations = load_conversations(spec, limit, plain_text=plain_text)
     heldout_flags = [_is_heldout(c, heldout_fraction) for c in conversations]
     raw = datasets.Dataset.from_dict({
         "messages_json": [json.dumps(c) for c in conversations],
@@ -113,14 +116,22 @@ def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fractio
     num_proc = max(1, min(num_proc, len(raw) // 64))
 
     def encode(row):
-        out = tokenize_conversation(tokenizer, json.loads(row["messages_json"]), max_length)
+        messages = json.loads(row["messages_json"])
+        if plain_text:
+            out = tokenize_text(tokenizer, row_text(messages), max_length)
+        else:
+            out = tokenize_conversation(tokenizer, messages, max_length)
         out["num_tokens"] = len(out["input_ids"])
         out["num_loss_tokens"] = sum(out["loss_mask"])
         return out
 
     tokenized = raw.map(encode, num_proc=num_proc if num_proc > 1 else None, remove_columns=["messages_json"],
                         desc=f"tokenizing {spec}")
-    tokenized = tokenized.filter(lambda r: r["num_loss_tokens"] > 0, desc="dropping rows without assistant tokens")
+    kept = tokenized.filter(lambda r: r["num_loss_tokens"] > 0, desc="dropping rows without assistant tokens")
+    if len(kept) < len(tokenized):  # the template renders them inconsistently, or truncation cut every answer
+        log.warning("%s: dropped %d of %d conversations at tokenization (no assistant token within data.max_length, "
+                    "or a chat template that is not prefix-consistent for them)", spec, len(tokenized) - len(kept), len(tokenized))
+    tokenized = kept
     train = tokenized.filter(lambda r: not r["heldout"]).remove_columns(["heldout"])
     heldout = tokenized.filter(lambda r: r["heldout"]).remove_columns(["heldout"])
     if len(train) == 0:
@@ -136,5 +147,9 @@ def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fractio
 
 def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     """Token ids of a conversation rendered with the chat template and the generation prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        from data.sources import DataError
+
+        raise DataError("the target's tokenizer has no chat template, so a prompt cannot be rendered for it")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -49,36 +49,68 @@ def iter_json_array(text: str, source: str):
         yield obj
 
 
+ROLES = ("system", "user", "assistant")
+
+
 def sharegpt_to_messages(row: dict) -> list[dict] | None:
+    return usable_messages(row)[0]
+
+
+def _sharegpt(row: dict) -> tuple[list[dict] | None, str | None]:
     turns = row.get("conversations") or row.get("conversation")
     if not isinstance(turns, list):
-        return None
+        return None, "no messages or conversations"
     messages = []
     for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "a turn that is not an object"
         role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower())
-        value = turn.get("value")
-        if role is None or not isinstance(value, str):
-            return None
-        messages.append({"role": role, "content": value})
-    return messages
+        if role is None:
+            return None, "a turn without a known speaker"
+        if not isinstance(turn.get("value"), str):
+            return None, "a turn without text"
+        messages.append({"role": role, "content": turn["value"]})
+    return messages, None
+
+
+def _openai(row: dict) -> tuple[list[dict] | None, str | None]:
+    msgs = row["messages"]
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        return None, "messages that are not a list of objects"
+    if not all(m.get("role") in ROLES for m in msgs):
+        return None, "a message without a role (system, user or assistant)"
+    if not all(isinstance(m.get("content"), str) for m in msgs):
+        return None, "a message without text content"
+    return [{"role": m["role"], "content": m["content"]} for m in msgs], None
+
+
+def usable_messages(row, plain_text: bool = False) -> tuple[list[dict] | None, str | None]:
+    """(messages, None) for a usable row, else (None, the reason it is dropped). Plain-text
+    mode also takes rows with a `text` field (as one message)."""
+    if not isinstance(row, dict):
+        return None, "a row that is not a JSON object"
+    if plain_text and isinstance(row.get("text"), str):
+        return ([{"role": "user", "content": row["text"]}], None) if row["text"].strip() else (None, "empty text")
+    msgs, reason = _openai(row) if "messages" in row else _sharegpt(row)
+    if msgs is None:
+        return None, reason
+    if not plain_text and not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
+        return None, "no assistant turn"
+    if plain_text and not any(m["content"].strip() for m in msgs):
+        return None, "empty text"
+    return msgs, None
 
 
 def normalize(row: dict) -> list[dict] | None:
     """A raw row (OpenAI `messages` or ShareGPT `conversations`) → messages, or None if unusable."""
-    if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
-            return None
-        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
-    else:
-        msgs = sharegpt_to_messages(row)
-    if not msgs or not any(m["role"] == "assistant" and m["content"].strip() for m in msgs):
-        return None
-    return msgs
+    return usable_messages(row)[0]
 
 
-def load_conversations(spec: str, limit: int | None = None) -> list[list[dict]]:
-    """All usable conversations of a source, in file order (first `limit` if given)."""
+def load_conversations(spec: str, limit: int | None = None, plain_text: bool = False) -> list[list[dict]]:
+    """All usable conversations of a source, in file order (first `limit` if given); the ones
+    dropped are counted in the log, by reason."""
+    from collections import Counter
+
     from models import zoo
 
     if spec == "sharegpt":
@@ -93,29 +125,44 @@ def load_conversations(spec: str, limit: int | None = None) -> list[list[dict]]:
         raise DataError(f"dataset {spec!r} is not a zoo name or an existing file")
     if path.is_dir():
         return _from_hf(str(path), limit)
-    rows = _read_rows(path)
-    out, seen = [], 0
-    for row in rows:
-        seen += 1
-        msgs = normalize(row) if isinstance(row, dict) else None
-        if msgs is not None:
-            out.append(msgs)
-            if limit is not None and len(out) >= limit:
-                break
-    if limit is None:
-        log.info("%s: %d complete conversations, %d without an assistant turn skipped", spec, seen, seen - len(out))
+    out, dropped = [], Counter()
+    for row in _read_rows(path):
+        msgs, reason = usable_messages(row, plain_text)
+        if msgs is None:
+            dropped[reason] += 1
+            continue
+        out.append(msgs)
+        if limit is not None and len(out) >= limit:
+            break
+    if dropped:
+        log.warning("%s: kept %d conversations, dropped %d: %s", spec, len(out), sum(dropped.values()),
+                    "; ".join(f"{n} with {why}" for why, n in dropped.most_common()))
+    else:
+        log.info("%s: %d conversations", spec, len(out))
     if not out:
-        raise DataError(f"{spec} has no usable conversations (need `messages` or ShareGPT `conversations` with an assistant turn)")
+        what = "rows with `text`, `messages` or `conversations`" if plain_text else \
+            "`messages` or ShareGPT `conversations` with an assistant turn"
+        raise DataError(f"{spec} has no usable conversations (need {what})"
+                        + (f"; dropped: {', '.join(f'{n} with {why}' for why, n in dropped.most_common())}" if dropped else ""))
     return out
 
 
 def _read_rows(path: Path):
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
     stripped = text.lstrip()
     if stripped.startswith("["):
         return iter_json_array(text, str(path))
+
     rows = []
     # split on newlines only: str.splitlines also breaks at U+2028, U+0085 and other
     # separators that JSON strings may hold raw (json.dumps(..., ensure_ascii=False))
@@ -155,8 +202,10 @@ def load_prompts(spec: str) -> list[dict]:
                  "turns": ["Complete this Python function.\n\n```python\n" + r["prompt"] + "```"]} for r in rows]
     out = []
     for i, row in enumerate(_read_rows(Path(spec))):
+        if not isinstance(row, dict):
+            raise DataError(f"{spec}: row {i + 1} is not a JSON object")
         msgs = normalize(row) or row.get("messages") or []
-        turns = [m["content"] for m in msgs if m["role"] == "user"] or ([row["prompt"]] if "prompt" in row else [])
+        turns = [m["content"] for m in msgs if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)] or ([row["prompt"]] if "prompt" in row else [])
         if turns:
             out.append({"id": str(row.get("id", i)), "category": row.get("category", "all"), "turns": turns})
     return out

@@ -47,6 +47,7 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
+    from data.templates import apply_template_choice
     from export.paths import check_export_destination
     from train.checkpoint_io import load_checkpoint
 
@@ -68,6 +69,7 @@ def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16
     target_path = resolve_target(cfg.target)
     hf_config = AutoConfig.from_pretrained(target_path)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
+    apply_template_choice(tokenizer, cfg.data.chat_template, cfg.data.plain_text, cfg.target)  # as training set it
     drafter = build_drafter(cfg, hf_config, drafter_state["d2t"].numel(), mask_token_id=_mask_token(cfg, tokenizer))
     drafter.load_state_dict(drafter_state, strict=True)
     predicted = json.loads((run_dir / "predicted.json").read_text()).get("predicted") if (run_dir / "predicted.json").is_file() else None
@@ -95,12 +97,13 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="replace --out when it is a draftsmith export (nothing else is ever replaced)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = ap.parse_args(argv)
+    from data.sources import DataError
     from models.zoo import AssetError
     from train.config import ConfigError
 
     try:
         out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.force)
-    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError, OSError) as e:
+    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError, DataError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({args.format}); check it with: python -m export.check {out}")

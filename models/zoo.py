@@ -266,11 +266,13 @@ def resolve_target(spec: str) -> str:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise AssetError(f"GGUF file {spec} does not exist")
+        read_gguf(path)  # a truncated or corrupt file: one line naming it, not the converter's traceback
         digest = sha256_file(path)[:16]
         return str(convert_gguf(path, cache_dir() / f"{path.stem}-{digest}-hf"))
     if path.exists():
         if not (path / "config.json").is_file():
             raise AssetError(f"target folder {spec} has no config.json")
+        check_safetensors_files(path)
         return str(path)
     if "/" in spec and not spec.startswith((".", "/")):
         return spec  # a hub id; from_pretrained fetches it where a network exists
@@ -289,8 +291,39 @@ def target_exists(spec: str) -> bool:
     return "/" in spec and not spec.startswith((".", "/"))
 
 
-# Depth of zoo targets, so configs are validated before anything is fetched or loaded.
+# Depth and context window of zoo targets, so configs are validated before anything is
+# fetched or loaded.
 _ZOO_TARGET_LAYERS = {"smollm2-135m-instruct": 30, "tiny-random-llama": 2}
+_ZOO_TARGET_CONTEXT = {"smollm2-135m-instruct": 8192, "tiny-random-llama": 4096}
+
+
+def read_gguf(path: Path):
+    """The GGUF file's reader; AssetError naming the file when it is truncated or corrupt."""
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
+        raise AssetError(f"GGUF file {path} is unreadable (truncated or corrupt: {str(e).splitlines()[0][:120]})") from None
+
+
+def _gguf_header_int(path: Path, suffix: str) -> int | None:
+    reader = read_gguf(path)
+    for key, fld in reader.fields.items():
+        if key.endswith(suffix):
+            return int(fld.parts[fld.data[0]][0])
+    return None
+
+
+def _config_value(path: Path, key: str):
+    import json
+
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AssetError(f"{path / 'config.json'} is unreadable ({e})") from None
+    cfg = cfg.get("text_config", cfg)
+    return cfg.get(key)
 
 
 def target_num_layers(spec: str) -> int | None:
@@ -300,17 +333,41 @@ def target_num_layers(spec: str) -> int | None:
         return _ZOO_TARGET_LAYERS[spec]
     path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        for key, fld in reader.fields.items():
-            if key.endswith(".block_count"):
-                return int(fld.parts[fld.data[0]][0])
-        return None
+        return _gguf_header_int(path, ".block_count")
     if (path / "config.json").is_file():
-        import json
-
-        cfg = json.loads((path / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        return cfg.get("num_hidden_layers")
+        check_safetensors_files(path)
+        return _config_value(path, "num_hidden_layers")
     return None
+
+
+def target_context_length(spec: str) -> int | None:
+    """The target's context window (max_position_embeddings, or the GGUF header's
+    context_length); None when unknown (hub ids)."""
+    if spec in _ZOO_TARGET_CONTEXT:
+        return _ZOO_TARGET_CONTEXT[spec]
+    if spec.startswith("tiny-random-llama"):
+        return _ZOO_TARGET_CONTEXT["tiny-random-llama"]
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_header_int(path, ".context_length")
+    if (path / "config.json").is_file():
+        return _config_value(path, "max_position_embeddings")
+    return None
+
+
+def check_safetensors_files(folder: str | Path) -> None:
+    """Every *.safetensors file of a folder is whole: its header parses and the file is as long
+    as the header says (read without loading a tensor). AssetError naming the file otherwise."""
+    import json
+    import struct
+
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        try:
+            with open(f, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError, IndexError, OSError, MemoryError, OverflowError):
+            raise AssetError(f"{f} is not a readable safetensors file (corrupt header)") from None
+        if f.stat().st_size < 8 + n + end:
+            raise AssetError(f"{f} is truncated ({f.stat().st_size:,} bytes, its header needs {8 + n + end:,})")

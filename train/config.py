@@ -67,6 +67,12 @@ class DataConfig:
     num_workers: int = 2
     num_proc: int | None = None
     """Processes for tokenization (default: up to 8)."""
+    chat_template: str | None = None
+    """Chat template for a target whose tokenizer has none (or to replace its own): a Jinja
+    file, or a named one (chatml, plain). Default: the tokenizer's own."""
+    plain_text: bool = False
+    """Base models: no chat template; each row's `text` (or a conversation's contents joined by
+    blank lines) is tokenized as it is, and the loss covers every token."""
 
 
 @dataclass
@@ -188,6 +194,11 @@ def _check_type(value, hint, key: str):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
@@ -302,8 +313,13 @@ def validate(cfg: RunConfig):
     """Checks that need the file system or the target's shape, but no model weights."""
     from models import zoo
 
+    from train.config_ranges import range_errors
+
     if cfg.drafter.method not in METHODS:
         raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(METHODS)})")
+    errors = range_errors(cfg.to_dict())
+    if errors:
+        raise ConfigError(errors[0])
     if cfg.objective.token_loss not in ("kl", "ce"):
         raise ConfigError(f"objective.token_loss: {cfg.objective.token_loss!r} is not one of kl, ce")
     if cfg.objective.feature_weight < 0 or cfg.objective.token_weight < 0:
@@ -353,6 +369,14 @@ def validate(cfg: RunConfig):
     for key, ds in named:
         if ds not in zoo.ASSETS and not Path(ds).expanduser().exists() and ("/" not in ds or ds.startswith((".", "/"))):
             raise ConfigError(f"{key}: {ds!r} is not a zoo data set or an existing file")
+    if cfg.data.chat_template is not None:
+        from data.templates import template_source_problem
+
+        problem = template_source_problem(cfg.data.chat_template)
+        if problem:
+            raise ConfigError(f"data.chat_template: {problem}")
+        if cfg.data.plain_text:
+            raise ConfigError("data.chat_template and data.plain_text=true exclude each other (plain text uses no template)")
     if cfg.eval.datasets is not None and not cfg.eval.datasets:
         raise ConfigError("eval.datasets: give at least one data set, or leave it unset")
     temps = cfg.eval.temperatures
@@ -361,20 +385,18 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
     if len(set(map(float, temps))) != len(temps):
         raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
-    positive = {"data.batch_size": cfg.data.batch_size, "data.max_length": cfg.data.max_length,
-                "eval.k": cfg.eval.k, "objective.ttt_steps": cfg.objective.ttt_steps,
-                "drafter.draft_vocab_size": cfg.drafter.draft_vocab_size,
-                "checkpoint_every_n_steps": cfg.checkpoint_every_n_steps, "eval.every_n_steps": cfg.eval.every_n_steps,
-                "eval.anchors_per_sequence": 1 if cfg.eval.anchors_per_sequence is None else cfg.eval.anchors_per_sequence}
-    for key, v in positive.items():
-        if v <= 0:
-            raise ConfigError(f"{key}: must be positive, got {v}")
-    if not 0.0 <= cfg.data.heldout_fraction < 1.0:
-        raise ConfigError(f"data.heldout_fraction: must be in [0, 1), got {cfg.data.heldout_fraction}")
     if cfg.export_format not in ("auto", EXPORT_FORMATS[cfg.drafter.method]):
         raise ConfigError(f"export_format: {cfg.export_format!r} cannot carry a {cfg.drafter.method} drafter "
                           f"(use auto or {EXPORT_FORMATS[cfg.drafter.method]})")
-    layers = zoo.target_num_layers(cfg.target)
+    try:
+        layers = zoo.target_num_layers(cfg.target)
+        context = zoo.target_context_length(cfg.target)
+    except zoo.AssetError as e:
+        raise ConfigError(f"target: {e}") from None
+    for key in ("data.max_length", "eval.max_length"):
+        value = getattr(cfg.data if key.startswith("data") else cfg.eval, "max_length")
+        if context is not None and value > context:
+            raise ConfigError(f"{key}: {value} tokens is beyond the target's context window of {context}")
     if layers is not None and cfg.drafter.aux_layer_ids is not None:
         for i, layer in enumerate(cfg.drafter.aux_layer_ids):
             if not 0 <= layer < layers:

@@ -19,6 +19,15 @@ def _dtype(cfg: RunConfig, accelerator_is_gpu: bool) -> torch.dtype:
     return getattr(torch, cfg.target_dtype)
 
 
+def resolve_precision(precision, accelerator):
+    """`precision: auto` (the recipes' setting): bf16-mixed where training runs on CUDA, full
+    float32 elsewhere, so one recipe runs on a GPU as tuned and on a laptop as written."""
+    if precision != "auto":
+        return precision
+    on_cuda = str(accelerator) in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+    return "bf16-mixed" if on_cuda else "32-true"
+
+
 def build_trainer(cfg: RunConfig, out_dir: Path):
     import lightning as L
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -59,6 +68,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         gradient_clip_val=1.0,
     )
     kwargs.update(cfg.trainer)
+    kwargs["precision"] = resolve_precision(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
     try:
         return L.Trainer(**kwargs)
     except (TypeError, ValueError, MisconfigurationException) as e:
@@ -73,8 +83,9 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     from models.zoo import cache_dir
 
     train, heldout = build_datasets(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit,
-                                    cfg.data.heldout_fraction, cfg.data.num_proc)
-    key = dataset_key(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit, cfg.data.heldout_fraction)
+                                    cfg.data.heldout_fraction, cfg.data.num_proc, cfg.data.plain_text)
+    key = dataset_key(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit, cfg.data.heldout_fraction,
+                      cfg.data.plain_text)
     counts_path = cache_dir() / "datasets" / key / "token_counts.pt"
     if counts_path.exists():
         counts = torch.load(counts_path, weights_only=True)
@@ -90,7 +101,7 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     heldouts = {}
     for name in eval_datasets(cfg):
         heldouts[name] = heldout if name == cfg.data.dataset else build_datasets(
-            name, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction, cfg.data.num_proc)[1]
+            name, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction, cfg.data.num_proc, cfg.data.plain_text)[1]
     return train, heldouts, d2t, t2d
 
 
@@ -105,11 +116,26 @@ def is_launched_rank() -> bool:
 
 def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, overwrite: bool = False) -> dict:
     """Train, predict acceptance, export. `out_dir` is checked first (run_folder.py) and
-    written only once training is about to start: a launch that fails before leaves it as it was."""
+    written only once training is about to start: a launch that fails before leaves it as it was.
+    A `trainer.fast_dev_run` rehearsal goes end to end into a temporary folder and keeps
+    nothing, so it never touches (or is refused by) a real run folder."""
+    if cfg.trainer.get("fast_dev_run") and not prepare_only:
+        import dataclasses
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="draftsmith-rehearsal-") as tmp:
+            summary = _run(dataclasses.replace(cfg, out_dir=tmp), resume, False, False)
+        print(f"rehearsal (trainer.fast_dev_run) passed; nothing was kept, {cfg.out_dir} is untouched")
+        return summary
+    return _run(cfg, resume, prepare_only, overwrite)
+
+
+def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool) -> dict:
     import lightning as L
     from transformers import AutoConfig, AutoTokenizer
 
     from data.module import ChatDataModule
+    from data.templates import apply_template_choice
     from export.io import atomic_write_json, atomic_write_text
     from export.formats import write_export
     from train.config import EXPORT_FORMATS
@@ -130,6 +156,7 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, o
 
     target_path = resolve_target(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
+    apply_template_choice(tokenizer, cfg.data.chat_template, cfg.data.plain_text, cfg.target)  # before any data work
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     on_gpu = trainer.accelerator.__class__.__name__.startswith("CUDA")
     dtype = _dtype(cfg, on_gpu)

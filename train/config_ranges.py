@@ -1,0 +1,153 @@
+"""Range checks of every numeric (and enumerated) config field, as one table.
+
+Types are checked by train/config.py from the dataclasses; this table says which values of
+each type make sense. `trainer.*` entries check the Lightning arguments draftsmith relies on
+(the rest go to lightning.Trainer, whose own errors become one line too).
+"""
+from __future__ import annotations
+
+import math
+
+_MISSING = object()
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def positive_int(v) -> bool:
+    return _int(v) and v > 0
+
+
+def non_negative_int(v) -> bool:
+    return _int(v) and v >= 0
+
+
+def positive(v) -> bool:
+    return _number(v) and v > 0
+
+
+def non_negative(v) -> bool:
+    return _number(v) and v >= 0
+
+
+def fraction_open(v) -> bool:  # (0, 1)
+    return _number(v) and 0 < v < 1
+
+
+def fraction_closed(v) -> bool:  # [0, 1]
+    return _number(v) and 0 <= v <= 1
+
+
+def decay(v) -> bool:  # (0, 1]
+    return _number(v) and 0 < v <= 1
+
+
+def optional(check):
+    def inner(v):
+        return v is None or check(v)
+    return inner
+
+
+def betas(v) -> bool:
+    return isinstance(v, list) and len(v) == 2 and all(_number(b) and 0 <= b < 1 for b in v)
+
+
+def layer_ids(v) -> bool:
+    return v is None or (isinstance(v, list) and len(v) > 0 and all(non_negative_int(i) for i in v))
+
+
+def fast_dev_run(v) -> bool:
+    return isinstance(v, bool) or positive_int(v)
+
+
+def devices(v) -> bool:
+    return v == "auto" or v == -1 or positive_int(v) or (isinstance(v, list) and len(v) > 0 and all(non_negative_int(i) for i in v))
+
+
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps", "tpu")
+PRECISIONS = ("auto", "32-true", "32", 32, "16-mixed", "16", 16, "bf16-mixed", "bf16", "bf16-true", "16-true",
+              "64-true", "64", 64, "transformer-engine")
+
+
+def one_of(*choices):
+    def inner(v):
+        return v in choices
+    inner.choices = choices
+    return inner
+
+
+# key, check, what the value must be (said in the error line)
+RANGES = [
+    ("seed", non_negative_int, "a non-negative integer"),
+    ("checkpoint_every_n_steps", positive_int, "a positive integer"),
+    ("drafter.aux_layer_ids", layer_ids, "a non-empty list of non-negative layer ids, or null"),
+    ("drafter.draft_vocab_size", positive_int, "a positive integer"),
+    ("drafter.medusa_heads", positive_int, "a positive integer"),
+    ("drafter.medusa_layers", non_negative_int, "a non-negative integer"),
+    ("drafter.mtp_modules", positive_int, "a positive integer"),
+    ("drafter.dflash_block_size", lambda v: _int(v) and 2 <= v <= 16, "an integer in 2..16"),
+    ("drafter.dflash_layers", positive_int, "a positive integer"),
+    ("drafter.dflash_mask_token_id", optional(non_negative_int), "a token id (>= 0) or null"),
+    ("drafter.dflash_target_layers", positive_int, "a positive integer"),
+    ("data.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
+    ("data.limit", optional(positive_int), "a positive integer or null"),
+    ("data.heldout_fraction", fraction_open, "a fraction in (0, 1): validation needs held-out conversations"),
+    ("data.batch_size", positive_int, "a positive integer"),
+    ("data.num_workers", non_negative_int, "a non-negative integer"),
+    ("data.num_proc", optional(positive_int), "a positive integer or null"),
+    ("objective.ttt_steps", positive_int, "a positive integer"),
+    ("objective.ttt_decay", decay, "in (0, 1]: step s is weighted decay**s"),
+    ("objective.token_weight", non_negative, "a non-negative number"),
+    ("objective.feature_weight", non_negative, "a non-negative number"),
+    ("objective.block_anchors", positive_int, "a positive integer"),
+    ("objective.joint_lambda", non_negative, "a non-negative number"),
+    ("objective.lm_weight", non_negative, "a non-negative number"),
+    ("objective.keep_weight", non_negative, "a non-negative number"),
+    ("optim.lr", positive, "a positive number"),
+    ("optim.weight_decay", non_negative, "a non-negative number"),
+    ("optim.warmup_steps", non_negative_int, "a non-negative integer"),
+    ("optim.min_lr_ratio", fraction_closed, "a fraction in [0, 1]"),
+    ("optim.target_lr", positive, "a positive number"),
+    ("optim.schedule_steps", optional(positive_int), "a positive integer or null"),
+    ("optim.betas", betas, "two numbers in [0, 1)"),
+    ("eval.k", positive_int, "a positive integer"),
+    ("eval.num_sequences", positive_int, "a positive integer"),
+    ("eval.anchors_per_sequence", optional(positive_int), "a positive integer or null"),
+    ("eval.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
+    ("eval.every_n_steps", positive_int, "a positive integer"),
+    ("trainer.max_steps", positive_int, "a positive integer (optimizer steps)"),
+    ("trainer.fast_dev_run", fast_dev_run, "true, false or a positive number of batches"),
+    ("trainer.accumulate_grad_batches", positive_int, "a positive integer"),
+    ("trainer.log_every_n_steps", positive_int, "a positive integer"),
+    ("trainer.gradient_clip_val", optional(non_negative), "a non-negative number or null"),
+    ("trainer.devices", devices, "a positive integer, a list of device ids, -1 or auto"),
+    ("trainer.num_nodes", positive_int, "a positive integer"),
+    ("trainer.accelerator", one_of(*ACCELERATORS), f"one of {', '.join(ACCELERATORS)}"),
+    ("trainer.precision", one_of(*PRECISIONS), "auto, 32-true, bf16-mixed, 16-mixed, bf16-true, 16-true or 64-true"),
+]
+
+
+def lookup(tree: dict, dotted: str):
+    node = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def range_errors(tree: dict) -> list[str]:
+    """One message per field outside its range, in table order (`tree`: the config as a dict)."""
+    errors = []
+    for key, check, what in RANGES:
+        value = lookup(tree, key)
+        if value is _MISSING:
+            continue
+        if not check(value):
+            errors.append(f"{key}: must be {what}, got {value!r}")
+    return errors
