@@ -26,7 +26,6 @@ whose index is I modulo N, and `cat OUT*/conversations.jsonl` is the whole set.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -171,10 +170,10 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
                 "max_length": max_length, "decoding": "greedy", "loops": "kept" if keep_loops else "cut to one copy",
                 "shard": f"{shard[0]}/{shard[1]}"}
+    conversations = load_conversations(dataset, limit)  # a wrong --dataset fails here, before --out is written
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
-    conversations = load_conversations(dataset, limit)
     todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
     summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0,
                "loops_cut": 0}
@@ -215,28 +214,37 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m data.regenerate", description=__doc__.split("\n\n")[0])
+    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, positive, \
+        resolve_device
+
+    ap = Parser(prog="python -m data.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument("--dataset", default="sharegpt", help="zoo name, ShareGPT JSON or OpenAI-messages JSONL")
     ap.add_argument("--out", required=True, help="output folder (conversations.jsonl); re-run to resume")
-    ap.add_argument("--limit", type=int, default=None, help="first N usable conversations of the source")
+    ap.add_argument("--limit", type=int, default=None, help="first N usable conversations of the source (unset: all)")
     ap.add_argument("--batch-size", type=int, default=None, help="conversations per batch (default 64 on GPU, 4 on CPU)")
     ap.add_argument("--max-new-tokens", type=int, default=512)
     ap.add_argument("--max-length", type=int, default=2048, help="stop a conversation once a turn would pass this")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
     ap.add_argument("--keep-loops", action="store_true", help="keep answers that end in a repetition loop whole")
     ap.add_argument("--shard", default="0/1", help="I/N: answer only the conversations whose index is I modulo N")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from data.sources import DataError
     from models.zoo import AssetError
 
-    for name in ("batch_size", "max_new_tokens", "max_length", "limit"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            print(f"error: --{name.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
-            return 2
+    try:
+        check_ranges(args, {"batch_size": positive, "max_new_tokens": positive, "max_length": positive, "limit": positive,
+                            "max_minutes": positive})
+        args.device = resolve_device(args.device)
+        check_output_folder(args.out)
+        check_new_tokens_fit(args.target, args.max_new_tokens)
+        if args.max_new_tokens >= args.max_length:
+            raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length {args.max_length}")
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         shard = tuple(int(x) for x in args.shard.split("/"))
         if len(shard) != 2 or not 0 <= shard[0] < shard[1]:
@@ -244,23 +252,17 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --shard must be I/N with 0 <= I < N, got {args.shard!r}", file=sys.stderr)
         return 2
-    batch = args.batch_size or (64 if (args.device or "").startswith("cuda") or _has_cuda() else 4)
+    batch = args.batch_size or (64 if args.device.startswith("cuda") else 4)
     try:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
                    args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard)
-    except (DataError, AssetError, ValueError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, AssetError, ValueError, OSError, KeyError) as e:
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted: finished batches are saved; run the same command again to continue", file=sys.stderr)
         return 130
     return 0
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

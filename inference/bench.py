@@ -14,7 +14,6 @@ batching may flip near-ties). Writes bench.json and bench.png to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -250,39 +249,51 @@ def _chart(summary: dict, path: Path):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m inference.bench", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
+        positive, resolve_device
+
+    ap = Parser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
     ap.add_argument("--dataset", default="mt-bench", help="mt-bench, humaneval or a JSON/JSONL file of prompts")
-    ap.add_argument("--num-prompts", type=int, default=20)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--num-prompts", type=int, default=20, help="first N prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     ap.add_argument("-k", type=int, nargs="+", default=[4], help="draft lengths: a row per k for each proposer "
                     "(a drafter takes those it can draft)")
     ap.add_argument("--drafter", nargs="+", default=[], help="export folders (EAGLE-3, EAGLE-1, Medusa, MTP, DFlash)")
     ap.add_argument("--batch-size", type=int, default=0, help="also serve the prompts B at a time: plain and each "
                     "drafter (at its first k), speedup against plain at the same batch")
     ap.add_argument("--hf-prompts", type=int, default=None, help="transformers rows on the first N prompts only "
-                    "(they run at tens of tokens/s); default: all")
+                    "(they run at tens of tokens/s); unset: all")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", default="bench")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
-    import torch
-
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        check_ranges(args, {"num_prompts": positive, "max_new_tokens": positive, "batch_size": not_negative,
+                            "hf_prompts": positive})
+        if min(args.k) < 1:
+            raise CliError(f"-k: must be positive, got {min(args.k)}")
+        if args.batch_size > args.num_prompts:
+            raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
+        device = resolve_device(args.device)
+        check_output_folder(args.out)
+        check_new_tokens_fit(args.target, args.max_new_tokens)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problems = [f"--drafter: {d} is not an export folder (no config.json)" for d in args.drafter
                 if not (Path(d) / "config.json").is_file()]
-    if min(args.k) < 1 or args.num_prompts < 1 or args.max_new_tokens < 1 or args.batch_size < 0:
-        problems.append("-k, --num-prompts and --max-new-tokens must be at least 1, --batch-size at least 0")
-    if args.batch_size > args.num_prompts:
-        problems.append(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
     if problems:
         print(f"error: {problems[0]}", file=sys.stderr)
         return 2
+    from data.sources import DataError
+    from models.zoo import AssetError
+
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts)
-    except (ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, KeyError, OSError, DataError, AssetError) as e:
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     return 0
 

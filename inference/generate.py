@@ -9,31 +9,25 @@ acceptance (a_i, tau) go to stderr as JSON. Bad input is one error line and exit
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from inference.cli import CliError, Parser, at_least, check_fits, check_ranges, context_window, fail as _fail, \
+    not_negative, positive, resolve_device
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
-def _fail(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return 2
+DRAFTER_PROPOSERS = ("drafter", "eagle3", "medusa")
 
 
 def main(argv=None) -> int:
-    ap = _Parser(prog="python -m inference.generate", description="Greedy (speculative) generation with the runtime.")
+    ap = Parser(prog="python -m inference.generate", description="Greedy (speculative) generation with the runtime.")
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message")
     src.add_argument("--chat", help="JSON file: a list of {role, content} messages")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--proposer", default="ngram", choices=["none", "ngram", "ngram-gpu", "suffix", "eagle3", "medusa", "drafter", "draft-model"],
-                    help="drafter / eagle3 / medusa: the trained drafter in --drafter (its kind read from the export)")
+    ap.add_argument("--proposer", default=None, choices=["none", "ngram", "ngram-gpu", "suffix", "eagle3", "medusa", "drafter", "draft-model"],
+                    help="drafter / eagle3 / medusa: the trained drafter in --drafter (its kind read from the export); "
+                    "unset: drafter when --drafter is given, draft-model with --draft-model, else ngram")
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
                     "vocabulary is mapped by token strings (greedy only)")
@@ -45,15 +39,19 @@ def main(argv=None) -> int:
                     help="how drafts are verified when sampling (both keep the target's distribution)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
-    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
     ap.add_argument("--prometheus", metavar="FILE", help="write the speculative-decoding counters there (text format)")
     args = ap.parse_args(argv)
 
-    if args.temperature < 0:
-        return _fail(f"--temperature: must be >= 0, got {args.temperature}")
-    if args.top_k < 0 or not 0 < args.top_p <= 1:
-        return _fail("--top-k must be >= 0 and --top-p in (0, 1]")
+    try:
+        args.proposer = choose_proposer(args.proposer, args.drafter, args.draft_model)
+        check_ranges(args, {"temperature": not_negative, "top_k": not_negative, "max_new_tokens": positive})
+        device = resolve_device(args.device)
+    except CliError as e:
+        return _fail(e)
+    if not 0 < args.top_p <= 1:
+        return _fail(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.k < 1 and args.proposer != "none":
         return _fail(f"-k: must be at least 1 with a proposer, got {args.k}")
     if args.proposer in ("eagle3", "medusa", "drafter") and not args.drafter:
@@ -63,7 +61,9 @@ def main(argv=None) -> int:
     if args.chat:
         try:
             messages = json.loads(Path(args.chat).read_text())
-            assert isinstance(messages, list) and all("role" in m and "content" in m for m in messages)
+            assert isinstance(messages, list) and messages and all(
+                isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str)
+                for m in messages)
         except (OSError, ValueError, AssertionError):
             return _fail(f"--chat: {args.chat} is not a JSON list of {{role, content}} messages")
     else:
@@ -78,15 +78,22 @@ def main(argv=None) -> int:
     from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    try:
+    from data.sources import DataError
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:  # the prompt must fit the target's context window before the model loads
         path = resolve_target(args.target)
-        model = load_runtime(path, dtype=dtype, device=device)
-    except (AssetError, ValueError, KeyError, FileNotFoundError) as e:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        prompt = encode_prompt(tokenizer, messages)
+        check_fits(len(prompt), args.max_new_tokens, context_window(path))
+    except CliError as e:
+        return _fail(e)
+    except (AssetError, DataError, ValueError, KeyError, OSError) as e:
         return _fail(f"--target: {e}")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    prompt = encode_prompt(tokenizer, messages)
+    try:
+        model = load_runtime(path, dtype=dtype, device=device)
+    except (AssetError, ValueError, KeyError, OSError) as e:
+        return _fail(f"--target: {e}")
     k = 0 if args.proposer == "none" else args.k
     max_len = cache_size([prompt], args.max_new_tokens, k)
     proposer = None
@@ -126,6 +133,21 @@ def main(argv=None) -> int:
     if args.prometheus:
         Path(args.prometheus).write_text(stats.prometheus())
     return 0
+
+
+def choose_proposer(proposer: str | None, drafter: str | None, draft_model: str | None) -> str:
+    """The proposer the flags ask for: a drafter or draft model given is the one used, and a
+    --proposer that would ignore it is an error naming both."""
+    if proposer is None:
+        if drafter and draft_model:
+            raise CliError("--drafter and --draft-model: give one (or --proposer to choose)")
+        return "drafter" if drafter else "draft-model" if draft_model else "ngram"
+    if drafter and proposer not in DRAFTER_PROPOSERS:
+        raise CliError(f"--drafter {drafter} would be ignored by --proposer {proposer}; use --proposer drafter, or drop --drafter")
+    if draft_model and proposer != "draft-model":
+        raise CliError(f"--draft-model {draft_model} would be ignored by --proposer {proposer}; use --proposer draft-model, "
+                       "or drop --draft-model")
+    return proposer
 
 
 if __name__ == "__main__":

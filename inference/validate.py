@@ -342,43 +342,63 @@ def _target_named_in(config: dict) -> str | None:
     return verifier or config.get("base_model_name_or_path")
 
 
+def _export_target(folder: str) -> str | None:
+    """The target an export names (draftsmith.json, else its config.json), for the CLI's checks."""
+    for name, read in (("draftsmith.json", lambda c: c.get("target")), ("config.json", _target_named_in)):
+        try:
+            found = read(json.loads((Path(folder) / name).read_text()))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if found:
+            return found
+    return None
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
+    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
+        positive, resolve_device
+
+    ap = Parser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="export folder (draftsmith's, or one made elsewhere in a layout it reads)")
     ap.add_argument("--dataset", required=True, help="mt-bench, humaneval, sharegpt-heldout or a JSON/JSONL file")
     ap.add_argument("--target", help="default: the target named in the export")
-    ap.add_argument("-k", type=int, default=None, help="chain length (default: the predicted one)")
+    ap.add_argument("-k", type=int, default=None, help="chain length (unset: the predicted one)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--verification", default="standard", choices=["standard", "block"],
                     help="rejection sampling or block verification when --temperature > 0")
     ap.add_argument("--tolerance", type=float, default=0.1, help="largest accepted relative tau gap")
-    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--num-prompts", type=int, default=None, help="questions served, taken from the categories in turn (unset: all)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--max-turns", type=int, default=None)
+    ap.add_argument("--max-turns", type=int, default=None, help="turns served per question (unset: all)")
     ap.add_argument("--reference", action="append", choices=["ngram", "suffix"], default=[],
                     help="also serve the same prompts with this proposer (repeatable): reference rows")
     ap.add_argument("--max-minutes", type=float, default=None,
                     help="start no question after this long; the report covers the questions served")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="questions served together (default 16 on a GPU, 1 on CPU); tokens/s is then throughput")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     ap.add_argument("--out", default="validation")
     args = ap.parse_args(argv)
     from data.sources import DataError
     from models.zoo import AssetError
 
-    if args.k is not None and args.k <= 0 or args.tolerance < 0 or args.temperature < 0 or \
-            args.max_minutes is not None and args.max_minutes <= 0 or args.batch_size is not None and args.batch_size <= 0:
-        print("error: -k, --max-minutes and --batch-size must be positive, --tolerance and --temperature not negative",
-              file=sys.stderr)
+    try:
+        check_ranges(args, {"k": positive, "num_prompts": positive, "max_new_tokens": positive, "max_turns": positive,
+                            "max_minutes": positive, "batch_size": positive, "tolerance": not_negative,
+                            "temperature": not_negative})
+        args.device = resolve_device(args.device)
+        check_output_folder(args.out)
+        check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
+    except CliError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
                           max_minutes=args.max_minutes, batch_size=args.batch_size)
-    except (DataError, AssetError, ValueError, KeyError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, AssetError, ValueError, KeyError, OSError) as e:
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     p, m = report["predicted"]["tau"], report["measured"]["tau"]
     print(f"tau predicted {p:.3f}, measured {m:.3f} ({report['relative_gap']:+.1%}, tolerance ±{args.tolerance:.0%}): "

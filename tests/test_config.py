@@ -16,7 +16,7 @@ CASES = [
     (["drafter.aux_layer_ids=[1,2,30]"], "drafter.aux_layer_ids[2]: layer 30 is out of range for the 30-layer target (0..29)"),
     (["data.dataset=/no/such/file.jsonl"], "data.dataset: '/no/such/file.jsonl' is not a zoo data set or an existing file"),
     (["target=/no/such/folder"], "target: '/no/such/folder' is not a zoo target"),
-    (["data.batch_size=0"], "data.batch_size: must be positive"),
+    (["data.batch_size=0"], "data.batch_size: must be a positive integer"),
     (["drafter.method=medusa9"], "drafter.method: 'medusa9' is not available"),
     (["optim.schedule_by=epochs"], "optim.schedule_by: 'epochs' is not one of steps, time"),
     (["trainer.strategy=fsdp", "trainer.devices=2"], "trainer.strategy: 'fsdp' is not supported yet"),

@@ -39,10 +39,10 @@ def test_two_process_gloo_run_and_single_process_reload(chat_file, tmp_path):
     ddp = [sys.executable, "-m", "train", *args, "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu"]
     res = subprocess.run(ddp, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     # the 2-process checkpoint resumes on one process and trains on to step 6
     single = [sys.executable, "-m", "train", *args, "trainer.max_steps=6", "--resume"]
     res = subprocess.run(single, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 6
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6

@@ -46,7 +46,7 @@ def test_joint_recipe_trains_the_target_and_reports_its_perplexity(chat_file, tm
     assert ppl["before"] > 1 and ppl["after"] > 1 and ppl["before"] != ppl["after"]  # the target moved
     also = ppl["also"][str(other)]
     assert also["before"] > 1 and also["before"] != ppl["before"] and also["after"] != also["before"]
-    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     assert any(k.startswith("target.model.layers.0.") for k in ckpt)
     meta = json.loads((out / "export" / "draftsmith.json").read_text())
     assert meta["target_perplexity"]["after"] == pytest.approx(ppl["after"])
@@ -84,9 +84,9 @@ def test_joint_resume_continues_from_the_trained_target(chat_file, tmp_path):
     base = tiny_overrides(chat_file, out, **{"trainer.precision": "32-true", "optim.target_lr": 1e-3,
                                              "drafter.draft_vocab_size": 49152, "optim.schedule_steps": 4})
     run(load_config("configs/mtp-joint.yaml", base + ["trainer.max_steps=2"]))
-    first = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    first = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     run(load_config("configs/mtp-joint.yaml", base + ["trainer.max_steps=4"]), resume=str(out / "checkpoints" / "last.ckpt"))
-    second = torch.load(out / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    second = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
     key = "target.model.layers.1.mlp.down_proj.weight"
     assert not torch.equal(first[key], second[key])  # training went on from the saved target
 

@@ -13,7 +13,7 @@ from train.run import run
 
 
 def _final_weights(out_dir):
-    ckpt = torch.load(out_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    ckpt = torch.load(out_dir / "checkpoints" / "last.ckpt", weights_only=True)
     return ckpt["state_dict"], ckpt["global_step"]
 
 
@@ -84,7 +84,9 @@ def test_resume_is_bit_for_bit(chat_file, tmp_path, monkeypatch):
         return trainer
 
     monkeypatch.setattr(run_mod, "build_trainer", interrupted)
-    with pytest.raises(SystemExit):  # Lightning shuts down gracefully, then exits
+    from train.run_folder import TrainingInterrupted
+
+    with pytest.raises(TrainingInterrupted):  # Lightning shuts down gracefully; run says where to resume
         run(load_config(None, tiny_overrides(chat_file, part)))
     _, step = _final_weights(part)
     assert step == 3

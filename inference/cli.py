@@ -1,0 +1,113 @@
+"""Argument checks shared by the runtime's command lines (generate, validate, bench,
+regenerate): one table of numeric ranges, the device, and the target's context window, all
+before any model loads. Each failure is one line (CliError) and exit code 2."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+class CliError(ValueError):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with defaults in --help and usage errors as one line, exit code 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def fail(message) -> int:
+    print(f"error: {str(message).strip(chr(39))}", file=sys.stderr)
+    return 2
+
+
+def at_least(n):
+    def check(v):
+        return v is None or v >= n
+    check.what = f"at least {n}"
+    return check
+
+
+def not_negative(v):
+    return v is None or v >= 0
+
+
+not_negative.what = "not negative"
+
+
+def positive(v):
+    return v is None or v > 0
+
+
+positive.what = "positive"
+
+
+def check_ranges(args, table: dict) -> None:
+    """table: {attribute: check}; CliError naming the first flag out of range."""
+    for name, check in table.items():
+        value = getattr(args, name, None)
+        if not check(value):
+            flag = "-k" if name == "k" else "--" + name.replace("_", "-")
+            raise CliError(f"{flag}: must be {check.what}, got {value}")
+
+
+def resolve_device(spec: str | None) -> str:
+    """auto/None → cuda when available, else cpu; cuda without CUDA is an error."""
+    import torch
+
+    if spec in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        return spec
+    if spec == "cuda" or spec.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {spec}: no CUDA device on this machine (torch.cuda.is_available() is false); "
+                           "use --device cpu")
+        return spec
+    raise CliError(f"--device: {spec!r} is not auto, cpu or cuda[:N]")
+
+
+def context_window(target_path: str) -> int | None:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_path)
+    config = getattr(config, "text_config", None) or config
+    return getattr(config, "max_position_embeddings", None)
+
+
+def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, what: str = "the prompt") -> None:
+    """Prompt + new tokens beyond the target's context window decode garbage: refuse it."""
+    if context is not None and prompt_tokens + max_new_tokens > context:
+        raise CliError(f"{what} ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} is beyond the target's "
+                       f"context window of {context} tokens; shorten it or lower --max-new-tokens")
+
+
+def check_output_folder(out: str, flag: str = "--out") -> None:
+    """An output folder: absent (created later) or a folder we can write in; never a file."""
+    from pathlib import Path
+
+    from export.paths import OutputPathError, check_writable
+
+    if Path(out).exists() and not Path(out).is_dir():
+        raise CliError(f"{flag}: {out} is an existing file, not a folder; refusing to write over it")
+    try:
+        check_writable(Path(out), flag)
+    except OutputPathError as e:
+        raise CliError(str(e)) from None
+
+
+def check_new_tokens_fit(target: str | None, max_new_tokens: int) -> None:
+    """--max-new-tokens alone beyond the target's context window (known without loading it)."""
+    from models.zoo import target_context_length
+
+    context = target_context_length(target) if target else None
+    if context is not None and max_new_tokens >= context:
+        raise CliError(f"--max-new-tokens {max_new_tokens} is beyond the target's context window of {context} tokens "
+                       "(with a prompt in front)")
