@@ -1,0 +1,195 @@
+"""The bad-input corpus: one row per probe of bad input, hostile input or a path that must not
+be clobbered. tests/test_bad_inputs.py runs every row through the command's own main(argv)
+and checks the exit code, that the one `error:` line holds the phrase, that no traceback is
+printed, that the `unchanged` paths are byte for byte what they were and that the `absent`
+paths were not created. Add a row for every bug found.
+
+Placeholders in braces are paths built once by the test's fixture (see WORLD there):
+  {run}       a finished tiny training run (config, checkpoints, logs, predicted.json, export)
+  {export}    a copy of its export elsewhere          {userfile}  a file of the user's
+  {userdir}   a folder of the user's (not a run, not an export)
+  {fresh}     a path that does not exist and must still not exist afterwards
+  {chat}      a good chat JSONL                       {nonutf8}   a chat file with a non-UTF-8 byte
+  {norole}    chat rows whose messages lack a role    {evilckpt}  a pickle that runs code when unpickled
+  {evilrun}   a run folder whose last.ckpt is that pickle
+  {truncckpt} a truncated checkpoint                  {truncrun}  a run folder holding it
+  {truncst}   a target folder with a truncated model.safetensors
+  {truncgguf} a truncated GGUF file                   {notemplate} a target whose tokenizer has no chat template
+  {longprompt} a prompt beyond the tiny target's 4,096-token window
+  {marker}    the file the hostile pickle would create
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    cli: str  # train, export, export.check, generate, validate, bench, regenerate
+    argv: tuple
+    code: int
+    phrase: str
+    unchanged: tuple = ("{run}", "{export}", "{userfile}", "{userdir}")
+    absent: tuple = ("{fresh}", "{marker}")
+    tiny_train: bool = False  # prepend the tiny training overrides (out_dir={fresh})
+
+
+def train(*argv, code=2, phrase="", tiny=True, **kw):
+    return Case("train", argv, code, phrase, tiny_train=tiny, **kw)
+
+
+def cli(name):
+    def make(*argv, code=2, phrase="", **kw):
+        return Case(name, argv, code, phrase, **kw)
+    return make
+
+
+export, check, generate, validate, bench, regenerate = (cli(n) for n in
+                                                        ("export", "export.check", "generate", "validate", "bench", "regenerate"))
+G = ("--target", "tiny-random-llama", "--device", "cpu")  # generate: the tiny target, on the CPU
+V = ("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out", "{fresh}")
+B = ("--target", "tiny-random-llama", "--device", "cpu", "--out", "{fresh}")
+R = ("--target", "tiny-random-llama", "--dataset", "{chat}", "--device", "cpu", "--out", "{fresh}")
+
+CASES = {
+    # ---- train: config values out of range or of the wrong type (one table, before anything loads)
+    "train-negative-lr": train("optim.lr=-0.001", phrase="optim.lr: must be a positive number"),
+    "train-nan-lr": train("optim.lr=.nan", phrase="optim.lr: must be a positive number"),
+    "train-lr-1e-3-is-a-number": train("optim.lr=1e-3", "optim.betas=[0.9]", phrase="optim.betas: must be two numbers"),
+    "train-max-steps-abc": train("trainer.max_steps=abc", phrase="trainer.max_steps: must be a positive integer"),
+    "train-max-steps-negative": train("trainer.max_steps=-1", phrase="trainer.max_steps: must be a positive integer"),
+    "train-max-steps-zero": train("trainer.max_steps=0", phrase="trainer.max_steps: must be a positive integer"),
+    "train-heldout-zero": train("data.heldout_fraction=0", phrase="data.heldout_fraction: must be a fraction in (0, 1)"),
+    "train-heldout-one": train("data.heldout_fraction=1", phrase="data.heldout_fraction"),
+    "train-eval-sequences-zero": train("eval.num_sequences=0", phrase="eval.num_sequences: must be a positive integer"),
+    "train-negative-ttt-decay": train("objective.ttt_decay=-0.5", phrase="objective.ttt_decay: must be in (0, 1]"),
+    "train-min-lr-ratio": train("optim.min_lr_ratio=2", phrase="optim.min_lr_ratio: must be a fraction in [0, 1]"),
+    "train-warmup-negative": train("optim.warmup_steps=-3", phrase="optim.warmup_steps: must be a non-negative integer"),
+    "train-workers-negative": train("data.num_workers=-1", phrase="data.num_workers: must be a non-negative integer"),
+    "train-limit-zero": train("data.limit=0", phrase="data.limit: must be a positive integer or null"),
+    "train-seed-negative": train("seed=-1", phrase="seed: must be a non-negative integer"),
+    "train-vocab-zero": train("drafter.draft_vocab_size=0", phrase="drafter.draft_vocab_size: must be a positive integer"),
+    "train-accumulate-zero": train("trainer.accumulate_grad_batches=0", phrase="trainer.accumulate_grad_batches"),
+    "train-precision-unknown": train("trainer.precision=fp7", phrase="trainer.precision: must be auto"),
+    "train-accelerator-unknown": train("trainer.accelerator=quantum", phrase="trainer.accelerator: must be one of"),
+    "train-fast-dev-run-negative": train("trainer.fast_dev_run=-2", phrase="trainer.fast_dev_run"),
+    "train-max-length-beyond-context": train("data.max_length=100000", phrase="beyond the target's context window of 4096"),
+    "train-eval-length-beyond-context": train("eval.max_length=5000", phrase="eval.max_length: 5000 tokens is beyond"),
+    "train-checkpoint-every-zero": train("checkpoint_every_n_steps=0", phrase="checkpoint_every_n_steps: must be a positive"),
+    "train-chat-template-missing": train("data.chat_template=/no/such/template.jinja", phrase="data.chat_template"),
+    "train-template-and-plain-text": train("data.chat_template=chatml", "data.plain_text=true", phrase="exclude each other"),
+    # ---- train: the run folder is never clobbered
+    "train-into-finished-run": train("out_dir={run}", phrase="already holds a finished run; continue it with --resume"),
+    "train-into-user-folder": train("out_dir={userdir}", "--overwrite", phrase="not a draftsmith run"),
+    "train-out-dir-is-a-file": train("out_dir={userfile}", phrase="is a file, not a folder"),
+    "train-out-dir-under-a-file": train("out_dir={userfile}/sub", phrase="is a file, not a folder"),
+    "train-resume-and-overwrite": train("--resume", "--overwrite", phrase="give one"),
+    "train-resume-fails-on-data-writes-nothing": train("out_dir={run}", "data.dataset={nonutf8}", "--resume",
+                                                       phrase="not UTF-8 text (byte 0xe9"),
+    "train-resume-different-drafter": train("out_dir={run}", "drafter.norm_before_fc=true", "--resume",
+                                            phrase="holds a run with a different drafter"),
+    # ---- train: hostile and corrupt inputs
+    "train-resume-hostile-pickle": train("--resume", "{evilckpt}", phrase="refusing to load it"),
+    "train-resume-truncated-checkpoint": train("--resume", "{truncckpt}", phrase="not a readable checkpoint"),
+    "train-truncated-gguf-target": train("target={truncgguf}", phrase="is unreadable (truncated or corrupt"),
+    "train-truncated-safetensors-target": train("target={truncst}", phrase="model.safetensors is truncated"),
+    "train-non-utf8-data": train("data.dataset={nonutf8}", phrase="not UTF-8 text"),
+    "train-messages-without-role": train("data.dataset={norole}", phrase="a message without a role"),
+    "train-target-without-chat-template": train("target={notemplate}", phrase="has no chat template; set data.chat_template"),
+    "train-unknown-flag": train("--frobnicate", phrase="unrecognized arguments"),
+    # ---- export: --out is never anything but a new folder or (with --force) a draftsmith export
+    "export-out-user-file": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{userfile}",
+                                   phrase="is an existing file; refusing to replace it"),
+    "export-out-user-folder": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{userdir}", "--force",
+                                     phrase="not a draftsmith export; refusing to replace it"),
+    "export-out-run-folder": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{run}", "--force",
+                                    phrase="not a draftsmith export"),
+    "export-out-existing-export": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{export}",
+                                         phrase="already holds a draftsmith export; pass --force"),
+    "export-out-under-a-file": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{userfile}/x",
+                                      phrase="is a file, not a folder"),
+    "export-hostile-pickle": export("--checkpoint", "{evilrun}", "--format", "speculators", "--out", "{fresh}",
+                                    phrase="refusing to load it"),
+    "export-truncated-checkpoint": export("--checkpoint", "{truncrun}", "--format", "speculators", "--out", "{fresh}",
+                                          phrase="not a readable checkpoint"),
+    "export-missing-checkpoint": export("--checkpoint", "{userdir}", "--format", "speculators", "--out", "{fresh}",
+                                        phrase="does not exist"),
+    "export-format-cannot-carry": export("--checkpoint", "{run}", "--format", "medusa", "--out", "{fresh}",
+                                         phrase="cannot carry a eagle3 drafter"),
+    "export-bad-dtype": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{fresh}", "--dtype", "int8",
+                               phrase="invalid choice"),
+    # ---- export.check
+    "check-not-a-folder": check("{userfile}", phrase="is not a folder"),
+    "check-missing": check("{fresh}", phrase="is not a folder"),
+    "check-user-folder": check("{userdir}", phrase="no draftsmith.json"),
+    "check-hostile-checkpoint": check("{export}", "--checkpoint", "{evilckpt}", phrase="refusing to load it"),
+    "check-truncated-checkpoint": check("{export}", "--checkpoint", "{truncckpt}", phrase="not a readable checkpoint"),
+    "check-missing-checkpoint": check("{export}", "--checkpoint", "{fresh}", phrase="does not exist"),
+    # ---- generate
+    "generate-negative-new-tokens": generate("--prompt", "hi", *G, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
+    "generate-negative-temperature": generate("--prompt", "hi", *G, "--temperature", "-1", phrase="--temperature: must be not negative"),
+    "generate-top-p-zero": generate("--prompt", "hi", *G, "--top-p", "0", phrase="--top-p: must be in (0, 1]"),
+    "generate-top-k-negative": generate("--prompt", "hi", *G, "--top-k", "-1", phrase="--top-k: must be not negative"),
+    "generate-k-zero": generate("--prompt", "hi", *G, "-k", "0", phrase="-k: must be at least 1"),
+    "generate-cuda-without-cuda": generate("--prompt", "hi", "--device", "cuda", phrase="no CUDA device on this machine"),
+    "generate-unknown-device": generate("--prompt", "hi", "--device", "tpu", phrase="--device: 'tpu' is not auto, cpu"),
+    "generate-drafter-vs-proposer": generate("--prompt", "hi", *G, "--drafter", "{export}", "--proposer", "ngram",
+                                             phrase="would be ignored by --proposer ngram"),
+    "generate-draft-model-vs-proposer": generate("--prompt", "hi", *G, "--draft-model", "tiny-random-llama", "--proposer", "suffix",
+                                                 phrase="--draft-model tiny-random-llama would be ignored by --proposer suffix"),
+    "generate-drafter-not-an-export": generate("--prompt", "hi", *G, "--drafter", "{userdir}", phrase="is not an export folder"),
+    "generate-chat-non-utf8": generate("--chat", "{nonutf8}", *G, phrase="is not a JSON list of {role, content} messages"),
+    "generate-chat-without-role": generate("--chat", "{norole}", *G, phrase="is not a JSON list of {role, content} messages"),
+    "generate-truncated-safetensors": generate("--prompt", "hi", "--target", "{truncst}", "--device", "cpu",
+                                               phrase="model.safetensors is truncated"),
+    "generate-truncated-gguf": generate("--prompt", "hi", "--target", "{truncgguf}", "--device", "cpu",
+                                        phrase="is unreadable (truncated or corrupt"),
+    "generate-no-chat-template": generate("--prompt", "hi", "--target", "{notemplate}", "--device", "cpu",
+                                          phrase="has no chat template"),
+    "generate-prompt-beyond-context": generate("--prompt", "{longprompt}", *G, "--max-new-tokens", "16",
+                                               phrase="beyond the target's context window of 4096 tokens"),
+    "generate-new-tokens-beyond-context": generate("--prompt", "hi", *G, "--max-new-tokens", "5000",
+                                                   phrase="beyond the target's context window"),
+    # ---- validate
+    "validate-num-prompts-zero": validate(*V, "--num-prompts", "0", phrase="--num-prompts: must be positive, got 0"),
+    "validate-num-prompts-negative": validate(*V, "--num-prompts", "-3", phrase="--num-prompts: must be positive"),
+    "validate-negative-new-tokens": validate(*V, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
+    "validate-k-negative": validate(*V, "-k", "-1", phrase="-k: must be positive"),
+    "validate-max-turns-zero": validate(*V, "--max-turns", "0", phrase="--max-turns: must be positive"),
+    "validate-negative-tolerance": validate(*V, "--tolerance", "-0.1", phrase="--tolerance: must be not negative"),
+    "validate-cuda-without-cuda": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cuda",
+                                           phrase="no CUDA device on this machine"),
+    "validate-out-is-a-file": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out", "{userfile}",
+                                       phrase="is an existing file, not a folder"),
+    "validate-new-tokens-beyond-context": validate(*V, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    "validate-drafter-not-an-export": validate("--drafter", "{userdir}", "--dataset", "mt-bench", "--device", "cpu",
+                                               "--out", "{fresh}", phrase="is not an export folder"),
+    # ---- bench
+    "bench-num-prompts-zero": bench(*B, "--num-prompts", "0", phrase="--num-prompts: must be positive"),
+    "bench-num-prompts-negative": bench(*B, "--num-prompts", "-2", phrase="--num-prompts: must be positive"),
+    "bench-negative-new-tokens": bench(*B, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
+    "bench-k-zero": bench(*B, "-k", "0", phrase="-k: must be positive"),
+    "bench-cuda-without-cuda": bench("--device", "cuda", "--out", "{fresh}", phrase="no CUDA device on this machine"),
+    "bench-out-is-a-file": bench("--target", "tiny-random-llama", "--device", "cpu", "--out", "{userfile}",
+                                 phrase="is an existing file, not a folder"),
+    "bench-drafter-not-an-export": bench(*B, "--drafter", "{userdir}", phrase="is not an export folder"),
+    "bench-new-tokens-beyond-context": bench(*B, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    # ---- regenerate
+    "regenerate-mistyped-dataset-writes-nothing": regenerate("--target", "tiny-random-llama", "--dataset", "sharegtp",
+                                                             "--device", "cpu", "--out", "{fresh}", phrase="is not a zoo name"),
+    "regenerate-batch-size-zero": regenerate(*R, "--batch-size", "0", phrase="--batch-size: must be positive"),
+    "regenerate-negative-new-tokens": regenerate(*R, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
+    "regenerate-max-minutes-zero": regenerate(*R, "--max-minutes", "0", phrase="--max-minutes: must be positive"),
+    "regenerate-limit-zero": regenerate(*R, "--limit", "0", phrase="--limit: must be positive"),
+    "regenerate-bad-shard": regenerate(*R, "--shard", "2/2", phrase="--shard must be I/N"),
+    "regenerate-cuda-without-cuda": regenerate("--dataset", "{chat}", "--device", "cuda", "--out", "{fresh}",
+                                               phrase="no CUDA device on this machine"),
+    "regenerate-out-is-a-file": regenerate("--target", "tiny-random-llama", "--dataset", "{chat}", "--device", "cpu",
+                                           "--out", "{userfile}", phrase="is an existing file, not a folder"),
+    "regenerate-new-tokens-beyond-length": regenerate(*R, "--max-new-tokens", "4000", "--max-length", "2048",
+                                                      phrase="leaves no room for a prompt"),
+    "regenerate-non-utf8-dataset": regenerate("--target", "tiny-random-llama", "--dataset", "{nonutf8}", "--device", "cpu",
+                                              "--out", "{fresh}", phrase="not UTF-8 text"),
+    "regenerate-benchmark-as-dataset": regenerate("--target", "tiny-random-llama", "--dataset", "mt-bench", "--device", "cpu",
+                                                  "--out", "{fresh}", phrase="benchmark of prompts without answers"),
+}

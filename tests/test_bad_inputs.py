@@ -1,0 +1,141 @@
+"""Runs the bad-input corpus (tests/bad_inputs.py): every row through its command's main(argv),
+in process. Each must exit with its code, print one `error:` line holding its phrase and no
+traceback, leave the user's files byte for byte as they were, and create nothing."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.bad_inputs import CASES
+from tests.conftest import make_conversations, tiny_overrides
+
+MAINS = {"train": "train.__main__", "export": "export.__main__", "export.check": "export.check",
+         "generate": "inference.generate", "validate": "inference.validate", "bench": "inference.bench",
+         "regenerate": "data.regenerate"}
+
+
+class _RunsCode:
+    """Unpickling this runs code: what a hostile .ckpt does."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
+
+
+def _fake_run(root: Path, name: str, source_run: Path, ckpt_bytes: bytes) -> Path:
+    run = root / name
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(source_run / "config.yaml", run / "config.yaml")
+    (run / "checkpoints" / "last.ckpt").write_bytes(ckpt_bytes)
+    return run
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory, tiny_target) -> dict:
+    """The user's things and the hostile inputs every case may name (see tests/bad_inputs.py)."""
+    from train.config import load_config
+    from train.run import run
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    finished = root / "run"
+    run(load_config(None, tiny_overrides(str(chat), finished, **{"trainer.max_steps": 2})))
+    export = root / "export"
+    shutil.copytree(finished / "export", export)
+    userfile = root / "notes.txt"
+    userfile.write_text("the user's own notes\n")
+    userdir = root / "mine"
+    userdir.mkdir()
+    (userdir / "thesis.md").write_text("# years of work\n")
+    marker = root / "pwned"
+    evil = root / "evil.ckpt"
+    torch.save({"state_dict": {}, "payload": _RunsCode(str(marker))}, evil)
+    ckpt = (finished / "checkpoints" / "last.ckpt").read_bytes()
+    trunc = root / "truncated.ckpt"
+    trunc.write_bytes(ckpt[: len(ckpt) // 3])
+    truncst = root / "truncated-target"
+    shutil.copytree(tiny_target, truncst)
+    weights = (truncst / "model.safetensors").read_bytes()
+    (truncst / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    notemplate = root / "no-template-target"
+    shutil.copytree(tiny_target, notemplate)
+    (notemplate / "chat_template.jinja").unlink(missing_ok=True)
+    truncgguf = root / "truncated.gguf"
+    truncgguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05" * 20)
+    nonutf8 = root / "latin1.jsonl"
+    nonutf8.write_bytes(chat.read_bytes()[:200] + b"\n" + '{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'.encode("latin-1"))
+    norole = root / "norole.jsonl"
+    norole.write_text(json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
+    return {"run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
+            "chat": chat, "nonutf8": nonutf8, "norole": norole, "evilckpt": evil,
+            "evilrun": _fake_run(root, "evil-run", finished, evil.read_bytes()), "truncckpt": trunc,
+            "truncrun": _fake_run(root, "trunc-run", finished, trunc.read_bytes()), "truncst": truncst,
+            "truncgguf": truncgguf, "notemplate": notemplate, "marker": marker,
+            "longprompt": "draft " * 4500}
+
+
+def _fill(text: str, world: dict) -> str:
+    return text.format(**{k: str(v) for k, v in world.items()})
+
+
+def _digest(path: Path) -> dict:
+    """{relative path: sha256} of a file or every file under a folder (or {} when absent)."""
+    path = Path(path)
+    if path.is_file():
+        return {".": hashlib.sha256(path.read_bytes()).hexdigest()}
+    if not path.exists():
+        return {}
+    return {str(f.relative_to(path)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(path.rglob("*")) if f.is_file()}
+
+
+def _call(cli: str, argv: list[str]) -> int:
+    try:
+        return importlib.import_module(MAINS[cli]).main(argv)
+    except SystemExit as e:  # argparse usage errors
+        return e.code
+
+
+@pytest.fixture(autouse=True)
+def _quiet_root_logger():
+    """main()s configure logging onto the stream pytest captures for that case only."""
+    yield
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name, world, capsys):
+    case = CASES[name]
+    argv = [_fill(a, world) for a in case.argv]
+    if case.tiny_train:
+        argv = tiny_overrides(str(world["chat"]), world["fresh"]) + argv
+    unchanged = {p: _digest(Path(_fill(p, world))) for p in case.unchanged}
+    code = _call(case.cli, argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == case.code, f"exit {code}, expected {case.code}: {err[-2000:]}"
+    assert len(errors) == 1 and case.phrase in errors[0], err[-2000:]
+    for p, before in unchanged.items():
+        assert _digest(Path(_fill(p, world))) == before, f"{p} changed"
+    for p in case.absent:
+        assert not Path(_fill(p, world)).exists(), f"{p} was created"
+
+
+def test_the_corpus_covers_every_command():
+    from collections import Counter
+
+    per_cli = Counter(c.cli for c in CASES.values())
+    assert set(per_cli) == set(MAINS) and len(CASES) >= 60, per_cli
