@@ -10,6 +10,7 @@ Placeholders in braces are paths built once by the test's fixture (see WORLD the
   {userdir}   a folder of the user's (not a run, not an export)
   {fresh}     a path that does not exist and must still not exist afterwards
   {chat}      a good chat JSONL                       {nonutf8}   a chat file with a non-UTF-8 byte
+  {twochats}  a chat file of two conversations (none held out)
   {norole}    chat rows whose messages lack a role    {evilckpt}  a pickle that runs code when unpickled
   {evilrun}   a run folder whose last.ckpt is that pickle
   {truncckpt} a truncated checkpoint                  {truncrun}  a run folder holding it
@@ -96,6 +97,7 @@ CASES = {
     "train-non-utf8-data": train("data.dataset={nonutf8}", phrase="not UTF-8 text"),
     "train-messages-without-role": train("data.dataset={norole}", phrase="a message without a role"),
     "train-target-without-chat-template": train("target={notemplate}", phrase="has no chat template; set data.chat_template"),
+    "train-no-heldout-conversations": train("data.dataset={twochats}", phrase="no held-out conversations"),
     "train-unknown-flag": train("--frobnicate", phrase="unrecognized arguments"),
     # ---- export: --out is never anything but a new folder or (with --force) a draftsmith export
     "export-out-user-file": export("--checkpoint", "{run}", "--format", "speculators", "--out", "{userfile}",

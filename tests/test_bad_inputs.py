@@ -74,10 +74,12 @@ def world(tmp_path_factory, tiny_target) -> dict:
     truncgguf.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x05" * 20)
     nonutf8 = root / "latin1.jsonl"
     nonutf8.write_bytes(chat.read_bytes()[:200] + b"\n" + '{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'.encode("latin-1"))
+    twochats = root / "two.jsonl"
+    twochats.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)[:2]))
     norole = root / "norole.jsonl"
     norole.write_text(json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
     return {"run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
-            "chat": chat, "nonutf8": nonutf8, "norole": norole, "evilckpt": evil,
+            "chat": chat, "twochats": twochats, "nonutf8": nonutf8, "norole": norole, "evilckpt": evil,
             "evilrun": _fake_run(root, "evil-run", finished, evil.read_bytes()), "truncckpt": trunc,
             "truncrun": _fake_run(root, "trunc-run", finished, trunc.read_bytes()), "truncst": truncst,
             "truncgguf": truncgguf, "notemplate": notemplate, "marker": marker,

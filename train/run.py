@@ -102,6 +102,9 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     for name in eval_datasets(cfg):
         heldouts[name] = heldout if name == cfg.data.dataset else build_datasets(
             name, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction, cfg.data.num_proc, cfg.data.plain_text)[1]
+        if len(heldouts[name]) == 0:  # validation (and the promise) needs at least one
+            raise ConfigError(f"data.heldout_fraction: no held-out conversations in {name} at {cfg.data.heldout_fraction} "
+                              "(held out by prompt hash); raise data.heldout_fraction or use more data")
     return train, heldouts, d2t, t2d
 
 
@@ -123,8 +126,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, o
         import dataclasses
         import tempfile
 
+        # one batch end to end: one held-out batch too (a rehearsal's promise means nothing)
+        rehearsal_eval = dataclasses.replace(cfg.eval, num_sequences=min(cfg.eval.num_sequences, cfg.data.batch_size))
         with tempfile.TemporaryDirectory(prefix="draftsmith-rehearsal-") as tmp:
-            summary = _run(dataclasses.replace(cfg, out_dir=tmp), resume, False, False)
+            summary = _run(dataclasses.replace(cfg, out_dir=tmp, eval=rehearsal_eval), resume, False, False)
         print(f"rehearsal (trainer.fast_dev_run) passed; nothing was kept, {cfg.out_dir} is untouched")
         return summary
     return _run(cfg, resume, prepare_only, overwrite)
@@ -194,7 +199,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     t0 = time.time()
     try:
-        trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume, weights_only=True)
     except SystemExit:  # Lightning exits after a graceful shutdown on Ctrl-C / SIGTERM
         if trainer.interrupted:
             raise TrainingInterrupted(trainer.global_step, out_dir / "checkpoints" / "last.ckpt") from None
