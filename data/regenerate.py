@@ -218,12 +218,12 @@ def main(argv=None) -> int:
         resolve_device
 
     ap = Parser(prog="python -m data.regenerate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
     ap.add_argument("--dataset", default="sharegpt", help="zoo name, ShareGPT JSON or OpenAI-messages JSONL")
     ap.add_argument("--out", required=True, help="output folder (conversations.jsonl); re-run to resume")
     ap.add_argument("--limit", type=int, default=None, help="first N usable conversations of the source (unset: all)")
     ap.add_argument("--batch-size", type=int, default=None, help="conversations per batch (default 64 on GPU, 4 on CPU)")
-    ap.add_argument("--max-new-tokens", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most")
     ap.add_argument("--max-length", type=int, default=2048, help="stop a conversation once a turn would pass this")
     ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
     ap.add_argument("--keep-loops", action="store_true", help="keep answers that end in a repetition loop whole")

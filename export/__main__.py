@@ -92,10 +92,11 @@ def main(argv=None) -> int:
     ap = _Parser(prog="python -m export", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a run folder (its checkpoints/last.ckpt) or a checkpoint file")
-    ap.add_argument("--format", required=True, choices=sorted({f for fs in FORMATS.values() for f in fs}))
+    ap.add_argument("--format", required=True, choices=sorted({f for fs in FORMATS.values() for f in fs}),
+                    help="the serving layout (which ones carry which method: above)")
     ap.add_argument("--out", required=True, help="a new (or empty) folder, or an existing draftsmith export with --force")
     ap.add_argument("--force", action="store_true", help="replace --out when it is a draftsmith export (nothing else is ever replaced)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the stored weights")
     args = ap.parse_args(argv)
     from data.sources import DataError
     from models.zoo import AssetError

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
                     "vocabulary is mapped by token strings (greedy only)")
     ap.add_argument("-k", type=int, default=4, help="drafts per step")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated at most")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass")
     ap.add_argument("--verification", default="standard", choices=["standard", "block"],

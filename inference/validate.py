@@ -363,12 +363,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dataset", required=True, help="mt-bench, humaneval, sharegpt-heldout or a JSON/JSONL file")
     ap.add_argument("--target", help="default: the target named in the export")
     ap.add_argument("-k", type=int, default=None, help="chain length (unset: the predicted one)")
-    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (what training predicts); > 0: sampled")
     ap.add_argument("--verification", default="standard", choices=["standard", "block"],
                     help="rejection sampling or block verification when --temperature > 0")
     ap.add_argument("--tolerance", type=float, default=0.1, help="largest accepted relative tau gap")
     ap.add_argument("--num-prompts", type=int, default=None, help="questions served, taken from the categories in turn (unset: all)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     ap.add_argument("--max-turns", type=int, default=None, help="turns served per question (unset: all)")
     ap.add_argument("--reference", action="append", choices=["ngram", "suffix"], default=[],
                     help="also serve the same prompts with this proposer (repeatable): reference rows")
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=None,
                     help="questions served together (default 16 on a GPU, 1 on CPU); tokens/s is then throughput")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
-    ap.add_argument("--out", default="validation")
+    ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
     args = ap.parse_args(argv)
     from data.sources import DataError
     from models.zoo import AssetError

@@ -141,3 +141,15 @@ def test_the_corpus_covers_every_command():
 
     per_cli = Counter(c.cli for c in CASES.values())
     assert set(per_cli) == set(MAINS) and len(CASES) >= 60, per_cli
+
+
+@pytest.mark.parametrize("cli,flag,default", [
+    ("train", "--config", "None"), ("export", "--dtype", "bfloat16"), ("export.check", "--target", "None"),
+    ("generate", "--max-new-tokens", "256"), ("validate", "--tolerance", "0.1"), ("bench", "--num-prompts", "20"),
+    ("regenerate", "--max-new-tokens", "512")])
+def test_every_help_shows_the_defaults(cli, flag, default, capsys):
+    assert _call(cli, ["--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    options = out[out.index("options:"):]
+    after = options[options.index(flag):]
+    assert f"(default: {default})" in after[:400], after[:400]
