@@ -59,7 +59,7 @@ def sharegpt_to_messages(row: dict) -> list[dict] | None:
 def _sharegpt(row: dict) -> tuple[list[dict] | None, str | None]:
     turns = row.get("conversations") or row.get("conversation")
     if not isinstance(turns, list):
-        return None, "no messages or conversations"
+        return None, "no turns"
     messages = []
     for turn in turns:
         if not isinstance(turn, dict):

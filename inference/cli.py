@@ -39,7 +39,7 @@ def not_negative(v):
     return v is None or v >= 0
 
 
-not_negative.what = "not negative"
+not_negative.what = ">= 0"
 
 
 def positive(v):

@@ -78,7 +78,7 @@ def test_resume_with_other_settings_and_bad_input_are_one_line_errors(tmp_path):
     assert res.returncode == 2 and "max_new_tokens" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(cmd[:5] + ["no-such-data", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "no-such-data" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run(cmd[:6] + [str(tmp_path / "y"), "--shard", "2/2"], capture_output=True, text=True, timeout=300)
+    res = subprocess.run(cmd[:6] + [str(source), "--out", str(tmp_path / "y"), "--shard", "2/2"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "--shard" in res.stderr and "Traceback" not in res.stderr
 
 
