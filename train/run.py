@@ -126,8 +126,10 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, o
         import dataclasses
         import tempfile
 
-        # one batch end to end: one held-out batch too (a rehearsal's promise means nothing)
-        rehearsal_eval = dataclasses.replace(cfg.eval, num_sequences=min(cfg.eval.num_sequences, cfg.data.batch_size))
+        # one batch end to end: one held-out batch and a few chains in each (a rehearsal's promise
+        # means nothing; walking whole 2,048-token answers on a CPU took most of 17 minutes)
+        rehearsal_eval = dataclasses.replace(cfg.eval, num_sequences=min(cfg.eval.num_sequences, cfg.data.batch_size),
+                                             anchors_per_sequence=min(cfg.eval.anchors_per_sequence or 8, 8))
         with tempfile.TemporaryDirectory(prefix="draftsmith-rehearsal-") as tmp:
             summary = _run(dataclasses.replace(cfg, out_dir=tmp, eval=rehearsal_eval), resume, False, False)
         print(f"rehearsal (trainer.fast_dev_run) passed; nothing was kept, {cfg.out_dir} is untouched")
