@@ -153,3 +153,30 @@ def test_every_help_shows_the_defaults(cli, flag, default, capsys):
     options = out[out.index("options:"):]
     after = options[options.index(flag):]
     assert f"(default: {default})" in after[:400], after[:400]
+
+
+def test_a_drafter_given_is_the_drafter_used():
+    from inference.cli import CliError
+    from inference.generate import choose_proposer
+
+    assert choose_proposer(None, "runs/x/export", None) == "drafter"
+    assert choose_proposer(None, None, "tiny-random-llama") == "draft-model"
+    assert choose_proposer(None, None, None) == "ngram"
+    assert choose_proposer("medusa", "runs/x/export", None) == "medusa"
+    with pytest.raises(CliError, match="--drafter runs/x/export would be ignored by --proposer suffix"):
+        choose_proposer("suffix", "runs/x/export", None)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "geteuid") or __import__("os").geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_a_read_only_output_folder_is_one_line(world, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        code = _call("export", ["--checkpoint", str(world["run"]), "--format", "speculators", "--out", str(locked / "x")])
+        assert code == 2 and "cannot write in" in capsys.readouterr().err
+        assert _call("train", tiny_overrides(str(world["chat"]), locked / "run")) == 2
+        assert "cannot write in" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o755)
