@@ -88,7 +88,9 @@ CASES = {
     "train-resume-fails-on-data-writes-nothing": train("out_dir={run}", "data.dataset={nonutf8}", "--resume",
                                                        phrase="not UTF-8 text (byte 0xe9"),
     "train-resume-different-drafter": train("out_dir={run}", "drafter.norm_before_fc=true", "--resume",
-                                            phrase="holds a run with a different drafter"),
+                                            phrase="holds a run with a different drafter.norm_before_fc (False there, True now)"),
+    "train-resume-different-target": train("out_dir={run}", "target={notemplate}", "--resume",
+                                           phrase="holds a run with a different target"),
     # ---- train: hostile and corrupt inputs
     "train-resume-hostile-pickle": train("--resume", "{evilckpt}", phrase="refusing to load it"),
     "train-resume-truncated-checkpoint": train("--resume", "{truncckpt}", phrase="not a readable checkpoint"),

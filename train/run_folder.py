@@ -67,9 +67,19 @@ def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
     except (OSError, yaml.YAMLError):
         return  # unreadable: the checkpoint's strict load decides
     for key in SAME_RUN_KEYS:
-        if key in stored and stored[key] != cfg_dict.get(key):
-            raise ConfigError(f"--resume: {out_dir} holds a run with a different {key} ({_short(stored[key])} there, "
-                              f"{_short(cfg_dict.get(key))} now); resume it with its own settings or choose another out_dir")
+        if key not in stored:
+            continue
+        old, new = stored[key], cfg_dict.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):  # a field added since that run is not a difference
+            changed = [sub for sub in old if old[sub] != new.get(sub)]
+            if changed:
+                sub = changed[0]
+                raise ConfigError(f"--resume: {out_dir} holds a run with a different {key}.{sub} ({_short(old[sub])} "
+                                  f"there, {_short(new.get(sub))} now); resume it with its own settings or choose "
+                                  "another out_dir")
+        elif old != new:
+            raise ConfigError(f"--resume: {out_dir} holds a run with a different {key} ({_short(old)} there, "
+                              f"{_short(new)} now); resume it with its own settings or choose another out_dir")
 
 
 def _short(value) -> str:
