@@ -87,7 +87,7 @@ def test_eagle1_recipe_cli_and_export_layout_round_trip(chat_file, tmp_path):
 
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/eagle1.yaml", *tiny_overrides(chat_file, out),
-                          "trainer.fast_dev_run=true", "trainer.precision=32-true", "drafter.draft_vocab_size=49152"],
+                          "trainer.max_steps=1", "trainer.precision=32-true", "drafter.draft_vocab_size=49152"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"

@@ -51,12 +51,12 @@ def test_heads_read_no_tokens_and_no_future_position():
         assert not torch.allclose(a[:, 4:], b[:, 4:])
 
 
-def test_medusa_recipe_cli_fast_dev_run_and_export_round_trip(chat_file, tmp_path):
+def test_medusa_recipe_cli_one_step_and_export_round_trip(chat_file, tmp_path):
     from export.medusa import load_medusa
 
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
-                          *tiny_overrides(chat_file, out), "trainer.fast_dev_run=true", "trainer.precision=32-true"],
+                          *tiny_overrides(chat_file, out), "trainer.max_steps=1", "trainer.precision=32-true"],
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     config = json.loads((out / "export" / "config.json").read_text())

@@ -188,3 +188,13 @@ def test_eval_temperatures_are_checked(chat_file, tmp_path):
     for bad in ([], [-1.0], [1.0, 1.0], ["hot"]):
         with pytest.raises(ConfigError, match="eval.temperatures"):
             load_config(None, tiny_overrides(chat_file, tmp_path, **{"eval.temperatures": bad}))
+
+
+def test_a_rehearsal_keeps_nothing_so_the_real_run_can_follow(chat_file, tmp_path):
+    """fast_dev_run goes end to end in a temporary folder: out_dir stays absent, and a run
+    launched next into it is not refused as 'already holds a run'."""
+    out = tmp_path / "run"
+    run(load_config(None, tiny_overrides(chat_file, out, **{"trainer.fast_dev_run": True})))
+    assert not out.exists()
+    run(load_config(None, tiny_overrides(chat_file, out, **{"trainer.max_steps": 1})))
+    assert (out / "export" / "config.json").is_file()
