@@ -51,7 +51,11 @@ def _method_and_config(folder: Path):
     meta_path = folder / "draftsmith.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{folder}: no draftsmith.json (provenance and drafter config) to check against")
-    meta = json.loads(meta_path.read_text())
+    from export.io import read_json
+
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict):
+        raise ValueError(f"{meta_path}: not a draftsmith.json (a JSON object is expected)")
     return meta.get("method"), meta
 
 

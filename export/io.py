@@ -37,6 +37,17 @@ def atomic_folder(dest: str | Path):
         raise
 
 
+def read_json(path: str | Path):
+    """A JSON file's content; ValueError naming the file when it is not valid JSON (or not UTF-8)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+
+
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 

@@ -18,7 +18,11 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder} is not an export folder (no config.json)")
-    config = json.loads(config_path.read_text())
+    from export.io import read_json
+
+    config = read_json(config_path)  # the readers below parse these again: a corrupt file is named here first
+    if (folder / "draftsmith.json").is_file():
+        read_json(folder / "draftsmith.json")
     arch = (config.get("architectures") or [None])[0]
     if config.get("num_nextn_predict_layers"):
         from export.mtp import load_mtp

@@ -239,7 +239,9 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"--drafter: {folder} is not an export folder (no config.json)")
     prov_path = folder / "draftsmith.json"
-    provenance = json.loads(prov_path.read_text()) if prov_path.is_file() else {}
+    from export.io import read_json
+
+    provenance = read_json(prov_path) if prov_path.is_file() else {}
     predicted = provenance.get("predicted_acceptance") or {}
     if "a" in predicted:
         k = k or predicted.get("k", len(predicted["a"]))
@@ -249,7 +251,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         predicted = None  # predictor replayed on the served answers (the runtime gap alone)
         if not k:
             raise ValueError(f"-k: {folder} carries no predicted acceptance (no draftsmith.json); pass -k")
-    target = target or provenance.get("target") or _target_named_in(json.loads((folder / "config.json").read_text()))
+    target = target or provenance.get("target") or _target_named_in(read_json(folder / "config.json"))
     if not target:
         raise ValueError("--target: the export does not name its target; pass --target")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

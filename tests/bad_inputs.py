@@ -18,6 +18,7 @@ Placeholders in braces are paths built once by the test's fixture (see WORLD the
   {truncgguf} a truncated GGUF file                   {notemplate} a target whose tokenizer has no chat template
   {longprompt} a prompt beyond the tiny target's 4,096-token window
   {marker}    the file the hostile pickle would create
+  {badmeta}   an export whose draftsmith.json is not JSON     {badconfig} an export whose config.json is not JSON
 """
 from __future__ import annotations
 
@@ -128,6 +129,7 @@ CASES = {
     "check-user-folder": check("{userdir}", phrase="no draftsmith.json"),
     "check-hostile-checkpoint": check("{export}", "--checkpoint", "{evilckpt}", phrase="refusing to load it"),
     "check-truncated-checkpoint": check("{export}", "--checkpoint", "{truncckpt}", phrase="not a readable checkpoint"),
+    "check-corrupt-draftsmith-json": check("{badmeta}", phrase="draftsmith.json"),
     "check-missing-checkpoint": check("{export}", "--checkpoint", "{fresh}", phrase="does not exist"),
     # ---- generate
     "generate-negative-new-tokens": generate("--prompt", "hi", *G, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
@@ -168,6 +170,9 @@ CASES = {
     "validate-new-tokens-beyond-context": validate(*V, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
     "validate-drafter-not-an-export": validate("--drafter", "{userdir}", "--dataset", "mt-bench", "--device", "cpu",
                                                "--out", "{fresh}", phrase="is not an export folder"),
+    "validate-corrupt-config-json": validate("--drafter", "{badconfig}", "--dataset", "mt-bench", "--device", "cpu",
+                                             "--out", "{fresh}", "--target", "tiny-random-llama", phrase="config.json"),
+    "generate-corrupt-drafter-config": generate("--prompt", "hi", *G, "--drafter", "{badconfig}", phrase="config.json"),
     # ---- bench
     "bench-num-prompts-zero": bench(*B, "--num-prompts", "0", phrase="--num-prompts: must be positive"),
     "bench-num-prompts-negative": bench(*B, "--num-prompts", "-2", phrase="--num-prompts: must be positive"),

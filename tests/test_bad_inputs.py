@@ -78,7 +78,13 @@ def world(tmp_path_factory, tiny_target) -> dict:
     twochats.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)[:2]))
     norole = root / "norole.jsonl"
     norole.write_text(json.dumps({"messages": [{"content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n")
-    return {"run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
+    badmeta = root / "bad-meta-export"
+    shutil.copytree(export, badmeta)
+    (badmeta / "draftsmith.json").write_text("{not json")
+    badconfig = root / "bad-config-export"
+    shutil.copytree(export, badconfig)
+    (badconfig / "config.json").write_text("{not json")
+    return {"badmeta": badmeta, "badconfig": badconfig, "run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
             "chat": chat, "twochats": twochats, "nonutf8": nonutf8, "norole": norole, "evilckpt": evil,
             "evilrun": _fake_run(root, "evil-run", finished, evil.read_bytes()), "truncckpt": trunc,
             "truncrun": _fake_run(root, "trunc-run", finished, trunc.read_bytes()), "truncst": truncst,

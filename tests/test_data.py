@@ -95,3 +95,20 @@ def test_jsonl_with_raw_unicode_line_separators(tmp_path):
     path.write_text(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n" + json.dumps({"messages": msgs}) + "\n",
                     encoding="utf-8")
     assert load_conversations(str(path)) == [msgs, msgs]
+
+
+def test_dropped_conversations_are_counted_by_reason(tmp_path, caplog):
+    import logging
+
+    from data.sources import load_conversations
+
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    rows = [good, good, {"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]},
+            {"messages": [{"role": "user", "content": "only a question"}]}, [1, 2], {"conversations": []}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with caplog.at_level(logging.WARNING, logger="data.sources"):
+        assert len(load_conversations(str(path))) == 2
+    assert ("kept 2 conversations, dropped 4: " in caplog.text and "1 with a message without a role" in caplog.text
+            and "1 with no assistant turn" in caplog.text and "1 with a row that is not a JSON object" in caplog.text
+            and "1 with no turns" in caplog.text)
