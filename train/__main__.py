@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 def main(argv=None) -> int:
     parser = _Parser(prog="python -m train", description="Train a speculative-decoding drafter.",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", default=None, help=f"YAML recipe (default: {DEFAULT_CONFIG.name})")
+    parser.add_argument("--config", default=None, help=f"YAML recipe; unset: configs/{DEFAULT_CONFIG.name}")
     parser.add_argument("--resume", nargs="?", const="last", default=None,
                         help="continue from a checkpoint: a path, or the run's last checkpoint when none is given")
     parser.add_argument("--overwrite", action="store_true",
