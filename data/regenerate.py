@@ -238,7 +238,7 @@ def main(argv=None) -> int:
         check_ranges(args, {"batch_size": positive, "max_new_tokens": positive, "max_length": positive, "limit": positive,
                             "max_minutes": positive})
         args.device = resolve_device(args.device)
-        check_output_folder(args.out)
+        check_output_folder(args.out, SETTINGS)
         check_new_tokens_fit(args.target, args.max_new_tokens)
         if args.max_new_tokens >= args.max_length:
             raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length {args.max_length}")

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
         device = resolve_device(args.device)
-        check_output_folder(args.out)
+        check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)

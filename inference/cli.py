@@ -89,14 +89,19 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, wha
                        f"context window of {context} tokens; shorten it or lower --max-new-tokens")
 
 
-def check_output_folder(out: str, flag: str = "--out") -> None:
-    """An output folder: absent (created later) or a folder we can write in; never a file."""
+def check_output_folder(out: str, own_file: str | None = None, flag: str = "--out") -> None:
+    """An output folder: absent (created later), empty, or one this command wrote before (it
+    holds `own_file`), and writable; never a file, never a folder of the user's own."""
     from pathlib import Path
 
     from export.paths import OutputPathError, check_writable
 
-    if Path(out).exists() and not Path(out).is_dir():
+    path = Path(out)
+    if path.exists() and not path.is_dir():
         raise CliError(f"{flag}: {out} is an existing file, not a folder; refusing to write over it")
+    if own_file and path.is_dir() and any(path.iterdir()) and not (path / own_file).is_file():
+        raise CliError(f"{flag}: {out} is a folder of other files (no {own_file} from an earlier run of this command); "
+                       "refusing to write into it (choose a new folder)")
     try:
         check_writable(Path(out), flag)
     except OutputPathError as e:
@@ -111,3 +116,18 @@ def check_new_tokens_fit(target: str | None, max_new_tokens: int) -> None:
     if context is not None and max_new_tokens >= context:
         raise CliError(f"--max-new-tokens {max_new_tokens} is beyond the target's context window of {context} tokens "
                        "(with a prompt in front)")
+
+
+def check_output_file(path: str, first_line: str, flag: str) -> None:
+    """A file this command writes: new, or one it wrote before (it starts with `first_line`)."""
+    from pathlib import Path
+
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag}: {path} is a folder, not a file")
+    if p.exists():
+        with open(p, "rb") as f:
+            head = f.read(len(first_line.encode()))
+        if head != first_line.encode():
+            raise CliError(f"{flag}: {path} exists and was not written by this command; refusing to replace it")
+    check_output_folder(str(p.parent) if str(p.parent) else ".", flag=flag)

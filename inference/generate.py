@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from inference.cli import CliError, Parser, at_least, check_fits, check_ranges, context_window, fail as _fail, \
-    not_negative, positive, resolve_device
+from inference.cli import CliError, Parser, check_fits, check_output_file, check_ranges, context_window, \
+    fail as _fail, not_negative, positive, resolve_device
 
 DRAFTER_PROPOSERS = ("drafter", "eagle3", "medusa")
 
@@ -48,6 +48,8 @@ def main(argv=None) -> int:
         args.proposer = choose_proposer(args.proposer, args.drafter, args.draft_model)
         check_ranges(args, {"temperature": not_negative, "top_k": not_negative, "max_new_tokens": positive})
         device = resolve_device(args.device)
+        if args.prometheus:  # a metrics file of ours is rewritten; any other file is the user's
+            check_output_file(args.prometheus, "# HELP draftsmith_spec_decode", "--prometheus")
     except CliError as e:
         return _fail(e)
     if not 0 < args.top_p <= 1:

@@ -389,7 +389,7 @@ def main(argv=None) -> int:
                             "max_minutes": positive, "batch_size": positive, "tolerance": not_negative,
                             "temperature": not_negative})
         args.device = resolve_device(args.device)
-        check_output_folder(args.out)
+        check_output_folder(args.out, "report.json")
         check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
