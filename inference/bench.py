@@ -81,8 +81,14 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = resolve_target(target)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts = [encode_prompt(tok, [{"role": "user", "content": q["turns"][0]}]) for q in load_prompts(prompts_spec)[:num_prompts]]
+    questions = load_prompts(prompts_spec)[:num_prompts]
+    prompts = [encode_prompt(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     eos = (tok.eos_token_id,)
+    from inference.cli import check_fits, context_window
+
+    context = context_window(path)
+    for q, p in zip(questions, prompts):  # every prompt + its new tokens inside the context window
+        check_fits(len(p), max_new, context, f"prompt {q['id']} of {prompts_spec}")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     rt = load_runtime(path, dtype=dtype, device=device)
     k_max = max(ks)

@@ -43,6 +43,7 @@ class RuntimeConfig:
     tie_word_embeddings: bool
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3
+    max_position_embeddings: int | None = None  # the context window (prompt + new tokens), where the config says
 
     @classmethod
     def from_hf(cls, hf_config) -> "RuntimeConfig":
@@ -64,6 +65,7 @@ class RuntimeConfig:
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=kind == "qwen3",
+            max_position_embeddings=getattr(hf_config, "max_position_embeddings", None),
         )
 
 

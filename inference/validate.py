@@ -89,13 +89,16 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
     from tqdm import tqdm
 
     from data.chat import encode_prompt
-    from inference.engine import cache_size, generate
+    from inference.cli import check_fits
+    from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.proposers import drafter_proposer
 
     device = rt.embed_tokens.weight.device
     generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
     eos = tokenizer.eos_token_id
     records = []
+    context = getattr(rt.config, "max_position_embeddings", None)
+    proposers = {}  # one drafter proposer per (batch, cache length): its captured graphs are reused
     with tqdm(total=len(questions), desc="validating", unit="question", disable=not progress) as bar:
         for start in range(0, len(questions), batch_size):
             if deadline is not None and records and time.time() > deadline:
@@ -108,9 +111,15 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
                 for i in rows:
                     conversations[i].append({"role": "user", "content": batch[i]["turns"][turn]})
                     prompts.append(encode_prompt(tokenizer, conversations[i]))
-                proposer = (make_proposer(prompts) if make_proposer else
-                            drafter_proposer(drafter, k, len(prompts), cache_size(prompts, max_new_tokens, k), rt.config))
-                outs, stats = generate(rt, prompts, max_new_tokens, proposer=proposer, eos_ids=(eos,),
+                    check_fits(len(prompts[-1]), max_new_tokens, context, f"question {batch[i]['id']}, turn {turn + 1}")
+                max_len = -(-cache_size(prompts, max_new_tokens, k) // CACHE_BUCKET) * CACHE_BUCKET
+                if make_proposer:
+                    proposer = make_proposer(prompts)
+                else:
+                    key = (len(prompts), max_len)
+                    proposer = proposers.get(key) or proposers.setdefault(
+                        key, drafter_proposer(drafter, k, len(prompts), max_len, rt.config))
+                outs, stats = generate(rt, prompts, max_new_tokens, proposer=proposer, eos_ids=(eos,), max_len=max_len,
                                        temperature=temperature, generator=generator, verification=verification)
                 new_tokens = max(sum(len(o) for o in outs), 1)
                 for i, prompt, answer, hist in zip(rows, prompts, outs, stats.row_histograms):

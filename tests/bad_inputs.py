@@ -172,6 +172,8 @@ CASES = {
     "validate-out-user-folder": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out",
                                          "{userdir}", phrase="is a folder of other files (no report.json"),
     "validate-new-tokens-beyond-context": validate(*V, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    "validate-prompt-beyond-context": validate(*V, "--max-new-tokens", "4090", "--num-prompts", "1",
+                                              phrase="question 81, turn 1 ("),
     "validate-drafter-not-an-export": validate("--drafter", "{userdir}", "--dataset", "mt-bench", "--device", "cpu",
                                                "--out", "{fresh}", phrase="is not an export folder"),
     "validate-corrupt-config-json": validate("--drafter", "{badconfig}", "--dataset", "mt-bench", "--device", "cpu",
@@ -189,6 +191,8 @@ CASES = {
                                    phrase="is a folder of other files (no bench.json"),
     "bench-drafter-not-an-export": bench(*B, "--drafter", "{userdir}", phrase="is not an export folder"),
     "bench-new-tokens-beyond-context": bench(*B, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    "bench-prompt-beyond-context": bench(*B, "--max-new-tokens", "4090", "--num-prompts", "1",
+                                         phrase="prompt 81 of mt-bench ("),
     # ---- regenerate
     "regenerate-mistyped-dataset-writes-nothing": regenerate("--target", "tiny-random-llama", "--dataset", "sharegtp",
                                                              "--device", "cpu", "--out", "{fresh}", phrase="is not a zoo name"),
