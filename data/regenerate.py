@@ -242,6 +242,11 @@ def main(argv=None) -> int:
         check_new_tokens_fit(args.target, args.max_new_tokens)
         if args.max_new_tokens >= args.max_length:
             raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length {args.max_length}")
+        from models.zoo import target_context_length
+
+        context = target_context_length(args.target)
+        if context is not None and args.max_length > context:  # prompt + answer beyond it would decode garbage
+            raise CliError(f"--max-length {args.max_length} is beyond the target's context window of {context} tokens")
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -196,6 +196,8 @@ CASES = {
     # ---- regenerate
     "regenerate-mistyped-dataset-writes-nothing": regenerate("--target", "tiny-random-llama", "--dataset", "sharegtp",
                                                              "--device", "cpu", "--out", "{fresh}", phrase="is not a zoo name"),
+    "regenerate-max-length-beyond-context": regenerate(*R, "--max-length", "5000",
+                                                       phrase="--max-length 5000 is beyond the target's context window of 4096"),
     "regenerate-batch-size-zero": regenerate(*R, "--batch-size", "0", phrase="--batch-size: must be positive"),
     "regenerate-negative-new-tokens": regenerate(*R, "--max-new-tokens", "-5", phrase="--max-new-tokens: must be positive"),
     "regenerate-max-minutes-zero": regenerate(*R, "--max-minutes", "0", phrase="--max-minutes: must be positive"),
