@@ -1,0 +1,218 @@
+"""Draft trees (inference/tree.py): EAGLE-2 selection keeps parents and breaks ties
+deterministically, static trees, greedy tree verification against a brute force, KV
+compaction, and tree rejection sampling reproducing the target's distribution (chi-square)."""
+import random
+
+import pytest
+import torch
+
+from inference.tree import (ancestor_mask, compact_cache, compaction_index, expand_depth, finalize,
+                            greedy_tree_verify, select_tree, start_tree, static_tree, tree_rejection_sample,
+                            tree_rejection_verify)
+from kernels.greedy_verify import greedy_verify_reference
+from kernels.rejection_sample import rejection_sample_reference
+from tests.test_sampling import chi_square_p
+
+
+def random_parents(B, N, g):
+    """[B,N] a random tree per row, parents before children (-1: a child of the root)."""
+    parents = torch.full((B, N), -1, dtype=torch.long)
+    for i in range(1, N):
+        parents[:, i] = torch.randint(-1, i, (B,), generator=g)
+    return parents
+
+
+def ancestors(parents_row, i):
+    """Node i and its ancestors, deepest first (plain Python)."""
+    chain = []
+    while i >= 0:
+        chain.append(i)
+        i = parents_row[i]
+    return chain
+
+
+# ---------------------------------------------------------------------------- selection
+def one_depth(state, tokens, logprobs, top_k=2):
+    return expand_depth(state, torch.tensor(tokens)[None], torch.tensor(logprobs)[None], top_k)
+
+
+def test_tie_parent_and_child_keeps_the_parent():
+    """A child whose log-prob is 0 (or rounds above 0) ties its parent's cumulative score: the
+    parent is kept first, then the child before an equal-scored later candidate."""
+    state = one_depth(start_tree(1), [[10, 11]], [[-1.0, -1.5]])  # candidates 0: 10 (-1), 1: 11 (-1.5)
+    # children of 10: 20 with log-prob 0 (a tie with its parent), 21; of 11: 22, 23
+    state = one_depth(state, [[20, 21], [22, 23]], [[0.0, -3.0], [1e-7, -3.0]])
+    assert state.scores.tolist()[0][:4] == [-1.0, -1.5, -1.0, -4.0]
+    assert state.scores[0, 4] == -1.5  # 22's log-prob rounded above 0 is clamped: it ties 11
+    base = torch.tensor([5])
+    one = finalize(state, 1, base)
+    assert one.tokens.tolist() == [[10]] and one.parents.tolist() == [[-1]]
+    three = finalize(state, 3, base)
+    # ranked 10, 20 (tie with its parent), then 11 before 22 (equal scores: lower depth first)
+    assert three.tokens.tolist() == [[10, 11, 20]]
+    assert three.parents.tolist() == [[-1, -1, 0]] and three.positions.tolist() == [[6, 6, 7]]
+    assert finalize(state, 4, base).tokens.tolist() == [[10, 11, 20, 22]]
+    # siblings with equal scores: the lower index first, every time
+    state = one_depth(start_tree(1), [[7, 3, 5]], [[-0.5, -0.5, -0.5]], top_k=3)
+    assert finalize(state, 2, base).tokens.tolist() == [[7, 3]]
+
+
+def brute_select(scores, total):
+    """Kept candidate indices by (score desc, index asc), in index order (plain Python)."""
+    ranked = sorted(range(len(scores)), key=lambda c: (-scores[c], c))
+    return sorted(ranked[:total])
+
+
+def test_select_tree_keeps_parents_before_children_on_random_scores():
+    rng = random.Random(0)
+    for case in range(200):
+        B, depth, top_k = rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 3)
+        V = top_k + rng.randint(0, 3)
+        g = torch.Generator().manual_seed(case)
+        state = start_tree(B)
+        for d in range(depth):
+            # coarse logits make many exact ties between siblings, cousins, parent and child
+            logits = torch.randint(0, 3, (B, state.frontier.shape[1], V), generator=g).float()
+            top = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
+            new_scores = state.frontier_scores[:, :, None] + top.values.clamp_max(0)
+            state = expand_depth(state, top.indices, top.values, top_k)
+            # the frontier is the best top_k new candidates, lower index first on ties
+            for b in range(B):
+                flat = new_scores[b].flatten().tolist()
+                best = sorted(range(len(flat)), key=lambda c: (-flat[c], c))[:top_k]
+                C_before = state.tokens.shape[1] - len(flat)
+                assert state.frontier[b].tolist() == [C_before + c for c in best]
+        C = top_k + (depth - 1) * top_k * top_k
+        assert state.tokens.shape == (B, C)
+        total = rng.randint(1, C)
+        base = torch.randint(0, 50, (B,), generator=g)
+        tree = finalize(state, total, base)
+        N = total
+        assert tree.tokens.shape == tree.parents.shape == tree.depths.shape == tree.positions.shape == (B, N)
+        assert tree.mask.shape == (B, N, N)
+        assert (tree.parents < torch.arange(N)).all() and (tree.parents >= -1).all()
+        parent_depth = torch.where(tree.parents >= 0, tree.depths.gather(1, tree.parents.clamp_min(0)), 0)
+        assert torch.equal(tree.depths, parent_depth + 1)
+        assert torch.equal(tree.positions, base[:, None] + tree.depths)
+        for b in range(B):
+            kept = brute_select(state.scores[b].tolist(), total)
+            assert tree.tokens[b].tolist() == [state.tokens[b, c].item() for c in kept]
+            cand_parent = state.parents[b].tolist()
+            assert tree.parents[b].tolist() == [kept.index(cand_parent[c]) if cand_parent[c] >= 0 else -1
+                                                for c in kept]  # .index raises if a parent was dropped
+            par = tree.parents[b].tolist()
+            want = torch.zeros(N, N, dtype=torch.bool)
+            for i in range(N):
+                want[i, ancestors(par, i)] = True
+            assert torch.equal(tree.mask[b], want)
+
+
+def test_select_tree_drives_a_drafter_depth_by_depth():
+    """select_tree asks for the drafter's log-probs once per depth after the first, for the
+    F = top_k frontier nodes, and a chain (top_k = 1) is the drafter's greedy chain."""
+    V, calls = 11, []
+    table = torch.log_softmax(torch.randn(V, V, generator=torch.Generator().manual_seed(1)) * 3, -1)
+
+    def child_logprobs(state):  # a bigram "drafter": log-probs after the frontier's token
+        calls.append(tuple(state.frontier.shape))
+        return table[state.tokens.gather(1, state.frontier)]
+
+    root = table[torch.tensor([4, 9])]
+    tree = select_tree(root, child_logprobs, depth=4, top_k=1, total_tokens=4, base_positions=torch.tensor([3, 8]))
+    assert calls == [(2, 1)] * 3
+    for b, t in enumerate((4, 9)):
+        chain = []
+        for _ in range(4):
+            t = int(table[t].argmax())
+            chain.append(t)
+        assert tree.tokens[b].tolist() == chain
+    assert tree.parents.tolist() == [[-1, 0, 1, 2]] * 2
+    calls.clear()
+    tree = select_tree(root, child_logprobs, depth=3, top_k=3, total_tokens=8, base_positions=torch.tensor([3, 8]))
+    assert calls == [(2, 3)] * 2 and tree.tokens.shape == (2, 8)
+
+
+def test_static_tree_from_medusa_paths():
+    paths = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)]
+    candidates = torch.arange(2 * 3 * 4).reshape(2, 3, 4)  # [B,D,K]: token = 12 b + 4 depth + rank
+    tree = static_tree(paths, candidates, torch.tensor([10, 20]))
+    # order: depth then path: (0,) (1,) (2,) (0,0) (0,1) (1,0) (0,0,0)
+    assert tree.parents.tolist() == [[-1, -1, -1, 0, 0, 1, 3]] * 2
+    assert tree.depths.tolist() == [[1, 1, 1, 2, 2, 2, 3]] * 2
+    assert tree.tokens[0].tolist() == [0, 1, 2, 4, 5, 4, 8]
+    assert tree.tokens[1].tolist() == [12, 13, 14, 16, 17, 16, 20]
+    assert tree.positions[1].tolist() == [21, 21, 21, 22, 22, 22, 23]
+    assert tree.mask[0, 6].tolist() == [True, False, False, True, False, False, True]
+    with pytest.raises(ValueError, match=r"\(1, 1\)"):
+        static_tree([(0,), (1, 1, 0)], candidates, torch.tensor([0, 0]))
+
+
+# ---------------------------------------------------------------------------- greedy verification
+def brute_greedy(tokens, parents, choice):
+    """The deepest (then lowest-index) node whose whole root path matches (plain Python)."""
+    best, best_depth = -1, 0
+    for i in range(len(tokens)):
+        chain = ancestors(parents, i)
+        if all(tokens[j] == choice[parents[j] + 1] for j in chain) and len(chain) > best_depth:
+            best, best_depth = i, len(chain)
+    path = ancestors(parents, best)[::-1] if best >= 0 else []
+    return path, choice[best + 1]
+
+
+def test_greedy_tree_verify_matches_brute_force_over_all_paths():
+    g = torch.Generator().manual_seed(0)
+    for case in range(200):
+        B, N, V = 1 + case % 3, 1 + case % 13, 2 + case % 3  # a tiny vocabulary: many matches
+        parents = random_parents(B, N, g)
+        tokens = torch.randint(0, V, (B, N), generator=g)
+        tokens[torch.rand(B, N, generator=g) < 0.1] = -1  # empty slots never match
+        choice = torch.randint(0, V, (B, N + 1), generator=g)
+        path, length, bonus = greedy_tree_verify(tokens, parents, choice)
+        assert path.shape == (B, N)
+        for b in range(B):
+            want_path, want_bonus = brute_greedy(tokens[b].tolist(), parents[b].tolist(), choice[b].tolist())
+            assert path[b].tolist() == want_path + [-1] * (N - len(want_path))
+            assert length[b] == len(want_path) and bonus[b] == want_bonus
+
+
+def test_greedy_tree_verify_on_a_chain_equals_chain_verification():
+    g = torch.Generator().manual_seed(1)
+    B, k, V = 6, 4, 3
+    logits = torch.randn(B, k + 1, V, generator=g)
+    drafts = torch.randint(0, V, (B, k), generator=g)
+    chain = torch.arange(-1, k - 1).expand(B, k)
+    path, length, bonus = greedy_tree_verify(drafts, chain, logits.argmax(-1), max_depth=k)
+    accepted, want_bonus = greedy_verify_reference(drafts, logits)
+    assert torch.equal(length, accepted) and torch.equal(bonus, want_bonus)
+    assert torch.equal(path, torch.where(torch.arange(k) < accepted[:, None], torch.arange(k), -1))
+
+
+# ---------------------------------------------------------------------------- compaction
+def test_compact_cache_moves_exactly_the_accepted_entries():
+    g = torch.Generator().manual_seed(2)
+    B, nkv, S, d, N = 4, 3, 23, 5, 6
+    parents = random_parents(B, N, g)
+    parents[0] = torch.arange(-1, N - 1)  # row 0: a chain, wholly accepted
+    tokens = torch.randint(0, 2, (B, N), generator=g)
+    choice = torch.randint(0, 2, (B, N + 1), generator=g)
+    choice[0, :N] = tokens[0]
+    tokens[1] = -1  # row 1: nothing accepted
+    path, length, _ = greedy_tree_verify(tokens, parents, choice)
+    assert length[0] == N and length[1] == 0
+    base = torch.tensor([2, 9, 0, S - 1 - N])  # the last row's tree ends at the cache's last slot
+    src, dst, valid = compaction_index(path, base)
+    k_cache, v_cache = torch.randn(B, nkv, S, d, generator=g), torch.randn(B, nkv, S, d, generator=g)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for b in range(B):
+        for j in range(int(length[b])):
+            s = int(base[b]) + 1 + int(path[b, j])
+            want_k[b, :, int(base[b]) + 1 + j] = k_cache[b, :, s]
+            want_v[b, :, int(base[b]) + 1 + j] = v_cache[b, :, s]
+    out_k, out_v = compact_cache(k_cache, v_cache, src, dst, valid)
+    assert out_k is k_cache and out_v is v_cache  # in place
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # a hand-made case: row 0 keeps nodes 2 and 4 (slots 3 and 5 → 1 and 2), row 1 nothing
+    k = torch.arange(2 * 8, dtype=torch.float).reshape(2, 1, 8, 1)
+    src, dst, valid = compaction_index(torch.tensor([[2, 4, -1], [-1, -1, -1]]), torch.tensor([0, 6]))
+    compact_cache(k, k.clone(), src, dst, valid)
+    assert k[:, 0, :, 0].tolist() == [[0, 3, 5, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
