@@ -216,3 +216,64 @@ def test_compact_cache_moves_exactly_the_accepted_entries():
     src, dst, valid = compaction_index(torch.tensor([[2, 4, -1], [-1, -1, -1]]), torch.tensor([0, 6]))
     compact_cache(k, k.clone(), src, dst, valid)
     assert k[:, 0, :, 0].tolist() == [[0, 3, 5, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+
+
+# ---------------------------------------------------------------------------- tree sampling
+def sampled_tree(p_root, q_root, p_next, q_next, rows, g):
+    """rows draws of a two-level tree: 3 root children drawn without replacement from q_root,
+    2 children under each drawn without replacement from q_next[its token]. The target's
+    distribution after a node depends only on its token (p_next), so the second emitted token
+    given the first x follows p_next[x]. Layout: nodes 0-2 depth 1, then 3,4 | 5,6 | 7,8."""
+    V = p_root.shape[0]
+    first = torch.multinomial(q_root.expand(rows, V), 3, generator=g)  # [rows,3], without replacement
+    second = torch.multinomial(q_next[first.flatten()], 2, generator=g).reshape(rows, 6)
+    tokens = torch.cat([first, second], 1)
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 1, 2, 2]).expand(rows, 9)
+    uniform = torch.full((rows, 6, V), 1.0 / V)  # after the leaves: never read for drafts
+    draft_probs = torch.cat([q_root.expand(rows, 1, V), q_next[first], uniform], 1)  # [rows,10,V]
+    target_probs = torch.cat([p_root.expand(rows, 1, V), p_next[first], p_next[second]], 1)
+    return tokens, parents, draft_probs, target_probs
+
+
+def emitted(tokens, path, length, nxt, n):
+    """[rows,n] the first n emitted tokens (accepted nodes' tokens, then the next token)."""
+    cols = torch.arange(n)
+    accepted = tokens.gather(1, path[:, :n].clamp_min(0))
+    return torch.where(cols < length[:, None], accepted, nxt[:, None])
+
+
+def test_tree_sampling_reproduces_the_target_distribution():
+    """Chi-square over 120,000 draws: the first emitted token follows p_root, the second (given
+    the most frequent first) p_next[first]. The draft is skewed away from the target, so most
+    draws reject one or more siblings; a missing sibling renormalisation fails this test."""
+    V, rows = 6, 120_000
+    g = torch.Generator().manual_seed(0)
+    p_root = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.22, 0.28])
+    q_root = torch.tensor([0.40, 0.30, 0.15, 0.08, 0.05, 0.02])
+    p_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    q_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    tokens, parents, q, p = sampled_tree(p_root, q_root, p_next, q_next, rows, g)
+    path, length, nxt = tree_rejection_verify(tokens, parents, q, p, generator=g, max_depth=3, max_children=3)
+    assert path.shape == (rows, 3) and (length <= 2).all()
+    assert (length == 0).float().mean() > 0.05 and (length == 2).float().mean() > 0.05  # all outcomes occur
+    out = emitted(tokens, path, length, nxt, 2)
+    assert chi_square_p(torch.bincount(out[:, 0], minlength=V), p_root) > 0.01
+    mode = int(torch.bincount(out[:, 0]).argmax())
+    second = out[(out[:, 0] == mode) & (length >= 1), 1]  # first token from an accepted node
+    assert second.numel() > 5_000
+    assert chi_square_p(torch.bincount(second, minlength=V), p_next[mode]) > 0.01
+
+
+def test_tree_sampling_on_a_chain_equals_chain_rejection_sampling():
+    """With one child per node and the same uniforms, tree and chain verification agree."""
+    g = torch.Generator().manual_seed(3)
+    B, k, V = 500, 3, 7
+    p = torch.softmax(torch.randn(B, k + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B, k, V, generator=g) * 2, -1)
+    drafts = torch.multinomial(q.reshape(-1, V), 1, generator=g).reshape(B, k)
+    u_accept, u_sample = torch.rand(B, k, generator=g), torch.rand(B, generator=g)
+    accepted, nxt = rejection_sample_reference(drafts, q, p, u_accept, u_sample)
+    chain = torch.arange(-1, k - 1).expand(B, k)
+    q_tree = torch.cat([q, torch.full((B, 1, V), 1.0 / V)], 1)  # [B,k+1,V]: q after the root and each node
+    path, length, tree_next = tree_rejection_sample(drafts, chain, q_tree, p, u_accept[:, :, None], u_sample)
+    assert torch.equal(length, accepted) and torch.equal(tree_next, nxt)
