@@ -203,7 +203,11 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
     u * q(x) < p(x) (probability min(1, p/q)); on rejection p <- normalize(max(p - q, 0)) and
     q <- q without x, renormalised (the distribution the next sibling was drawn from). With
     every child rejected, or at a leaf, the next token is drawn from p. Returns
-    (path [B,D], length [B], next_token [B]), as `greedy_tree_verify`."""
+    (path [B,D], length [B], next_token [B]), as `greedy_tree_verify`.
+
+    Exactness needs the kept siblings to be a prefix of their draw order: a rerank that drops
+    an earlier-drawn sibling but keeps a later one (finalize by score) biases the result, so a
+    sampled tree must be pruned by whole draw-order suffixes."""
     B, N = tree_tokens.shape
     D, K = u_accept.shape[1], u_accept.shape[2]
     rows = torch.arange(B, device=tree_tokens.device)

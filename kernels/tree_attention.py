@@ -8,6 +8,7 @@ prefix, ending with the root token) and the tree keys j with tree_mask[b, i, j] 
 ancestors, inference/tree.py). The tree's own K/V come in separately because the tree slots of
 the cache (base + 1 + i) are not ordered by position: a position-causal mask cannot describe them.
 GQA: query head h reads KV head h // (nh / nkv), as transformers' repeat_kv orders them.
+base_positions must lie in 0..S-1 (not checked: that would be a host sync).
 """
 from __future__ import annotations
 
