@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.device_proposer import HostLoopInterface
+from inference.device_proposer import HostLoopInterface, check_drafter_fits
 from inference.model import cache_mask
 from kernels.rejection_sample import inverse_cdf
 from models.layers import apply_rope, rope_cos_sin
@@ -56,12 +56,7 @@ class _DeviceProposer(HostLoopInterface):
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         cfg = drafter.config
-        if cfg.vocab_size != target_config.vocab_size or cfg.hidden_size != target_config.hidden_size:
-            raise ValueError(f"this drafter was trained for another target: vocab {cfg.vocab_size} / hidden {cfg.hidden_size} "
-                             f"vs {target_config.vocab_size} / {target_config.hidden_size}")
-        capability = drafter.train_steps(k)
-        if k > capability:
-            raise ValueError(f"k={k}: this {type(drafter).__name__} drafts at most {capability} tokens per step")
+        check_drafter_fits(drafter, k, target_config)
         if max_len <= k + 1:
             raise ValueError(f"max_len {max_len} leaves no room for a verify window of k+1={k + 1} positions")
         self.drafter, self.k = drafter.eval(), k

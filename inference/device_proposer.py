@@ -7,6 +7,17 @@ from __future__ import annotations
 import torch
 
 
+def check_drafter_fits(drafter, k: int, target_config) -> None:
+    """The MTP / DFlash drafter was trained for this target and drafts at least k tokens."""
+    cfg = drafter.config
+    if cfg.vocab_size != target_config.vocab_size or cfg.hidden_size != target_config.hidden_size:
+        raise ValueError(f"this drafter was trained for another target: vocab {cfg.vocab_size} / hidden {cfg.hidden_size} "
+                         f"vs {target_config.vocab_size} / {target_config.hidden_size}")
+    capability = drafter.train_steps(k)
+    if k > capability:
+        raise ValueError(f"k={k}: this {type(drafter).__name__} drafts at most {capability} tokens per step")
+
+
 def advance_args(device, fed, aux, counts, active):
     """The host loop's (fed, aux, [(accepted, bonus)], [active]) as `advance`'s tensors."""
     return (torch.as_tensor(fed, device=device), aux, torch.as_tensor([c for c, _ in counts], device=device),

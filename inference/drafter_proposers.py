@@ -8,7 +8,7 @@ import torch
 
 import torch.nn.functional as F
 
-from inference.device_proposer import HostLoopInterface
+from inference.device_proposer import HostLoopInterface, check_drafter_fits
 from kernels.decode_attention import decode_attention
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
@@ -233,13 +233,7 @@ class RecomputeProposer:
     Keeps per row the target's features at verified positions ([S, width] buffers)."""
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
-        cfg = drafter.config
-        if cfg.vocab_size != target_config.vocab_size or cfg.hidden_size != target_config.hidden_size:
-            raise ValueError(f"this drafter was trained for another target: vocab {cfg.vocab_size} / hidden {cfg.hidden_size} "
-                             f"vs {target_config.vocab_size} / {target_config.hidden_size}")
-        capability = drafter.train_steps(k)
-        if k > capability:
-            raise ValueError(f"k={k}: this {type(drafter).__name__} drafts at most {capability} tokens per step")
+        check_drafter_fits(drafter, k, target_config)
         self.drafter, self.k = drafter.eval(), k
         self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers,)
         self.max_len = max_len

@@ -18,7 +18,7 @@ from inference.engine import cache_size, generate
 from inference.model import RuntimeModel
 from models.dflash import DFlashConfig, DFlashDrafter
 from models.mtp import MTPConfig, MTPDrafter
-from tests.test_sampling import assert_first_two_tokens_follow
+from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
 PROMPT_LENGTHS = (3, 11, 6, 1, 8)
 MAX_NEW = 24
@@ -176,14 +176,7 @@ def test_sampled_drafts_keep_the_target_distribution(tmp_path, kind, verificatio
     """Drafts sampled from the drafter's own softmax at T with their q: the first two emitted
     tokens still follow the target (8-token vocabulary, N rows in one batch), and drafts were
     accepted."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)
-    hf.save_pretrained(tmp_path)
-    rt = RuntimeModel.from_pretrained(tmp_path)
+    hf, rt = eight_token_target(tmp_path)
     prompt, T, N, k = [1, 2, 3, 4], 0.8, 10_000, 2
     drafter = _drafter(kind, hf, list(range(8)), std=0.5)
     proposer = CACHED[kind](drafter, k, N, cache_size([prompt], 2, k), rt.config)

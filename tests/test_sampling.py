@@ -14,6 +14,23 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
+def eight_token_target(folder):
+    """A 1-layer Llama over an 8-token vocabulary whose head is scaled up, so the distribution
+    is spread enough that acceptance matters: (transformers model, runtime model)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from inference.model import RuntimeModel
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, head_dim=8)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(20)
+    hf.save_pretrained(folder)
+    return hf, RuntimeModel.from_pretrained(folder)
+
+
 def assert_first_two_tokens_follow(hf, prompt, outs, T, vocab=8):
     """The first token of `outs` follows softmax(logits / T) after `prompt`, and so does the
     second after the most frequent first one (chi-square, p > 0.01)."""
@@ -96,19 +113,9 @@ class _FixedDrafts:
 def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts, verification):
     """End to end through the engine on an 8-token vocabulary: the first two sampled tokens
     follow softmax(logits / T), with or without drafts."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from inference.engine import generate
-    from inference.model import RuntimeModel
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)  # spread the distribution so that acceptance matters
-    hf.save_pretrained(tmp_path)
-    rt = RuntimeModel.from_pretrained(tmp_path)
+    hf, rt = eight_token_target(tmp_path)
     prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
     proposer = _FixedDrafts(drafts) if drafts else None
     outs, _ = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=T, generator=torch.Generator().manual_seed(1),
@@ -235,22 +242,13 @@ def test_synthetic_acceptance_hits_its_rate(tiny_target):
 def test_drafters_sampling_with_their_own_distribution_keep_the_target_distribution(tmp_path, kind, verification):
     """EAGLE-3 and Medusa sample their drafts from their own softmax at T and hand q to
     verification: the first two emitted tokens still follow the target (8-token vocabulary)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
     from inference.proposers import Eagle3Proposer, MedusaProposer
     from models.eagle3 import Eagle3Config, Eagle3Drafter
     from models.medusa import MedusaConfig, MedusaDrafter
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)
-    hf.save_pretrained(tmp_path)
-    rt = RuntimeModel.from_pretrained(tmp_path)
+    hf, rt = eight_token_target(tmp_path)
+    cfg = hf.config
     keep = (torch.zeros(8, dtype=torch.long), torch.ones(8, dtype=torch.bool))
     prompt, T, N, k = [1, 2, 3, 4], 0.8, 20_000, 2
     if kind == "eagle3":

@@ -13,7 +13,7 @@ from inference.engine import cache_size, generate
 from inference.model import RuntimeModel
 from inference.proposers import DraftModelProposer, GpuNgramProposer, drafter_proposer
 from inference.verify import NO_DRAFT
-from tests.test_sampling import assert_first_two_tokens_follow
+from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
 
@@ -144,16 +144,7 @@ class _FixedDeviceDrafts:
 def test_sampling_through_the_device_loop_follows_the_target(tmp_path, drafts, verification):
     """The first two sampled tokens follow softmax(logits / T) (8-token vocabulary, 20,000 rows
     in one batch), through the device loop with fixed drafts and no q."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(20)
-    hf.save_pretrained(tmp_path)
-    rt = RuntimeModel.from_pretrained(tmp_path)
+    hf, rt = eight_token_target(tmp_path)
     prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
     outs, stats = generate(rt, [prompt] * N, 2, proposer=_FixedDeviceDrafts(drafts, N), temperature=T,
                            generator=torch.Generator().manual_seed(1), verification=verification)
