@@ -25,15 +25,14 @@ class GenerationStats:
     new_tokens: int = 0
     histogram: list[int] = field(default_factory=list)  # accepted-length counts 0..k per drafted row-step
     row_histograms: list[list[int]] = field(default_factory=list)  # the same per row (histogram: their sum)
-    draft_seconds: float = 0.0  # drafting (device time on a GPU's device loop)
+    draft_seconds: float = 0.0  # the proposer's work (device time in the device loop: advance and draft)
     verify_seconds: float = 0.0  # the target's verify forward, acceptance and emission
     total_seconds: float = 0.0
     host_syncs: int = 0  # times the host waited for the device's results
     device_loop: bool = False  # drafted and verified by the device loop (inference/spec_loop.py)
-    # the device loop's "other" time, in parts: the proposer's advance phase (device time), the
-    # setup before the first step (prefill, first token, proposer's begin; synced), and the
-    # host's time launching the steps (when it exceeds the device's, the GPU waits on the host)
-    advance_seconds: float = 0.0
+    # what the device loop's "other" time holds: the setup before the first step (prefill,
+    # first token, the proposer's begin; synced), and the host's time launching the steps (when
+    # it exceeds the device's, the GPU waits on the host)
     setup_seconds: float = 0.0
     launch_seconds: float = 0.0
 
@@ -45,7 +44,7 @@ class GenerationStats:
                "draft_seconds": round(self.draft_seconds, 4), "verify_seconds": round(self.verify_seconds, 4),
                "other_seconds": round(other, 4),
                "draft_ms_per_step": per_step(self.draft_seconds), "verify_ms_per_step": per_step(self.verify_seconds),
-               "other_ms_per_step": per_step(other), "advance_ms_per_step": per_step(self.advance_seconds),
+               "other_ms_per_step": per_step(other),
                "host_launch_ms_per_step": per_step(self.launch_seconds), "setup_seconds": round(self.setup_seconds, 4),
                "host_syncs": self.host_syncs,
                "host_syncs_per_token": round(self.host_syncs / self.new_tokens, 4) if self.new_tokens else None,
@@ -252,7 +251,7 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
     stats.steps = int(loop.row_steps.max())
     stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
-    stats.advance_seconds, stats.launch_seconds = timing["advance"], timing["launch"]
+    stats.launch_seconds = timing["launch"]
     stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
     if hasattr(proposer, "end"):

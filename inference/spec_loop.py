@@ -2,8 +2,9 @@
 
 Every per-step value (drafts, accepted lengths, bonus tokens, positions, per-row done flags,
 the emitted tokens) stays on the device, so the host only launches steps. On a GPU each step
-is three CUDA-graph replays (draft, verify, advance; one shared memory pool) and the host reads
-the done flags once every `check_every` steps; on a CPU the same functions run eagerly.
+is two CUDA-graph replays (the target's verify step; the proposer's advance and next draft;
+one shared memory pool) and the host reads the done flags once every `check_every` steps; on a
+CPU the same functions run eagerly.
 
 Shapes: B rows, S token/cache slots per row, k drafts per step, V vocabulary, W aux width.
 Row b holds tokens[b, :length[b]] (prompt + emitted); the verify step feeds its last token and
@@ -87,21 +88,29 @@ class SpecLoop:
         # after the step: a row that has just finished keeps its proposer state in place
         self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, ~self.done)
 
+    def proposer_phase(self):
+        """The proposer's part of a step: take in the last step's verified tokens, then draft
+        the next chain (one graph: advance and draft share their launches)."""
+        self.advance_phase()
+        self.draft_phase()
+
     def _capture(self):
-        """Two real steps run eagerly on a side stream (warm-up), then the three phases are
-        captured into one memory pool, in the order they replay."""
+        """A first draft and two real steps run eagerly on a side stream (warm-up: the loop is
+        left holding fresh drafts), then the graphs are captured into one memory pool: the first
+        draft, the verify step, and the proposer's step (advance, then draft)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
+            self.draft_phase()
             for _ in range(2):
-                self.draft_phase()
                 self.verify_phase()
-                self.advance_phase()
+                self.proposer_phase()
         torch.cuda.current_stream().wait_stream(stream)
-        draft = capture_graph(self.draft_phase, warmup=0, generator=self.generator if self.sampled else None)
-        verify = capture_graph(self.verify_phase, warmup=0, pool=draft.pool(), generator=self.generator)
-        advance = capture_graph(self.advance_phase, warmup=0, pool=draft.pool())
-        self.graphs = (draft, verify, advance)
+        generator = self.generator if self.sampled else None
+        first_draft = capture_graph(self.draft_phase, warmup=0, generator=generator)
+        verify = capture_graph(self.verify_phase, warmup=0, pool=first_draft.pool(), generator=self.generator)
+        proposer = capture_graph(self.proposer_phase, warmup=0, pool=first_draft.pool(), generator=generator)
+        self.graphs = (first_draft, verify, proposer)
         self.state_ids = _state_ids(self.proposer)
 
     # ------------------------------------------------------------------ a whole generation
@@ -123,38 +132,45 @@ class SpecLoop:
         self.row_steps.zero_()
 
     def run(self, max_steps: int, check_every: int) -> dict:
-        """Steps until every row is done (read every `check_every` steps). Returns the device
-        time of the draft, verify and advance phases (CUDA events on a GPU, the host clock on a
-        CPU), the host's time spent launching them, the steps launched and the host syncs."""
-        timing = {"draft": 0.0, "verify": 0.0, "advance": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
+        """Steps until every row is done (read every `check_every` steps): a first draft, then
+        per step the verify graph and the proposer's graph, two replays. Returns the device time
+        of the proposer's work (advance and draft) and of the verify steps (CUDA events on a GPU,
+        the host clock on a CPU), the host's time launching them, the steps launched and the
+        host syncs."""
+        timing = {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
         cuda = self.tokens.device.type == "cuda"
+        drafted = False
         if self.graphed and (self.graphs is None or self.state_ids != _state_ids(self.proposer)):
             self._capture()
-            timing["launched"] += 2  # the warm-up steps were real steps
+            timing["launched"], drafted = 2, True  # the warm-up steps were real steps, and drafted
+        if not drafted:
+            t0 = time.perf_counter()
+            self._phase(0, self.draft_phase)
+            timing["launch"] += time.perf_counter() - t0
         if cuda:
-            events = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(check_every)]
-        phases = (self.draft_phase, self.verify_phase, self.advance_phase)
+            events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
+        phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
         while timing["launched"] < max_steps:
             if bool(self.done.all()):  # one host sync per check_every steps
                 break
             timing["syncs"] += 1
             for i in range(check_every):
-                for j, phase in enumerate(phases):
+                for j, (index, phase, name) in enumerate(phases):
                     if cuda:
                         events[i][j].record()
                     t0 = time.perf_counter()
-                    self._phase(j, phase)
+                    self._phase(index, phase)
+                    elapsed = time.perf_counter() - t0
+                    timing["launch"] += elapsed
                     if not cuda:
-                        timing[("draft", "verify", "advance")[j]] += time.perf_counter() - t0
-                    timing["launch"] += time.perf_counter() - t0
+                        timing[name] += elapsed
                 if cuda:
-                    events[i][3].record()
+                    events[i][2].record()
             if cuda:
-                events[-1][3].synchronize()
+                events[-1][2].synchronize()
                 for e in events:
-                    timing["draft"] += e[0].elapsed_time(e[1]) / 1e3
-                    timing["verify"] += e[1].elapsed_time(e[2]) / 1e3
-                    timing["advance"] += e[2].elapsed_time(e[3]) / 1e3
+                    timing["verify"] += e[0].elapsed_time(e[1]) / 1e3
+                    timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
             timing["launched"] += check_every
         timing["syncs"] += 1  # the read of the outputs
         return timing

@@ -91,7 +91,9 @@ def test_device_loop_equals_the_host_loop_for_every_device_proposer(tiny):
         assert dev == host == plain, name
         assert dev_stats.row_histograms == host_stats.row_histograms, name
         assert dev_stats.steps == host_stats.steps, name
-        assert device_calls == host_calls, name  # the same drafts at every step, every row
+        # the same drafts at every step, every row (the device loop drafts once more after its
+        # last step: the proposer's graph takes in the last step and drafts the next chain)
+        assert device_calls[:-1] == host_calls and len(device_calls) == len(host_calls) + 1, name
         k = host_stats.k
         partly += sum(sum(row[1:k]) > 0 for row in host_stats.row_histograms)  # rows with partly accepted chains
     assert partly >= 3, "no proposer had chains that were partly accepted: the check would miss an off-by-one"
