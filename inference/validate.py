@@ -171,11 +171,15 @@ def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
         return None
     later_tau = sum(s["tau"] * s["num_chains"] for s in served_later) / n_later
     served_share = n_later / (n_later + served_first["num_chains"])
+    # measured - promise at the served mix splits exactly into each part's share x its own gap
+    carried = {"first": (1 - served_share) * (served_first["tau"] - first["tau"]),
+               "follow_up": served_share * (later_tau - later["tau"])}
     return {"predicted": {"first": first["tau"], "follow_up": later["tau"]},
             "measured": {"first": served_first["tau"], "follow_up": later_tau},
             "follow_up_share": {"heldout": later["num_chains"] / (later["num_chains"] + first["num_chains"]),
                                 "served": served_share},
-            "promise_at_served_mix": (1 - served_share) * first["tau"] + served_share * later["tau"]}
+            "promise_at_served_mix": (1 - served_share) * first["tau"] + served_share * later["tau"],
+            "gap_carried": carried}
 
 
 def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
@@ -220,6 +224,12 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
                      f"{m['follow_up']:.3f} ({m['follow_up'] / p['follow_up'] - 1:+.1%}). Follow-ups are "
                      f"{share['served']:.0%} of the served chains against {share['heldout']:.0%} of the held-out ones; "
                      f"weighted as served, the promise would be {mixed:.3f} ({tm / mixed - 1:+.1%} against measured).")
+        carried = turns.get("gap_carried")
+        if carried:
+            part = max(carried, key=lambda name: abs(carried[name]))
+            lines.append(f"The gap against that weighted promise is carried mostly by "
+                         f"{'first answers' if part == 'first' else 'follow-up turns'}: first answers contribute "
+                         f"{carried['first']:+.3f} tau, follow-ups {carried['follow_up']:+.3f}.")
     if replay_prompts is not None:
         lines.append(f"Text kind: drafting over the prompts' text replays at tau {replay_prompts['tau']:.3f}, over the "
                      f"answers at {tr:.3f}.")

@@ -110,12 +110,17 @@ def test_turn_mix_weighs_the_promise_as_served():
     assert mix["measured"]["follow_up"] == pytest.approx((3.5 * 30 + 2.5 * 10) / 40)
     assert mix["follow_up_share"] == pytest.approx({"heldout": 0.25, "served": 0.4})
     assert mix["promise_at_served_mix"] == pytest.approx(0.6 * 2.0 + 0.4 * 3.0)
+    # measured overall (chain-weighted) minus that promise = the two parts' contributions
+    overall = (2.1 * 60 + 3.5 * 30 + 2.5 * 10) / 100
+    assert sum(mix["gap_carried"].values()) == pytest.approx(overall - mix["promise_at_served_mix"])
+    assert mix["gap_carried"] == pytest.approx({"first": 0.6 * 0.1, "follow_up": 0.4 * 0.25})
     assert turn_mix(predicted, {1: measured[1]}) is None  # one turn served: nothing to weigh
     assert turn_mix({}, measured) is None  # an export from before per-turn promises
     lines = diagnose({"tau": 2.25, "a": [0.5]}, {"tau": 2.6, "a": [0.6]}, {"tau": 2.6, "a": [0.6]}, None, {}, 0.1,
                      turns=mix)
     turn_line = next(line for line in lines if line.startswith("Turns:"))
     assert "follow-up turns predicted 3.000, measured 3.250" in turn_line and "the promise would be 2.400" in turn_line
+    assert any(line.startswith("The gap against that weighted promise is carried mostly by follow-up turns") for line in lines)
 
 
 def test_validate_and_generate_serve_a_medusa_export(tmp_path):
