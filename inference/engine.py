@@ -119,7 +119,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     device = model.embed_tokens.weight.device
     B = len(prompts)
     lengths = [len(p) for p in prompts]
-    need = cache_size(prompts, max_new_tokens, k)
+    need = cache_size(prompts, max_new_tokens, getattr(proposer, "verify_tokens", k))  # a tree verifies more
     max_len = max_len or -(-need // CACHE_BUCKET) * CACHE_BUCKET  # few distinct sizes: graphs get reused
     if need > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
@@ -241,8 +241,15 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     setup_end = time.perf_counter()
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, _kernels_mode())
-    loop = _reuse(model, key, lambda: SpecLoop(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
-                                               verification, generator, graphed=cuda_graphs))
+    tree = getattr(proposer, "tree", False)
+    if tree and (temperature > 0 or verification.startswith("synthetic:")):
+        raise ValueError("draft trees verify greedily for now (temperature 0)")
+    if tree:
+        from inference.tree_decoding import TreeLoop
+    make = TreeLoop if tree else SpecLoop
+    # trees run eagerly until their step is captured and checked on a GPU
+    loop = _reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
+                                           verification, generator, graphed=cuda_graphs and not tree))
     loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
     timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
     n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()

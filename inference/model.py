@@ -21,7 +21,7 @@ from kernels import use_kernel
 from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
                                       grouped_attention_bias, grouped_cache_attention)
 from kernels.rms_norm import rms_norm
-from kernels.rope_cache import rope_cache
+from kernels.rope_cache import rope_cache, rope_cache_reference
 from kernels.silu_mul import silu_mul
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
@@ -109,10 +109,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, positions, inv_freq, k_cache, v_cache, bias, causal_prefill: bool):
+    def forward(self, x, positions, inv_freq, k_cache, v_cache, bias, causal_prefill: bool, slots=None):
         """x [B,q,H]; positions [B,q]; k_cache/v_cache [B,nkv,S,d] of this layer; bias from
         `grouped_attention_bias`, or None with causal_prefill (every row at positions 0..q-1
-        of an empty cache: plain causal attention over this chunk, flash kernels, no mask)."""
+        of an empty cache: plain causal attention over this chunk, flash kernels, no mask).
+        slots [B,q] (draft trees): K/V written at these cache slots, attention under `bias`."""
         B, n, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.qk_norm:  # Qwen3 normalises each head before RoPE
@@ -121,6 +122,9 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(B, n, self.nh, d)).reshape(B, n, -1)
             k = self.k_norm(k.reshape(B, n, self.nkv, d)).reshape(B, n, -1)
             qkv = torch.cat([q, k, v], -1)
+        if slots is not None:  # a tree: torch ops (the fused kernels write K/V at the RoPE positions)
+            q = rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, slots=slots)
+            return self.o_proj(grouped_cache_attention(q, k_cache, v_cache, bias))
         q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv)  # [B,nh,q,d]
         if causal_prefill:
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
@@ -153,11 +157,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill):
+    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots=None):
         """(x, residual) → (mlp output, residual): the hidden state after the layer is their
         sum, added inside the next norm (one fused kernel instead of an add and a norm)."""
         normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
-        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill)
+        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots)
         normed, residual = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         return self.mlp(normed), residual
 
@@ -248,7 +252,7 @@ class RuntimeModel(nn.Module):
         return KVCache(self.config, batch, max_len, p.dtype, p.device)
 
     def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None,
-                causal_prefill: bool = False):
+                causal_prefill: bool = False, slots=None, bias=None):
         """input_ids, positions [B,q] → (logits [B,q,V], aux [B,q,n*H] in aux_layers order or None).
 
         logits_at [B] (optional): compute the head only at this query index of each row
@@ -264,12 +268,13 @@ class RuntimeModel(nn.Module):
         x = self.embed_tokens(input_ids)
         # the additive mask of the torch attention path, built once per forward (the decode
         # kernel reads positions instead)
-        bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
-            positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        if slots is None:  # (a tree's verify step brings its own mask as `bias`, with the slots to write)
+            bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
+                positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
         residual = None
         captured = {}
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill)
+            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, slots)
             if i in aux_layers:
                 captured[i] = x + residual  # the hidden state after layer i
         if cfg.num_layers in aux_layers:

@@ -54,8 +54,7 @@ class SpecLoop:
             self.drafts, self.q = self.proposer.draft(), None
 
     def verify_phase(self):
-        drafts, k = self.drafts, self.k
-        active = ~self.done
+        drafts = self.drafts
         fed = torch.cat([self.tokens.gather(1, (self.length - 1)[:, None]), drafts.clamp_min(0)], 1)  # [B,k+1]
         positions = (self.length - 1)[:, None] + self.columns
         logits, aux = self.model(fed, positions, self.cache, self.aux_layers)
@@ -67,8 +66,15 @@ class SpecLoop:
             accepted, bonus = verify(drafts, self.q, probs, self.generator)
         else:
             accepted, bonus = greedy_verify(drafts, logits)
-        # emitted tokens: the accepted drafts, then the bonus; cut after an end-of-sequence
-        # token and at the row's budget; none for finished rows
+        self.emit(drafts, accepted, bonus)
+        self.fed, self.aux, self.accepted, self.bonus = fed, aux, accepted, bonus
+
+    def emit(self, drafts, accepted, bonus):
+        """The accepted drafts [B,k] (the first `accepted` of each row), then the bonus, into
+        each row's tokens; cut after an end-of-sequence token and at the row's budget; none for
+        finished rows. Updates lengths, done flags and the accepted-length histogram."""
+        k = self.k
+        active = ~self.done
         emitted = torch.cat([drafts.clamp_min(0), bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
         n_new = accepted + 1
         is_eos = (emitted[:, :, None] == self.eos).any(-1) & (self.columns < n_new[:, None])  # [B,k+1]
@@ -82,7 +88,6 @@ class SpecLoop:
         self.length.add_(n_new)
         self.n_out.add_(n_new)
         self.done.logical_or_(active & ((self.n_out >= self.budget) | (first_eos < n_new)))
-        self.fed, self.aux, self.accepted, self.bonus = fed, aux, accepted, bonus
 
     def advance_phase(self):
         # after the step: a row that has just finished keeps its proposer state in place

@@ -21,7 +21,9 @@ except ImportError:
     triton = None
 
 
-def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
+    """slots [B,n] (draft trees): the cache slots to write K/V at, when they differ from the
+    RoPE positions (tree nodes of one depth share a position, each has its own slot)."""
     B, n, _ = qkv.shape
     d = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
@@ -30,7 +32,7 @@ def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: 
     v = v.reshape(B, n, num_kv_heads, d).transpose(1, 2)
     cos, sin = rope_cos_sin(inv_freq, positions, qkv.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    index = positions[:, None, :, None].expand(B, num_kv_heads, n, d)
+    index = (positions if slots is None else slots)[:, None, :, None].expand(B, num_kv_heads, n, d)
     k_cache.scatter_(2, index, k.to(k_cache.dtype))
     v_cache.scatter_(2, index, v.to(v_cache.dtype))
     return q.contiguous()

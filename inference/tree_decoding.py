@@ -1,0 +1,143 @@
+"""Draft trees in the device loop (greedy): an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree,
+the target verifies every node in one forward under the tree mask, the longest matching
+root-to-leaf path is accepted, and the path's K/V entries move into place in the target's cache.
+
+Shapes: B rows, N tree nodes (`total_tokens`), D depth, K children kept per depth (`top_k`),
+C = K + (D-1) K^2 candidates drafted, S cache slots, H hidden, Vd draft vocabulary.
+
+Positions and slots: the root (the row's last verified token) sits at position and slot
+base = length - 1; node i is fed at position base + depth(i) and written at slot base + 1 + i
+until compaction moves the accepted path to slots base + 1 .. base + L. The drafter keeps its
+own cache exactly as for chains (EAGLE's step-0 entries, one position behind the target), and
+its tree nodes' K/V in a per-step candidate buffer; after verification it takes in the accepted
+path like a chain of the same length (`Eagle3Proposer.advance`).
+
+This first form runs the tree's attention through torch ops (the target's verify step and the
+drafter's tree steps); the graphed loop and a fused tree-attention kernel
+(kernels/tree_attention.py) are the next step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from inference.drafter_proposers import Eagle3Proposer
+from inference.spec_loop import SpecLoop
+from inference.tree import ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, greedy_tree_verify, \
+    start_tree
+from kernels.tree_attention import tree_attention_reference
+from models.layers import apply_rope, rope_cos_sin
+
+
+class EagleTreeProposer(Eagle3Proposer):
+    """EAGLE-2 dynamic trees from an EAGLE-3 drafter: `depth` levels, the `top_k` best frontier
+    nodes expanded into `top_k` children each, the best `total_tokens` candidates kept (by
+    cumulative draft log-probability; parents always before children)."""
+
+    tree = True
+
+    def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None):
+        super().__init__(drafter, depth, batch, max_len, target_config)
+        if not self.fused:
+            raise ValueError("draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1: chains)")
+        candidates = top_k + (depth - 1) * top_k * top_k
+        if depth < 1 or top_k < 1 or not 1 <= total_tokens <= candidates:
+            raise ValueError(f"a tree of depth {depth} expanding top_k={top_k} drafts {candidates} candidates: "
+                             f"total_tokens={total_tokens} must be in 1..{candidates} (and depth, top_k >= 1)")
+        self.top_k, self.total_tokens, self.candidates = top_k, total_tokens, candidates
+        self.verify_tokens = total_tokens  # the verify step feeds the root and these nodes
+
+    @torch.no_grad()
+    def draft_tree(self):
+        """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
+        d = self.drafter
+        B, H = self.hidden.shape
+        cfg = d.config
+        cand_k = self.k_cache.new_zeros(B, cfg.num_key_value_heads, self.candidates, cfg.head_dim)
+        cand_v = torch.zeros_like(cand_k)
+        cand_hidden = self.hidden.new_zeros(B, self.candidates, H)
+        rows = torch.arange(B, device=self.hidden.device)[:, None]
+        state = start_tree(B, self.hidden.device)
+        logprobs = torch.log_softmax(d.logits(self.hidden[:, None]).float(), -1)  # [B,1,Vd]: after the root
+        for depth in range(self.k):
+            if depth:  # run the drafter on the frontier (its nodes are at this depth)
+                frontier = state.frontier  # [B,F] candidate indices
+                parent = state.parents.gather(1, frontier)
+                parent_hidden = torch.where((parent >= 0)[..., None], cand_hidden[rows, parent.clamp_min(0)],
+                                            self.hidden[:, None])
+                sees = ancestor_mask(state.parents).gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
+                visible = torch.zeros(B, frontier.shape[1], self.candidates, dtype=torch.bool, device=sees.device)
+                visible[..., : sees.shape[2]] = sees
+                positions = (self.last + depth)[:, None].expand_as(frontier)
+                h = self._tree_step(state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible,
+                                    cand_k, cand_v)
+                cand_hidden[rows, frontier] = h
+                logprobs = torch.log_softmax(d.logits(h).float(), -1)  # [B,F,Vd]
+            top = logprobs.topk(self.top_k, dim=-1)
+            state = expand_depth(state, self.draft_ids[top.indices], top.values, self.top_k)
+        return finalize(state, self.total_tokens, self.last + 1)
+
+    def _tree_step(self, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v):
+        """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, positions, frontier
+        [B,F], parent_hidden [B,F,H], visible [B,F,C] (each node's ancestors and itself).
+        Their K/V go to the candidate buffers [B,nkv,C,d] at their candidate index; each node
+        attends to the drafter's cache up to the row's last step-0 entry and to the visible
+        candidates. → hidden [B,F,H]."""
+        d = self.drafter
+        layer, cfg = d.layers[0], d.config
+        B, F_, _ = parent_hidden.shape
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        normed = layer.hidden_norm(parent_hidden)
+        embeds = layer.input_layernorm(d.embed_tokens(tokens).to(parent_hidden.dtype))
+        q, k, v = F.linear(torch.cat([embeds, normed], -1), self.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
+        q, k, v = (x.view(B, F_, -1, hd).transpose(1, 2) for x in (q, k, v))
+        cos, sin = rope_cos_sin(d.inv_freq, positions, q.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        index = frontier[:, None, :, None].expand(B, nkv, F_, hd)
+        cand_k.scatter_(2, index, k.to(cand_k.dtype))
+        cand_v.scatter_(2, index, v.to(cand_v.dtype))
+        attn = layer.self_attn.o_proj(tree_attention_reference(q, self.k_cache, self.v_cache, self.last, cand_k, cand_v,
+                                                               visible))
+        h = (normed if layer.norm_before_residual else parent_hidden) + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class TreeLoop(SpecLoop):
+    """The device loop with a tree per step: `k` is the tree's depth (the most drafts a step
+    accepts), drafting is `proposer.draft_tree()`, verification the tree's longest matching
+    path. Greedy only."""
+
+    def draft_phase(self):
+        self.tree = self.proposer.draft_tree()
+
+    def verify_phase(self):
+        tree, cache = self.tree, self.cache
+        B, N = tree.tokens.shape
+        S = cache.max_len
+        base = self.length - 1  # the root's position and slot
+        root = self.tokens.gather(1, base[:, None])
+        fed = torch.cat([root, tree.tokens.clamp_min(0)], 1)  # [B,N+1]
+        positions = torch.cat([base[:, None], tree.positions], 1)
+        slots = base[:, None] + torch.arange(N + 1, device=base.device)
+        # every query sees the row's cache up to the root; node i also sees the slots of its
+        # ancestors and itself
+        visible = (torch.arange(S, device=base.device)[None, :] <= base[:, None])[:, None, :].expand(B, N + 1, S).clone()
+        visible[:, 1:].scatter_(2, slots[:, None, 1:].expand(B, N, N), tree.mask)
+        groups = self.model.config.num_heads // self.model.config.num_kv_heads
+        bias = torch.zeros(B, N + 1, S, dtype=self.model.embed_tokens.weight.dtype, device=base.device)
+        bias = bias.masked_fill(~visible, float("-inf"))[:, None].repeat(1, 1, groups, 1)
+        logits, aux = self.model(fed, positions, cache, self.aux_layers, slots=slots, bias=bias)
+        path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
+        path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]
+        active = ~self.done
+        self.emit(path_tokens, accepted, bonus)
+        # the accepted path's entries move from their tree slots to the slots after the root
+        src, dst, valid = compaction_index(path, base)
+        valid = valid & active[:, None]
+        for layer in range(cache.k.shape[0]):
+            compact_cache(cache.k[layer], cache.v[layer], src, dst, valid)
+        # the proposer takes in the path like a chain: [root, path tokens] with their features
+        index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)  # [B,D+1]
+        self.fed = torch.cat([root, path_tokens.clamp_min(0)], 1)
+        self.aux = None if aux is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
+        self.accepted, self.bonus = accepted, bonus

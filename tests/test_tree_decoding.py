@@ -1,0 +1,122 @@
+"""Greedy tree decoding in the device loop (inference/tree_decoding.py) is lossless: outputs
+equal plain greedy decoding in float32, on ragged batches with EOS and budgets, whether the
+trees are mostly rejected (a random EAGLE-3 drafter) or mostly accepted deep down (an oracle
+that hides the target's own continuation among wrong siblings, so the KV compaction of long
+accepted paths is exercised step after step)."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from inference.engine import cache_size, generate
+from inference.model import RuntimeModel
+from inference.tree import static_tree
+from inference.tree_decoding import EagleTreeProposer
+
+
+class OracleTree:
+    """A full `width`-ary tree of `depth` levels per step. At each depth the target's plain
+    greedy continuation sits under one pseudo-random choice (absent with probability `miss`),
+    the other choices hold wrong tokens: the accepted path takes random turns and lengths."""
+
+    tree = True
+    on_device = True
+    aux_layers = ()
+
+    def __init__(self, continuations, width: int, depth: int, vocab: int, miss: float = 0.25, seed: int = 0):
+        self.k, self.width, self.vocab, self.miss = depth, width, vocab, miss
+        self.paths = [p for d in range(1, depth + 1) for p in _tuples(width, d)]
+        self.verify_tokens = len(self.paths)
+        self.cont = continuations  # [B, L]: each row's plain greedy output
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def begin(self, prompts, aux, first):
+        self.n_out = torch.ones(len(prompts), dtype=torch.long)  # tokens emitted (the prefill's first)
+        self.base = torch.as_tensor([len(p) for p in prompts])  # the root's position
+
+    def draft_tree(self):
+        B, L = self.cont.shape
+        index = (self.n_out[:, None] + torch.arange(self.k)).clamp_max(L - 1)  # next tokens to predict
+        right = self.cont.gather(1, index)  # [B,D]
+        wrong = (right[..., None] + 1 + torch.arange(self.width)) % self.vocab  # [B,D,W], never `right`
+        slot = torch.randint(0, self.width, (B, self.k), generator=self.generator)
+        hit = torch.rand(B, self.k, generator=self.generator) >= self.miss
+        candidates = wrong.scatter(2, slot[..., None], torch.where(hit, right, wrong[..., 0])[..., None])
+        return static_tree(self.paths, candidates, self.base)
+
+    def advance(self, fed, aux, accepted, bonus, active):
+        self.n_out += torch.where(active, accepted + 1, 0)
+        self.base += torch.where(active, accepted + 1, 0)
+
+
+def _tuples(width, depth):
+    if depth == 0:
+        return [()]
+    return [p + (c,) for p in _tuples(width, depth - 1) for c in range(width)]
+
+
+def _random_eagle3(hf):
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    V = hf.config.vocab_size
+    torch.manual_seed(0)
+    d = Eagle3Drafter(Eagle3Config.from_target(hf.config, V))
+    for name, p in d.named_parameters():
+        if "embed" not in name and p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.05)
+    d.init_from_target(hf, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    return d.eval()
+
+
+def _check_lossless(rt, hf, prompts, max_new, eos, batch):
+    plain = []
+    for i in range(0, len(prompts), batch):
+        plain.extend(generate(rt, prompts[i : i + batch], max_new, eos_ids=eos)[0])
+    drafter = _random_eagle3(hf)
+    deep = 0
+    for name in ("oracle", "eagle3"):
+        got = []
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i : i + batch]
+            n = cache_size(chunk, max_new, 16)
+            if name == "oracle":
+                width = max(len(o) for o in plain[i : i + batch])
+                cont = torch.tensor([o + [0] * (width - len(o)) for o in plain[i : i + batch]])
+                proposer = OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=i)
+            else:
+                proposer = EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(chunk), max_len=n,
+                                             target_config=rt.config)
+            outs, stats = generate(rt, chunk, max_new, proposer=proposer, eos_ids=eos, max_len=n)
+            assert stats.device_loop
+            got.extend(outs)
+            if name == "oracle":
+                deep += sum(stats.histogram[2:])
+        assert got == plain, name
+    assert deep > 10, "the oracle's trees were not accepted two levels deep: compaction went unexercised"
+
+
+def test_tree_decoding_is_lossless_on_ragged_batches(tiny_target):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9, 4, 11)] + [[7, 8, 9, 10] * 4]
+    _check_lossless(rt, hf, prompts, 30, (rt.config.vocab_size - 1, 1880), batch=3)
+
+
+def test_a_tree_keeps_its_candidates_in_range(tiny_target):
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    with pytest.raises(ValueError, match="total_tokens=40 must be in 1..12"):
+        EagleTreeProposer(_random_eagle3(hf), depth=2, top_k=3, total_tokens=40, batch=1, max_len=64)
+
+
+@pytest.mark.slow
+def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer):
+    """float32, zoo target, 20 real prompts in ragged batches of 5."""
+    from models.zoo import resolve_target
+    from tests.test_speculative import _real_prompts
+
+    path = resolve_target("smollm2-135m-instruct")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(path, dtype=torch.float32)
+    prompts = _real_prompts(tokenizer)
+    assert len(prompts) >= 20
+    _check_lossless(rt, hf, prompts, 16, (tokenizer.eos_token_id,), batch=5)
