@@ -212,7 +212,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     if trainer.global_step > 0 and not fast:
         # the final state, whatever checkpoint_every_n_steps says, so a later --resume (a longer
         # max_steps, or the second half of a split schedule) continues from exactly here
-        trainer.save_checkpoint(out_dir / "checkpoints" / "last.ckpt")
+        # the whole state (optimizer and loops too: weights_only=False is what is saved; loading
+        # still reads it as plain data only)
+        trainer.save_checkpoint(out_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
     # Final predicted acceptance on held-out data, drafting exactly as the runtime drafts.
     if module.predicted is None or module.predicted["step"] != trainer.global_step:
