@@ -66,8 +66,23 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
     return fitting or [cap]
 
 
+def _tree_spec(spec: str) -> tuple[int, int, int]:
+    """--tree DEPTH,TOPK,NODES → three positive ints (NODES at most what the tree drafts)."""
+    from inference.cli import CliError
+
+    try:
+        depth, top_k, total = (int(x) for x in spec.split(","))
+    except ValueError:
+        raise CliError(f"--tree {spec}: expected DEPTH,TOPK,NODES, three integers (e.g. 5,8,48)") from None
+    if min(depth, top_k, total) < 1 or total > top_k + (depth - 1) * top_k * top_k:
+        raise CliError(f"--tree {spec}: depth, top-k and nodes must be positive, nodes at most the "
+                       f"{top_k + (depth - 1) * top_k * top_k} candidates such a tree drafts")
+    return depth, top_k, total
+
+
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
-              device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None) -> dict:
+              device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
+              trees: list[tuple[int, int, int]] = ()) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -91,7 +106,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         check_fits(len(p), max_new, context, f"prompt {q['id']} of {prompts_spec}")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     rt = load_runtime(path, dtype=dtype, device=device)
-    k_max = max(ks)
+    k_max = max([*ks, *(n for _, _, n in trees)])  # a tree verifies its N nodes after the root
     # one cache length for every prompt and row: each row captures its graphs once, in the warm-up
     max_len = -(-cache_size(prompts, max_new, k_max) // CACHE_BUCKET) * CACHE_BUCKET
     modules = []
@@ -133,7 +148,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             total.host_syncs += stats.host_syncs
             total.setup_seconds += stats.setup_seconds
             total.launch_seconds += stats.launch_seconds
-            total.device_loop = stats.device_loop
+            total.device_loop, total.verify_tokens = stats.device_loop, stats.verify_tokens
         return outs, total
 
     def suffix_row():
@@ -156,6 +171,11 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         for k in _drafter_ks(module, ks):
             proposer = drafter_proposer(module, k, 1, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k})"] = lambda p=proposer: runtime(p)
+        for depth, top_k, total in trees if _drafter_name(module) == "EAGLE-3" else ():
+            from inference.tree_decoding import EagleTreeProposer
+
+            proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config)
+            rows[f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}, {total} nodes)"] = lambda p=proposer: runtime(p)
     if batch_size > 1:
         rows[f"runtime plain, batch {batch_size}"] = lambda: runtime(None, batch_size)
         for module in modules:
@@ -186,6 +206,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         (outs, stats), sec = _timed(fn)
         n_tokens = sum(len(o) for o in outs)
         r = results[name] = {"tokens_per_s": n_tokens / sec, "seconds": sec, "new_tokens": n_tokens, "outputs": outs,
+                             "verify_tokens_per_step": None if stats is None else (
+                                 1 + (getattr(stats, "verify_tokens", None) or stats.k)),
                              "batch": batch_size if name.endswith(f"batch {batch_size}") else 1,
                              "prompts": len(outs)}
         line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"
@@ -269,6 +291,9 @@ def main(argv=None) -> int:
                     "drafter (at its first k), speedup against plain at the same batch")
     ap.add_argument("--hf-prompts", type=int, default=None, help="transformers rows on the first N prompts only "
                     "(they run at tens of tokens/s); unset: all")
+    ap.add_argument("--tree", action="append", default=[], metavar="DEPTH,TOPK,NODES",
+                    help="also draft EAGLE-2 trees with each EAGLE-3 drafter (greedy): depth, children kept per depth, "
+                         "nodes verified per step; repeat for a sweep")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
@@ -280,6 +305,7 @@ def main(argv=None) -> int:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
+        trees = [_tree_spec(spec) for spec in args.tree]
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
@@ -296,7 +322,8 @@ def main(argv=None) -> int:
 
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
-                  device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts)
+                  device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
+                  trees=trees)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ class GenerationStats:
     verify_seconds: float = 0.0  # the target's verify forward, acceptance and emission
     total_seconds: float = 0.0
     host_syncs: int = 0  # times the host waited for the device's results
+    verify_tokens: int | None = None  # drafted tokens verified per step, when not k (a tree's nodes)
     device_loop: bool = False  # drafted and verified by the device loop (inference/spec_loop.py)
     # what the device loop's "other" time holds: the setup before the first step (prefill,
     # first token, the proposer's begin; synced), and the host's time launching the steps (when
@@ -261,6 +262,7 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     stats.launch_seconds = timing["launch"]
     stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
+    stats.verify_tokens = getattr(proposer, "verify_tokens", None)
     if hasattr(proposer, "end"):
         proposer.end(outputs)
     return outputs

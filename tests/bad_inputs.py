@@ -191,6 +191,8 @@ CASES = {
                                    phrase="is a folder of other files (no bench.json"),
     "bench-drafter-not-an-export": bench(*B, "--drafter", "{userdir}", phrase="is not an export folder"),
     "bench-new-tokens-beyond-context": bench(*B, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    "bench-tree-not-three-numbers": bench(*B, "--tree", "5,8", phrase="--tree 5,8: expected DEPTH,TOPK,NODES"),
+    "bench-tree-more-nodes-than-drafted": bench(*B, "--tree", "2,2,40", phrase="nodes at most the 6 candidates"),
     "bench-prompt-beyond-context": bench(*B, "--max-new-tokens", "4090", "--num-prompts", "1",
                                          phrase="prompt 81 of mt-bench ("),
     # ---- regenerate

@@ -33,12 +33,16 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     out = tmp_path / "bench"
     drafters = _random_exports(tmp_path)
     assert main(["--target", "tiny-random-llama", "--num-prompts", "4", "--max-new-tokens", "6", "--device", "cpu",
-                 "-k", "2", "4", "--drafter", *drafters, "--batch-size", "2", "--hf-prompts", "1", "--out", str(out)]) == 0
+                 "-k", "2", "4", "--drafter", *drafters, "--batch-size", "2", "--hf-prompts", "1", "--tree", "2,2,4",
+                 "--out", str(out)]) == 0
     summary = json.loads((out / "bench.json").read_text())
     rows = summary["rows"]
     assert {"transformers generate", "transformers prompt lookup", "runtime plain", "runtime n-gram (k=4)",
             "runtime EAGLE-3 (k=2)", "runtime EAGLE-3 (k=4)", "runtime Medusa (k=2)", "runtime plain, batch 2",
-            "runtime EAGLE-3 (k=2), batch 2", "runtime Medusa (k=2), batch 2"} <= set(rows)
+            "runtime EAGLE-3 (k=2), batch 2", "runtime Medusa (k=2), batch 2",
+            "runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"} <= set(rows)
+    assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"]["verify_tokens_per_step"] == 5
+    assert rows["runtime EAGLE-3 (k=4)"]["verify_tokens_per_step"] == 5
     assert "runtime Medusa (k=4)" not in rows  # three heads draft at most three tokens
     assert rows["transformers generate"]["prompts"] == 1 and rows["runtime plain"]["prompts"] == 4
     for name, r in rows.items():
