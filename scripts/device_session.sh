@@ -117,10 +117,12 @@ wait)
   ;;
 bench)
   # every trained export side by side with plain, n-gram and suffix (BENCH_K draft lengths), and
-  # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts
+  # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts;
+  # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
   drafters=$(ls -d /tmp/run-*/export 2> /dev/null | tr '\n' ' ')
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
-    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
+    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in ${BENCH_TREES-4,4,24}; do echo --tree $t; done) \
+    --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
