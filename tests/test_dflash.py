@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -160,41 +159,3 @@ def test_default_mask_token_is_a_special_token_chat_text_never_uses(tokenizer):
                                              tokenize=True)
     assert mask not in rendered and mask not in (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id)
     assert tokenizer.added_tokens_decoder[mask].special
-
-
-def test_zlab_dflash_model_loads_the_export_and_its_block_logits_match(tiny_target, tmp_path):
-    """tests/zlab_dflash_reference.py re-implements z-lab's DFlashDraftModel (not on PyPI):
-    it loads the `dflash` export by z-lab's key names and config, takes the context with z-lab's
-    +1 layer offset, and drafts one non-causal block; float32 logits within 1e-4 of draftsmith's."""
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from export.dflash import export_dflash
-    from models.target import Target
-    from tests.zlab_dflash_reference import ZlabDFlashReference
-
-    hf_config = AutoConfig.from_pretrained(tiny_target)
-    hf_config.num_hidden_layers = 4  # ids below the last layer: HF's last hidden state is post-norm
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(hf_config).eval()
-    d = DFlashDrafter(DFlashConfig.from_target(hf_config, hf_config.vocab_size, 5, num_layers=2, block_size=4,
-                                               target_layer_ids=[0, 2]))
-    for p in d.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    ids_all = torch.arange(hf_config.vocab_size)
-    d.init_from_target(target, torch.zeros_like(ids_all), torch.ones(hf_config.vocab_size, dtype=torch.bool))
-    d.eval()
-    export_dflash(d, tmp_path / "z", target_name=tiny_target, dtype=torch.float32)
-    ref = ZlabDFlashReference(tmp_path / "z")
-
-    T, a, B = 12, 6, d.config.block_size
-    ids = torch.randint(0, hf_config.vocab_size, (1, T))
-    with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-        ours = d.block_logits(ids[0], d.features(Target(target, d.aux_layer_ids)(ids))[0], torch.tensor([a]))[0, 1:]
-        block = torch.full((1, B), ref.mask_token_id)
-        block[0, 0] = ids[0, a + 1]
-        context = ref.context_feature(out.hidden_states)[:, : a + 1]  # features of x_0..x_a
-        hidden = ref.forward(target.model.embed_tokens(block), context, torch.arange(a + 1 + B)[None])
-        theirs = target.lm_head(hidden[:, 1:])[0]
-    assert theirs.shape == ours.shape == (B - 1, hf_config.vocab_size)
-    assert (theirs - ours).abs().max().item() <= 1e-4
