@@ -75,3 +75,23 @@ def tiny_overrides(chat_file: str, out_dir, **extra) -> list[str]:
     }
     base.update(extra)
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]
+
+
+def package_alone(requirement: str):
+    """A package with pins draftsmith does not share, installed alone (`pip --no-deps`) into the
+    draftsmith cache once, for a test to import in a subprocess: its folder, or a skip saying
+    why it could not be installed (no registry)."""
+    import subprocess
+    import sys
+
+    from models.zoo import cache_dir
+
+    site = cache_dir() / requirement.replace("==", "-")
+    if not site.is_dir():
+        tmp = site.with_name(site.name + f".tmp{os.getpid()}")
+        res = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp),
+                              requirement], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            pytest.skip(f"{requirement} could not be installed here: {res.stderr.strip().splitlines()[-1:]}")
+        tmp.rename(site)
+    return site

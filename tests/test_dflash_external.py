@@ -15,22 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import package_alone
+
 VERSION = "0.1.0"
 
 
 @pytest.fixture(scope="module")
 def dflash_site():
-    from models.zoo import cache_dir
-
-    site = cache_dir() / f"dflash-{VERSION}"
-    if not (site / "dflash").is_dir():
-        tmp = site.with_name(site.name + f".tmp{os.getpid()}")
-        res = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp),
-                              f"dflash=={VERSION}"], capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            pytest.skip(f"dflash {VERSION} could not be installed here: {res.stderr.strip().splitlines()[-1:]}")
-        tmp.rename(site)
-    return site
+    return package_alone(f"dflash=={VERSION}")
 
 
 def test_zlab_dflash_model_loads_the_export_and_its_block_logits_match(dflash_site, tiny_target, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_conversations, tiny_overrides
+from tests.conftest import make_conversations, package_alone, tiny_overrides
 from train.config import load_config
 from train.run import run
 
@@ -24,16 +24,7 @@ VERIFIER_ONLY = {"verifier_lm_head.weight", "verifier_norm.weight"}
 
 @pytest.fixture(scope="module")
 def speculators_site():
-    from models.zoo import cache_dir
-
-    site = cache_dir() / f"speculators-{VERSION}"
-    if not (site / "speculators").is_dir():
-        tmp = site.with_name(site.name + f".tmp{os.getpid()}")
-        res = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp),
-                              f"speculators=={VERSION}"], capture_output=True, text=True, timeout=300)
-        if res.returncode != 0:
-            pytest.skip(f"speculators {VERSION} could not be installed here: {res.stderr.strip().splitlines()[-1:]}")
-        tmp.rename(site)
+    site = package_alone(f"speculators=={VERSION}")
     try:
         import pydantic  # noqa: F401  (speculators' configs are pydantic models; in the test extra)
     except ImportError:
