@@ -71,18 +71,11 @@ def test_promise_at_reads_old_and_new_promise_files():
 
 def _tiny_pair(tmp_path, k):
     """A tiny target (8-token vocabulary) and a random EAGLE-3 drafter over 6 of its tokens."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from tests.test_sampling import eight_token_target
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
-    hf = LlamaForCausalLM(cfg)
-    with torch.no_grad():
-        hf.lm_head.weight.mul_(8)
-    hf.save_pretrained(tmp_path)
-    drafter = Eagle3Drafter(Eagle3Config.from_target(cfg, 6))
+    hf, _ = eight_token_target(tmp_path, num_layers=2, head_scale=8)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(hf.config, 6))
     for _, w in drafter.named_parameters():
         torch.nn.init.normal_(w, std=0.5)
     chosen = torch.tensor([0, 1, 2, 4, 5, 7])  # tokens 3 and 6 are outside the draft vocabulary: q = 0 there

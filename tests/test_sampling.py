@@ -14,7 +14,7 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2))
 
 
-def eight_token_target(folder):
+def eight_token_target(folder, num_layers: int = 1, head_scale: float = 20):
     """A 1-layer Llama over an 8-token vocabulary whose head is scaled up, so the distribution
     is spread enough that acceptance matters: (transformers model, runtime model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -22,11 +22,11 @@ def eight_token_target(folder):
     from inference.model import RuntimeModel
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=8)
+    cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     hf = LlamaForCausalLM(cfg)
     with torch.no_grad():
-        hf.lm_head.weight.mul_(20)
+        hf.lm_head.weight.mul_(head_scale)
     hf.save_pretrained(folder)
     return hf, RuntimeModel.from_pretrained(folder)
 
