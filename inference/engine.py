@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from inference.acceptance import acceptance_from_histogram
 from inference.model import GraphedStep, RuntimeModel
@@ -129,17 +130,20 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     cache = _reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
     graphed = cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True)
-    logits, aux = prefill(model, cache, prompts, aux_layers, graphed)
+    with record_function("draftsmith.prefill"):  # named ranges: a profiler trace shows where a generation goes
+        logits, aux = prefill(model, cache, prompts, aux_layers, graphed)
     if verification not in ("standard", "block") and not verification.startswith("synthetic:"):
         raise ValueError(f"verification {verification!r} is not one of standard, block, synthetic:RATE")
-    if temperature > 0:
-        nxt = torch.multinomial(sampling_probs(logits[:, 0], temperature, top_k, top_p), 1, generator=generator)[:, 0].tolist()
-    else:
-        nxt = logits[:, 0].argmax(-1).tolist()
+    with record_function("draftsmith.first_token"):
+        if temperature > 0:
+            nxt = torch.multinomial(sampling_probs(logits[:, 0], temperature, top_k, top_p), 1, generator=generator)[:, 0].tolist()
+        else:
+            nxt = logits[:, 0].argmax(-1).tolist()
     if proposer is None and temperature == 0 and fast_plain:
         first = logits[:, 0].argmax(-1)
-        outputs, stats.host_syncs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device), max_new_tokens,
-                                                  eos_ids, graphed=graphed)
+        with record_function("draftsmith.plain_loop"):
+            outputs, stats.host_syncs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device),
+                                                      max_new_tokens, eos_ids, graphed=graphed)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.verify_seconds = stats.total_seconds
@@ -237,8 +241,9 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
 
     B, k = len(prompts), proposer.k
     device = model.embed_tokens.weight.device
-    proposer.begin(prompts, aux, first)
-    _sync(device)
+    with record_function("draftsmith.proposer_begin"):
+        proposer.begin(prompts, aux, first)
+        _sync(device)
     setup_end = time.perf_counter()
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, _kernels_mode())
@@ -251,9 +256,12 @@ def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tok
     # trees run eagerly until their step is captured and checked on a GPU
     loop = _reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
                                            verification, generator, graphed=cuda_graphs and not tree))
-    loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
-    timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
-    n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
+    with record_function("draftsmith.loop_reset"):
+        loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
+    with record_function("draftsmith.loop_run"):
+        timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
+    with record_function("draftsmith.read_outputs"):
+        n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
     outputs = [row[len(p): len(p) + n] for row, p, n in zip(rows, prompts, n_out)]
     stats.row_histograms = loop.histogram.tolist()
     stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]

@@ -80,23 +80,46 @@ part1)
   if [ "${PROFILE:-0}" = 1 ]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tail -3
     # the speculative step's split at a known acceptance, random weights of the real shapes
-    python3 scripts/profile_spec.py --out $R 2>&1 | grep -v -i "warn\|Loading weights"
+    python3 scripts/profile_spec.py ${TRACE:+--trace} --out $R 2>&1 | grep -v -i "warn\|Loading weights"
+  fi
+  if [ "${MPS:-0}" = 1 ]; then
+    # CUDA MPS: kernels of several processes run side by side instead of time-sliced (one
+    # training's small kernels leave most of the GPU idle; time-slicing made peers wait for each
+    # other's slices). Probed with two processes; left running for the trainings, stopped by bench.
+    # default pipe directory: every later process on the machine connects to it by itself
+    nvidia-cuda-mps-control -d && sleep 1
+    probe='import torch; a = torch.randn(4096, 4096, device="cuda"); [a @ a for _ in range(200)]; torch.cuda.synchronize(); print("ok")'
+    python3 -c "$probe" > /tmp/mps1 2>&1 &
+    python3 -c "$probe" > /tmp/mps2 2>&1
+    wait
+    if grep -q ok /tmp/mps1 && grep -q ok /tmp/mps2; then
+      echo "MPS: on"; touch /tmp/mps-on
+    else
+      echo "MPS: failed, off"; tail -3 /tmp/mps1 /tmp/mps2; echo quit | nvidia-cuda-mps-control
+    fi
   fi
   ;;
 part2)
   minutes=$1
-  # two regeneration shards per GPU (session 4: the second on a GPU added ~8 %, the second GPU ~2x)
-  nshard=$((2 * NGPU))
-  for i in $(seq 0 $((nshard - 1))); do
-    CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
-      --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
-    regen_pids+=($!)
-  done
-  wait "${regen_pids[@]}"
-  cat /tmp/regen/s*/conversations.jsonl > $REGEN
-  grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
-  cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
-  gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~6 MB)
+  mkdir -p /tmp/regen
+  if [ -f .dev2/regen-conversations.jsonl.gz ]; then
+    # an earlier session's regenerated answers, carried (scripts/device_stage.sh REGEN_FROM=...)
+    gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN
+    echo "regenerated answers carried: $(wc -l < $REGEN) conversations"
+  else
+    # two regeneration shards per GPU (session 4: the second on a GPU added ~8 %, the second GPU ~2x)
+    nshard=$((2 * NGPU))
+    for i in $(seq 0 $((nshard - 1))); do
+      CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
+        --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
+      regen_pids+=($!)
+    done
+    wait "${regen_pids[@]}"
+    cat /tmp/regen/s*/conversations.jsonl > $REGEN
+    grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
+    cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
+    gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~6 MB)
+  fi
   start_runs "$RUNS" "$minutes"
   sleep 30
   tail -n 2 $R/*-train.log
@@ -116,6 +139,9 @@ wait)
   collect
   ;;
 bench)
+  if [ -f /tmp/mps-on ]; then  # the bench has the GPU to itself, without MPS
+    echo quit | nvidia-cuda-mps-control; rm /tmp/mps-on; sleep 2
+  fi
   # every trained export side by side with plain, n-gram and suffix (BENCH_K draft lengths), and
   # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts;
   # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)

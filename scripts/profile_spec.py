@@ -37,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--trace", action="store_true", help="also profile one answer of plain, EAGLE-3 k=4 and Medusa "
+                    "(torch.profiler): the top host and device ops, the engine's named ranges; traces to --out")
     args = ap.parse_args(argv)
     from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.model import RuntimeModel
@@ -67,7 +69,8 @@ def main(argv=None):
     rows["Medusa k=4"] = drafter_proposer(medusa, 4, 1, max_len, rt.config)
 
     def run(proposer):
-        total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None}
+        total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None,
+                 "setup": 0.0, "launch": 0.0, "prompts": 0}
         for p in prompts:
             outs, st = generate(rt, [p], args.max_new, proposer=proposer, max_len=max_len, verification=verification)
             total["tokens"] += st.new_tokens
@@ -76,6 +79,9 @@ def main(argv=None):
             total["verify"] += st.verify_seconds
             total["seconds"] += st.total_seconds
             total["syncs"] += st.host_syncs
+            total["setup"] += st.setup_seconds
+            total["launch"] += st.launch_seconds
+            total["prompts"] += 1
             if st.k:
                 total["hist"] = st.histogram if total["hist"] is None else [a + b for a, b in zip(total["hist"], st.histogram)]
         return total
@@ -97,11 +103,49 @@ def main(argv=None):
         other = r["seconds"] - r["draft"] - r["verify"]
         tau = r["tokens"] / steps if r["hist"] else 1.0
         print(f"{name:28s} {tps:8.1f} {tps / plain:7.2f}x {tau:6.2f} {1e3 * r['draft'] / steps:7.3f} "
-              f"{1e3 * r['verify'] / steps:7.3f} {1e3 * other / steps:7.3f}          {r['syncs'] / r['tokens']:.3f}")
+              f"{1e3 * r['verify'] / steps:7.3f} {1e3 * other / steps:7.3f}          {r['syncs'] / r['tokens']:.3f}"
+              f"   (per answer: other {1e3 * other / r['prompts']:.1f} ms, setup {1e3 * r['setup'] / r['prompts']:.1f} ms;"
+              f" host launches {1e3 * r['launch'] / steps:.3f} ms/step)")
         r.update(tokens_per_s=tps, vs_plain=tps / plain, tau=tau)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        for name in ("plain", "EAGLE-3 k=4", "Medusa k=4"):
+            trace(rows[name], name, prompts[0], rt, args, max_len, verification)
     (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
                                                                  "rows": results}, indent=2))
+
+
+def trace(proposer, name, prompt, rt, args, max_len, verification):
+    """One answer under torch.profiler: the engine's named ranges (prefill, first token, the
+    proposer's begin, the loop) with their host and device time, the top ops by host time, and
+    a Chrome trace (gzipped) in --out."""
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from inference.engine import generate
+
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    generate(rt, [prompt], args.max_new, proposer=proposer, max_len=max_len, verification=verification)  # warm
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        _, st = generate(rt, [prompt], args.max_new, proposer=proposer, max_len=max_len, verification=verification)
+        sync()
+        wall = time.perf_counter() - t0
+    print(f"\n== trace: {name}: {st.new_tokens} tokens, {st.steps} steps, {1e3 * wall:.1f} ms under the profiler")
+    events = prof.key_averages()
+    for e in sorted((e for e in events if e.key.startswith("draftsmith.")), key=lambda e: -e.cpu_time_total):
+        print(f"  {e.key:28s} host {e.cpu_time_total / 1e3:8.2f} ms  calls {e.count}")
+    print(events.table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=12, max_name_column_width=60))
+    path = Path(args.out) / f"trace-{name.replace(' ', '_').replace('=', '')}.json"
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
 
 
 if __name__ == "__main__":
