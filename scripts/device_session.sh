@@ -90,8 +90,9 @@ part1)
     nvidia-cuda-mps-control -d && sleep 1
     probe='import torch; a = torch.randn(4096, 4096, device="cuda"); [a @ a for _ in range(200)]; torch.cuda.synchronize(); print("ok")'
     python3 -c "$probe" > /tmp/mps1 2>&1 &
+    probe_pid=$!
     python3 -c "$probe" > /tmp/mps2 2>&1
-    wait
+    wait $probe_pid  # (a bare wait would wait for the collector too: forever)
     if grep -q ok /tmp/mps1 && grep -q ok /tmp/mps2; then
       echo "MPS: on"; touch /tmp/mps-on
     else
