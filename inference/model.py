@@ -306,6 +306,7 @@ class GraphedStep:
         from inference.graphs import capture_graph
 
         dev = model.embed_tokens.weight.device
+        self.cache = cache  # held: the graph writes into it (its memory must outlive the graph)
         self.ids = torch.zeros(batch, q, dtype=torch.long, device=dev)
         self.positions = torch.zeros(batch, q, dtype=torch.long, device=dev)
 

@@ -45,12 +45,16 @@ class PrefillStep:
 
     def __init__(self, model, cache, batch: int, width: int, aux_layers: tuple):
         dev = model.embed_tokens.weight.device
+        # every tensor the graph reads lives on self: a captured graph holds raw addresses, so
+        # a tensor freed after capture would be reused by other allocations under the graph
+        self.cache = cache
         self.ids = torch.zeros(batch, width, dtype=torch.long, device=dev)
         self.last = torch.zeros(batch, dtype=torch.long, device=dev)
-        positions = torch.arange(width, device=dev).expand(batch, width)
+        self.positions = torch.arange(width, device=dev).expand(batch, width)
 
         def forward():
-            self.logits, self.aux = model(self.ids, positions, cache, aux_layers, logits_at=self.last, causal_prefill=True)
+            self.logits, self.aux = model(self.ids, self.positions, cache, aux_layers, logits_at=self.last,
+                                          causal_prefill=True)
 
         # the warm-up writes the cache's first `width` positions, which every prefill rewrites
         self.graph = capture_graph(forward)
