@@ -26,7 +26,11 @@ import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
 from inference.model import cache_mask
+from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
 from kernels.rejection_sample import inverse_cdf
+from kernels.rms_norm import rms_norm
+from kernels.rope_cache import rope_cache
+from kernels.silu_mul import silu_mul
 from models.layers import apply_rope, rope_cos_sin
 
 
@@ -100,42 +104,57 @@ class MTPCachedProposer(_DeviceProposer):
 
     Module d's teacher-forced (tf) entry at position t' reads x_{t'+d} and module d-1's tf
     hidden state at t' (module 0: the target's feature), so it exists once x_{t'+d} is verified:
-    for t' <= a+1-d. Per module the proposer keeps the K/V of those entries [B,nkv,S,hd] and
-    (for the next module and the chain) their outputs [B,S,H]; each advance extends every
+    for t' <= a+1-d. Per module the proposer keeps the K/V of those entries [B,nkv,S+1,hd] and
+    (for the next module and the chain) their outputs [B,S+1,H]; each advance extends every
     module's stream by a window of k+1 positions starting after its valid end, masked to what
     the text now allows. The chain from the anchor a follows `MTPDrafter.unroll(greedy=True)`:
     module 1's drafted state is its tf output at a; module d > 1 reads the previous draft and
-    attends to its tf entries at positions <= a+1-d and to its own drafted entry."""
+    attends to its tf entries at positions <= a+1-d and to its own drafted entry.
+
+    Every buffer has one slot past the S positions, a scratch slot: a write the text does not
+    allow yet is parked there (one scatter, no read-back of the old value) and no query ever
+    sees it (queries see slots <= their position < S). Each module's layer runs through the
+    runtime's kernels (fused norms, RoPE written into the cache, decode attention), about 14
+    launches instead of about 45."""
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         super().__init__(drafter, k, batch, max_len, target_config)
         cfg = drafter.config
         B, S, H = batch, max_len, cfg.hidden_size
-        self.tokens = torch.zeros(B, S, dtype=torch.long, device=self.device)  # verified x_t by position
+        self.tokens = torch.zeros(B, S + 1, dtype=torch.long, device=self.device)  # verified x_t by position
         # hidden[0]: target features h^0; hidden[d]: module d's tf output (module 1's feeds the chain)
-        self.hidden = torch.zeros(max(k, 2), B, S, H, dtype=self.dtype, device=self.device)
-        kv = (k, B, cfg.num_key_value_heads, S, cfg.head_dim)
+        self.hidden = torch.zeros(max(k, 2), B, S + 1, H, dtype=self.dtype, device=self.device)
+        kv = (k, B, cfg.num_key_value_heads, S + 1, cfg.head_dim)
         self.k_cache = torch.zeros(kv, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(kv, dtype=self.dtype, device=self.device)
+        # q, k, v and gate, up in one matmul each, as the runtime model stores them
+        modules = drafter.mtp[:k]
+        self.qkv_weight = [torch.cat([m.self_attn.q_proj.weight, m.self_attn.k_proj.weight, m.self_attn.v_proj.weight]).detach()
+                           for m in modules]
+        self.gate_up_weight = [torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight]).detach() for m in modules]
 
-    def _qkv(self, attn, x, positions):
-        """x [B,q,H] (normed), positions [B,q] → q [B,nh,q,hd], k, v [B,nkv,q,hd], RoPE applied."""
-        cos, sin = rope_cos_sin(self.drafter.inv_freq, positions.clamp(0, self.max_len - 1), self.dtype)
-        q = apply_rope(_heads(attn.q_proj, x, attn.nh, attn.d), cos, sin)
-        k = apply_rope(_heads(attn.k_proj, x, attn.nkv, attn.d), cos, sin)
-        return q, k, _heads(attn.v_proj, x, attn.nkv, attn.d)
+    def _slots(self, positions, valid):
+        """Where writes at positions [B,q] go: the position where valid, else the scratch slot S."""
+        return torch.where(valid, positions, self.max_len)
 
-    def _layer(self, d: int, token, hidden, positions, attend):
-        """MTPModule d on token [B,q], h^{d-1} [B,q,H] at positions [B,q]; attend(q, k, v) →
-        [B,nh,q,hd] does the cache write and masked attention. Returns h^d [B,q,H]."""
-        module = self.drafter.mtp[d - 1]
-        attn = module.self_attn
-        embeds = self.drafter.embed_tokens(token).to(self.dtype)
-        x = module.eh_proj(torch.cat([module.enorm(embeds), module.hnorm(hidden)], -1))  # embedding first
-        out = attend(*self._qkv(attn, module.input_layernorm(x), positions))
-        B, q = token.shape
-        h = x + attn.o_proj(out.transpose(1, 2).reshape(B, q, attn.nh * attn.d))
-        return h + module.mlp(module.post_attention_layernorm(h))
+    def _layer(self, d: int, token, hidden, positions, slots, bound):
+        """MTPModule d on token [B,q], h^{d-1} [B,q,H]: RoPE at positions [B,q], K/V written at
+        slots [B,q], each query attending to cache slots <= bound [B,q]. Returns h^d [B,q,H]
+        (the function of `MTPModule.forward`)."""
+        module, cfg = self.drafter.mtp[d - 1], self.drafter.config
+        eps = cfg.rms_norm_eps
+        embeds, _ = rms_norm(self.drafter.embed_tokens(token).to(self.dtype), module.enorm.weight, eps)
+        normed, _ = rms_norm(hidden, module.hnorm.weight, eps)
+        x = module.eh_proj(torch.cat([embeds, normed], -1))  # embedding first
+        qkv = F.linear(rms_norm(x, module.input_layernorm.weight, eps)[0], self.qkv_weight[d - 1])
+        k_cache, v_cache = self.k_cache[d - 1], self.v_cache[d - 1]
+        q = rope_cache(qkv, positions, self.drafter.inv_freq, k_cache, v_cache, cfg.num_attention_heads,
+                       cfg.num_key_value_heads, slots=slots)
+        # the prompt's whole stream at once (begin) goes through the torch form
+        attend = decode_attention if token.shape[1] <= DECODE_MAX_QUERIES else decode_attention_reference
+        attn = module.self_attn.o_proj(attend(q, k_cache, v_cache, bound))
+        post, h = rms_norm(attn, module.post_attention_layernorm.weight, eps, x)  # h = x + attention
+        return module.mlp.down_proj(silu_mul(F.linear(post, self.gate_up_weight[d - 1]))) + h
 
     def _extend(self, d: int, positions, valid):
         """Teacher-forced entries of module d at consecutive positions [B,q] (written where
@@ -144,27 +163,20 @@ class MTPCachedProposer(_DeviceProposer):
         at = positions.clamp(0, S - 1)
         token = self.tokens.gather(1, (positions + d).clamp(0, S - 1))  # x_{t'+d}
         prev = self.hidden[d - 1].gather(1, at[..., None].expand(-1, -1, H))  # h^{d-1}_{t'}
-
-        def attend(q, k, v):
-            write_by_position(self.k_cache[d - 1], 2, positions, k, valid)
-            write_by_position(self.v_cache[d - 1], 2, positions, v, valid)
-            return F.scaled_dot_product_attention(q, self.k_cache[d - 1], self.v_cache[d - 1], attn_mask=cache_mask(at, S),
-                                                  enable_gqa=q.shape[1] != k.shape[1])
-
-        h = self._layer(d, token, prev, positions, attend)
+        slots = self._slots(positions, valid)
+        h = self._layer(d, token, prev, at, slots, at)
         if d < self.hidden.shape[0]:
-            write_by_position(self.hidden[d], 1, positions, h, valid)
+            self.hidden[d].scatter_(1, slots[..., None].expand(-1, -1, H), h)
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
         B, T, _ = aux.shape
-        lengths = torch.as_tensor([len(p) for p in prompts], device=self.device)
-        first = torch.as_tensor(first, device=self.device)
-        self.tokens.zero_()
-        for b, p in enumerate(prompts):
-            self.tokens[b, : len(p)] = torch.as_tensor(p, device=self.device)
-        self.tokens[torch.arange(B, device=self.device), lengths] = first
-        self.anchor.copy_(lengths - 1)
+        rows = torch.zeros(B, self.max_len + 1, dtype=torch.long)  # built on the host: one copy
+        for b, (p, f) in enumerate(zip(prompts, first)):
+            rows[b, : len(p)] = torch.as_tensor(p)
+            rows[b, len(p)] = int(f)
+        self.tokens.copy_(rows)
+        self.anchor.copy_(torch.as_tensor([len(p) - 1 for p in prompts]))
         self.hidden[0, :, :T] = aux.to(self.dtype)  # beyond a row's prompt: stale, overwritten when verified
         positions = torch.arange(T, device=self.device).expand(B, T)
         for d in range(1, self.k + 1):  # entries past a row's valid end are stale, overwritten later
@@ -172,36 +184,31 @@ class MTPCachedProposer(_DeviceProposer):
 
     @torch.no_grad()
     def _draft(self, temperature, generator):
-        S, H = self.max_len, self.hidden.shape[-1]
+        S, H, eps = self.max_len, self.hidden.shape[-1], self.drafter.config.rms_norm_eps
         a = self.anchor[:, None]  # [B,1]
         h = self.hidden[1].gather(1, a[..., None].expand(-1, 1, H))  # module 1's tf output at a: [B,1,H]
         for d in range(1, self.k + 1):
+            module = self.drafter.mtp[d - 1]
             if d > 1:
-                # module d's own drafted key goes to the first stale slot of its stream (a+2-d):
-                # masking at that slot shows exactly its tf entries <= a+1-d plus itself
+                # module d's own drafted key goes to the first stale slot of its stream (a+2-d),
+                # RoPE at a: seeing slots <= a+2-d shows exactly its tf entries <= a+1-d and itself
                 slot = (a + 2 - d).clamp(0, S - 1)
-
-                def attend(q, k, v, d=d, slot=slot):
-                    index = slot[:, None, :, None].expand_as(k)
-                    self.k_cache[d - 1].scatter_(2, index, k)
-                    self.v_cache[d - 1].scatter_(2, index, v)
-                    return F.scaled_dot_product_attention(q, self.k_cache[d - 1], self.v_cache[d - 1],
-                                                          attn_mask=cache_mask(slot, S), enable_gqa=q.shape[1] != k.shape[1])
-
-                h = self._layer(d, self.drafts[:, d - 2 : d - 1], h, a, attend)
-            self._pick(d - 1, self.drafter.logits(self.drafter.mtp[d - 1], h)[:, 0], temperature, generator)
+                h = self._layer(d, self.drafts[:, d - 2 : d - 1], h, a, slot, slot)
+            logits = F.linear(rms_norm(h, module.shared_head_norm.weight, eps)[0], self.drafter.lm_head.weight)
+            self._pick(d - 1, logits[:, 0], temperature, generator)
 
     @torch.no_grad()
     def advance(self, fed, aux, accepted, bonus, active):
-        S, k = self.max_len, self.k
+        S, k, H = self.max_len, self.k, self.hidden.shape[-1]
         j = torch.arange(k + 1, device=self.device)[None]  # [1,k+1]
         n, act = accepted[:, None], active[:, None]
         fed_at = self.anchor[:, None] + 1 + j  # positions of fed tokens, N-1 .. N-1+k
         anchor = torch.where(active, self.anchor + accepted + 1, self.anchor)
         # verified text grows by d_1..d_n, bonus at N..N+n; the features of fed tokens 0..n are verified
         grown = torch.where(j == n, bonus[:, None], torch.cat([fed[:, 1:], bonus[:, None]], 1))
-        write_by_position(self.tokens, 1, fed_at + 1, grown, act & (j <= n) & (fed_at + 1 < S))
-        write_by_position(self.hidden[0], 1, fed_at, aux.to(self.dtype), act & (j <= n) & (fed_at < S))
+        self.tokens.scatter_(1, self._slots(fed_at + 1, act & (j <= n) & (fed_at + 1 < S)), grown)
+        feature_slots = self._slots(fed_at, act & (j <= n) & (fed_at < S))
+        self.hidden[0].scatter_(1, feature_slots[..., None].expand(-1, -1, H), aux.to(self.dtype))
         for d in range(1, k + 1):  # module d-1's stream is extended first: module d reads it
             window = self.anchor[:, None] + 2 - d + j  # after the old valid end a+1-d
             valid = act & (window >= 0) & (window <= anchor[:, None] + 1 - d) & (window < S)

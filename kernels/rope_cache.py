@@ -2,7 +2,8 @@
 
     qkv [B,n,(nh+2*nkv)*d] (the fused q/k/v projection), positions [B,n], inv_freq [d/2]
     → q [B,nh,n,d] rotated; k rotated and v written into k_cache / v_cache [B,nkv,S,d] at
-      each row's positions
+      each row's positions (or at `slots` [B,n], when the cache slot is not the RoPE position:
+      draft trees, an MTP module's drafted key, writes parked in a scratch slot)
 
 Rotate-half RoPE as transformers' Llama. The torch form costs ~14 kernels per layer (slices,
 cat, products, two scatters); here one program per (token, head) does all of it in float32.
@@ -41,7 +42,7 @@ def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: 
 if triton is not None:
 
     @triton.jit
-    def _rope_cache_kernel(qkv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, n, NH, NKV,
+    def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, n, NH, NKV,
                            stride_row, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                            HALF: tl.constexpr, BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)  # b * n + t
@@ -49,6 +50,7 @@ if triton is not None:
         b = token // n
         t = token % n
         pos = tl.load(pos_ptr + token)
+        slot = tl.load(slot_ptr + token)
         i = tl.arange(0, BLOCK)
         inside = i < HALF
         freq = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=inside, other=0.0)
@@ -61,9 +63,9 @@ if triton is not None:
         else:
             g = head - NH
             src = row + (NH + g) * (2 * HALF)
-            dst = kc_ptr + b * stride_cb + g * stride_ch + pos * stride_cs
+            dst = kc_ptr + b * stride_cb + g * stride_ch + slot * stride_cs
             v = tl.load(row + (NH + NKV + g) * (2 * HALF) + tl.arange(0, 2 * BLOCK), mask=tl.arange(0, 2 * BLOCK) < 2 * HALF)
-            tl.store(vc_ptr + b * stride_cb + g * stride_ch + pos * stride_cs + tl.arange(0, 2 * BLOCK),
+            tl.store(vc_ptr + b * stride_cb + g * stride_ch + slot * stride_cs + tl.arange(0, 2 * BLOCK),
                      v.to(vc_ptr.dtype.element_ty), mask=tl.arange(0, 2 * BLOCK) < 2 * HALF)
         x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + i, mask=inside, other=0.0).to(tl.float32)
@@ -71,7 +73,7 @@ if triton is not None:
         tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=inside)
 
 
-def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, n, width = qkv.shape
@@ -86,17 +88,18 @@ def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int
     if qkv.stride(-1) != 1:
         qkv = qkv.contiguous()
     positions = positions.reshape(B * n).contiguous()
+    slots = positions if slots is None else slots.reshape(B * n).contiguous()
     q = torch.empty(B, num_heads, n, d, dtype=qkv.dtype, device=qkv.device)
     half = d // 2
     if B * n:
         _rope_cache_kernel[(B * n, num_heads + num_kv_heads)](
-            qkv, positions, inv_freq.float().contiguous(), q, k_cache, v_cache, n, num_heads, num_kv_heads,
+            qkv, positions, slots, inv_freq.float().contiguous(), q, k_cache, v_cache, n, num_heads, num_kv_heads,
             qkv.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             HALF=half, BLOCK=triton.next_power_of_2(half))
     return q
 
 
-def rope_cache(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int):
+def rope_cache(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
     fn = rope_cache_triton if use_kernel(qkv) else rope_cache_reference
-    return fn(qkv, positions, inv_freq, k_cache, v_cache, num_heads, num_kv_heads)
+    return fn(qkv, positions, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, slots=slots)

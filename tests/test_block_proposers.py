@@ -110,10 +110,18 @@ def test_cached_proposers_draft_what_recomputation_drafts(small_target, kind, k,
 
 
 def _state(proposer):
-    """Each state tensor of a cached proposer with the batch dimension first."""
+    """Each state tensor of a cached proposer with the batch dimension first, over its S
+    positions (a slot beyond them is scratch: parked writes land there, no query reads it)."""
     batch_dim = {"anchor": 0, "bonus": 0, "tokens": 0, "hidden": 1, "k_cache": 1, "v_cache": 1}
-    return {name: getattr(proposer, name).transpose(0, dim).clone() for name, dim in batch_dim.items()
-            if hasattr(proposer, name)}
+    position_dim = {"tokens": 1, "hidden": 2, "k_cache": 3, "v_cache": 3}
+    state = {}
+    for name, dim in batch_dim.items():
+        if hasattr(proposer, name):
+            t = getattr(proposer, name)
+            if name in position_dim:
+                t = t.narrow(position_dim[name], 0, proposer.max_len)
+            state[name] = t.transpose(0, dim).clone()
+    return state
 
 
 @pytest.mark.parametrize("kind", ["mtp", "dflash"])

@@ -186,6 +186,16 @@ def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
     untouched = torch.ones(B, S, dtype=torch.bool, device=device)
     untouched.scatter_(1, positions, False)
     assert torch.equal(got_k.transpose(1, 2)[untouched], caches[0].transpose(1, 2)[untouched])
+    # K/V written at slots other than the RoPE positions (distinct per row, reversed order)
+    slots = (S - 1 - positions).flip(1)
+    ref_k, ref_v = caches[0].clone(), caches[1].clone()
+    got_k, got_v = caches[0].clone(), caches[1].clone()
+    ref_q = rope_cache_reference(qkv, positions, inv_freq, ref_k, ref_v, nh, nkv, slots=slots)
+    got_q = rope_cache_triton(qkv, positions, inv_freq, got_k, got_v, nh, nkv, slots=slots)
+    torch.testing.assert_close(got_q.float(), ref_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_k.float(), ref_k.float(), rtol=tol, atol=tol)
+    assert torch.equal(got_v, ref_v)
+    assert not torch.equal(got_k, caches[0])  # something was written
 
 
 @needs_triton_backend
