@@ -22,8 +22,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 # regenerated answers alone on GPU 0 and EAGLE-3 on the original answers alone on GPU 1 (issue
 # 6: the same budget each, a whole H200). Batches hold about the same tokens: 16 regenerated
 # conversations (they are short), 8 original ones. The LR schedule follows the time (max_steps
-# only far beyond it). Held-out walks every EVAL_EVERY steps (default 2000: since session 7
-# they walk whole answers, more work than session 6's 64 chains). Session 5 compared all eight
+# only far beyond it). Held-out walks every EVAL_EVERY steps (default: only the final one; they
+# walk whole answers: in session 9 four trainings sharing the GPU spent minutes walking at step
+# 2,000, and three were still in their final walk when the device time ran out). Session 5 compared all eight
 # recipes with RUNS=shared (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
 # GPU 1: EAGLE-1, Medusa-1 and -2, MTP frozen and joint, a fifth each).
 SHARED_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
@@ -46,7 +47,7 @@ start_runs() {  # RUNS-style specs, minutes each
     if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
     CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
       "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
-      data.num_workers=1 eval.every_n_steps=${EVAL_EVERY:-2000} "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
+      data.num_workers=1 eval.every_n_steps=${EVAL_EVERY:-1000000} "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
     pids+=($!)
     sleep 2
   done
@@ -135,7 +136,7 @@ wait)
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     touch /tmp/regression-checked
   fi
-  while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
+  while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
   train_summary
   collect
   ;;
@@ -158,8 +159,8 @@ final | validate)
   # in the time left (VAL_MINUTES each). validate: only the validations.
   if [ "$what" = final ]; then
     t0=$SECONDS
-    while pgrep -f "python3 -m train" > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
-    pkill -f "python3 -m train"; sleep 3
+    while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt 45 ]; do sleep 5; done
+    pkill -f "^python3 -m train "; sleep 3
     collect
     python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -14
     collect
