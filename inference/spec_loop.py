@@ -19,6 +19,7 @@ import torch
 
 from inference.graphs import capture_graph, graph_generator_ok
 from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
+from kernels.emit import emit
 
 
 class SpecLoop:
@@ -72,22 +73,10 @@ class SpecLoop:
     def emit(self, drafts, accepted, bonus):
         """The accepted drafts [B,k] (the first `accepted` of each row), then the bonus, into
         each row's tokens; cut after an end-of-sequence token and at the row's budget; none for
-        finished rows. Updates lengths, done flags and the accepted-length histogram."""
-        k = self.k
-        active = ~self.done
-        emitted = torch.cat([drafts.clamp_min(0), bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
-        n_new = accepted + 1
-        is_eos = (emitted[:, :, None] == self.eos).any(-1) & (self.columns < n_new[:, None])  # [B,k+1]
-        first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), k + 1)
-        n_new = torch.minimum(torch.minimum(n_new, first_eos + 1), self.budget - self.n_out)
-        n_new = torch.where(active, n_new, 0)
-        write = self.length[:, None] + self.columns
-        self.tokens.scatter_(1, write, torch.where(self.columns < n_new[:, None], emitted, self.tokens.gather(1, write)))
-        self.histogram.scatter_add_(1, accepted[:, None], active.long()[:, None])
-        self.row_steps.add_(active.long())
-        self.length.add_(n_new)
-        self.n_out.add_(n_new)
-        self.done.logical_or_(active & ((self.n_out >= self.budget) | (first_eos < n_new)))
+        finished rows. Updates lengths, done flags and the accepted-length histogram (one
+        launch on a GPU: kernels/emit.py)."""
+        emit(drafts, accepted, bonus, self.eos, self.budget, self.tokens, self.length, self.n_out, self.done,
+             self.histogram, self.row_steps)
 
     def advance_phase(self):
         # after the step: a row that has just finished keeps its proposer state in place

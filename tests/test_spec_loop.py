@@ -181,3 +181,35 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
     proposer = drafter_proposer(drafters["eagle3"], 3, len(prompts), n, rt.config)
     outs, stats = generate(rt, prompts, max_new, proposer=proposer, temperature=1.0, max_len=n)
     assert stats.device_loop and all(0 <= t < rt.config.vocab_size for o in outs for t in o)
+
+
+def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+    """float32, every runtime kernel on (the Triton interpreter on a CPU): the device loop with
+    the EAGLE-3 and MTP proposers (RoPE written at slots, decode attention, the fused emission)
+    emits what it emits through the torch references, with the same histograms."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 3, 4, 3]]
+    max_new, eos = 8, (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, 3)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n, cuda_graphs=False)
+    drafters = _random_drafters(hf)
+    makers = {name: (lambda d=drafters[name].to(device): drafter_proposer(d, 3, len(prompts), n, rt.config))
+              for name in ("eagle3", "mtp")}
+    makers["ngram-gpu"] = lambda: GpuNgramProposer(3, len(prompts), n, max_n=2, device=device)  # accepts drafts here
+    accepted = 0
+    for name, make in makers.items():
+        results = []
+        for mode in ("0", "force"):
+            monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
+            results.append((outs, stats.row_histograms))
+        assert results[0] == results[1], name
+        assert results[0][0] == plain, name
+        accepted += sum(n * c for h in results[0][1] for n, c in enumerate(h))
+    assert accepted > 0  # emission of accepted drafts went through the kernel too

@@ -1,0 +1,96 @@
+"""Emission of a verified step into the device loop's state, one launch instead of about twenty.
+
+    drafts [B,k] (target ids; -1 in empty slots), accepted [B] in 0..k, bonus [B],
+    eos [E] end-of-sequence ids, budget [1] (max new tokens)
+    state, updated in place: tokens [B,S], length [B], n_out [B], done [B] bool,
+    histogram [B,k+1], row_steps [B]
+
+Row b (when not done) appends its first `accepted` drafts and then the bonus token at
+tokens[b, length:], cut after the first end-of-sequence token and at the budget; counts its
+accepted length in the histogram and the step in row_steps; is done once it has emitted an
+end-of-sequence token or `budget` tokens. A done row is left as it is. Writes stay inside
+[length, length + k] of the row, which the caller's cache size leaves room for.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
+    B, k = drafts.shape
+    columns = torch.arange(k + 1, device=drafts.device)
+    active = ~done
+    emitted = torch.cat([drafts.clamp_min(0), bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
+    n_new = accepted + 1
+    is_eos = (emitted[:, :, None] == eos).any(-1) & (columns < n_new[:, None])  # [B,k+1]
+    first_eos = torch.where(is_eos.any(1), is_eos.long().argmax(1), k + 1)
+    n_new = torch.minimum(torch.minimum(n_new, first_eos + 1), budget - n_out)
+    n_new = torch.where(active, n_new, 0)
+    write = length[:, None] + columns
+    tokens.scatter_(1, write, torch.where(columns < n_new[:, None], emitted, tokens.gather(1, write)))
+    histogram.scatter_add_(1, accepted[:, None], active.long()[:, None])
+    row_steps.add_(active.long())
+    length.add_(n_new)
+    n_out.add_(n_new)
+    done.logical_or_(active & ((n_out >= budget) | (first_eos < n_new)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _emit_kernel(drafts_ptr, accepted_ptr, bonus_ptr, eos_ptr, budget_ptr, tokens_ptr, length_ptr, n_out_ptr,
+                     done_ptr, histogram_ptr, row_steps_ptr, K, E, stride_d, stride_t, stride_h, BLOCK: tl.constexpr):
+        """One program per row; BLOCK >= k+1 lanes, lane j is the row's j-th new token."""
+        row = tl.program_id(0).to(tl.int64)
+        if tl.load(done_ptr + row) == 0:
+            j = tl.arange(0, BLOCK)
+            accepted = tl.load(accepted_ptr + row)
+            bonus = tl.load(bonus_ptr + row)
+            draft = tl.load(drafts_ptr + row * stride_d + j, mask=j < K, other=0)
+            token = tl.where(j == accepted, bonus, tl.maximum(draft, 0))  # [BLOCK]
+            n_new = accepted + 1
+            is_eos = tl.zeros([BLOCK], tl.int1)
+            for e in range(0, E):
+                is_eos = is_eos | (token == tl.load(eos_ptr + e))
+            is_eos = is_eos & (j < n_new)
+            first_eos = tl.min(tl.where(is_eos, j, K + 1), 0)
+            n_out = tl.load(n_out_ptr + row)
+            budget = tl.load(budget_ptr)
+            n_new = tl.minimum(tl.minimum(n_new, first_eos + 1), budget - n_out)
+            length = tl.load(length_ptr + row)
+            tl.store(tokens_ptr + row * stride_t + length + j, token, mask=j < n_new)
+            hist = histogram_ptr + row * stride_h + accepted
+            tl.store(hist, tl.load(hist) + 1)
+            tl.store(row_steps_ptr + row, tl.load(row_steps_ptr + row) + 1)
+            tl.store(length_ptr + row, length + n_new)
+            tl.store(n_out_ptr + row, n_out + n_new)
+            tl.store(done_ptr + row, ((n_out + n_new >= budget) | (first_eos < n_new)).to(tl.int1))
+
+
+def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    B, k = drafts.shape
+    for name, t in (("tokens", tokens), ("histogram", histogram)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if not all(t.is_contiguous() for t in (accepted, bonus, eos, budget, length, n_out, done, row_steps)):
+        raise ValueError("the per-row state tensors must be contiguous")
+    if B:
+        _emit_kernel[(B,)](drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps,
+                           k, eos.numel(), max(drafts.stride(0), 1), tokens.stride(0), histogram.stride(0),
+                           BLOCK=triton.next_power_of_2(k + 1))
+
+
+def emit(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    from kernels import use_kernel
+
+    fn = emit_triton if use_kernel(tokens) else emit_reference
+    fn(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps)
