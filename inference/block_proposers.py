@@ -14,7 +14,8 @@ Positions: a row holding x_0..x_{n-1} (x_{n-1} the bonus, not yet fed to the tar
 features at positions <= n-2 and drafts from the anchor a = n-2 (see models/mtp.py and
 models/dflash.py). Cache entries are written by position; entries past what the verified text
 allows are stale and are overwritten before any query can see them: correctness comes from the
-position masks, never from copies.
+position masks, never from copies. A write the text does not allow yet goes to a scratch slot
+past the positions, which no query sees (one scatter, no read-back).
 
 Shapes: B batch, S = max_len cache positions, k drafts, H hidden, nh/nkv heads, hd head dim,
 Vd draft vocab, V target vocab, W target feature width.
@@ -25,32 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
-from inference.model import cache_mask
 from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
-from models.layers import apply_rope, rope_cos_sin
-
-
-def write_by_position(buf, dim, positions, values, valid):
-    """buf [B, .., S at `dim`, ..] <- values (buf's shape with q at `dim`) at positions [B,q]
-    where valid [B,q]; every other entry keeps its value and no index leaves [0, S).
-
-    positions must be consecutive per row (p0, p0+1, ..., any integers) and valid must imply
-    0 <= position < S. An invalid entry rewrites the old value of a parking slot outside the
-    row's window (p0-1, or q when p0 <= 0; needs S > q), so no valid write shares its index and
-    the duplicate parked writes all carry the same value: deterministic, graph-safe."""
-    B, q = positions.shape
-    S = buf.shape[dim]
-    start = positions[:, :1]
-    park = torch.where(start > 0, (start - 1).clamp_max(S - 1), torch.full_like(start, q))
-    shape = [B] + [1] * (buf.dim() - 1)
-    shape[dim] = q
-    index = torch.where(valid, positions, park).view(shape).expand(values.shape)
-    keep = valid.view(shape)
-    buf.scatter_(dim, index, torch.where(keep, values.to(buf.dtype), buf.gather(dim, index)))
 
 
 class _DeviceProposer(HostLoopInterface):
@@ -91,12 +71,6 @@ class _DeviceProposer(HostLoopInterface):
     def draft_sampled(self, temperature: float, generator=None):
         self._draft(temperature, generator)
         return self.drafts, self.q
-
-
-def _heads(linear, x, heads: int, head_dim: int):
-    """x [B,q,H] → linear(x) as [B,heads,q,hd]."""
-    B, q, _ = x.shape
-    return linear(x).view(B, q, heads, head_dim).transpose(1, 2)
 
 
 class MTPCachedProposer(_DeviceProposer):
@@ -221,60 +195,77 @@ class DFlashCachedProposer(_DeviceProposer):
 
     The context of a block is hidden_norm(fc(features)) at the verified positions; every layer
     projects it to keys k_norm(k_proj(c)) (RoPE at the context position) and values v_proj(c)
-    independently of the block, so these are cached [L,B,nkv,S,hd] and written as features are
-    verified (k+1 positions per advance, masked to the accepted ones). Each draft runs the
-    block [bonus, MASK x (B-1)] at positions a+1..a+B through every layer, its own keys and
-    values computed fresh, attending to cache positions <= a and to the whole block, as
-    `DFlashDrafter.block_logits` does. The block's drafts do not condition on each other
-    (positions 2.. read MASK), so sampled drafts are independent draws from each position's
-    softmax and q is that softmax."""
+    independently of the block, so these are cached per layer [B,nkv,S+Bs+1,hd] and written as
+    features are verified (k+1 positions per advance, masked to the accepted ones). Each draft
+    runs the block [bonus, MASK x (Bs-1)] at positions a+1..a+Bs through every layer: its keys
+    and values are written into the cache at those positions (stale context slots, rewritten
+    once verified), and each block query sees cache slots <= a+Bs: the context up to a and the
+    whole block, as `DFlashDrafter.block_logits` attends. The block's drafts do not condition on
+    each other (positions 2.. read MASK), so sampled drafts are independent draws from each
+    position's softmax and q is that softmax.
+
+    The caches hold Bs slots past S (a block may reach past the last position) and a scratch
+    slot after them, where writes the text does not allow yet are parked; no query sees it.
+    Each layer runs through the runtime's kernels (fused norms, RoPE written into the cache,
+    decode attention)."""
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         super().__init__(drafter, k, batch, max_len, target_config)
         cfg = drafter.config
-        kv = (cfg.num_layers, batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.scratch = max_len + cfg.block_size  # slot index of the parked writes
+        kv = (cfg.num_layers, batch, cfg.num_key_value_heads, self.scratch + 1, cfg.head_dim)
         self.k_cache = torch.zeros(kv, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(kv, dtype=self.dtype, device=self.device)
         self.bonus = torch.zeros(batch, dtype=torch.long, device=self.device)  # x_{a+1}, the block's first token
         self.block_offsets = torch.arange(cfg.block_size, device=self.device)
+        self.masks = torch.full((batch, cfg.block_size - 1), cfg.mask_token_id, dtype=torch.long, device=self.device)
+        # fused projections, as the runtime model stores them: q|k|v and gate|up for a block, k|v for the context
+        attn = [layer.self_attn for layer in drafter.layers]
+        self.qkv_weight = [torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach() for a in attn]
+        self.kv_weight = [torch.cat([a.k_proj.weight, a.v_proj.weight]).detach() for a in attn]
+        self.gate_up_weight = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach()
+                               for layer in drafter.layers]
+
+    def _head_norm(self, x, norm, heads: int):
+        """x [B,q,heads*hd] → each head RMS-normed (q_norm / k_norm), same shape."""
+        B, q, _ = x.shape
+        return rms_norm(x.reshape(B, q, heads, -1), norm.weight, norm.eps)[0].reshape(B, q, -1)
 
     def _write_context(self, features, positions, valid):
-        """features [B,q,W] at consecutive positions [B,q] → every layer's context K/V."""
-        context = self.drafter.hidden_norm(self.drafter.fc(features.to(self.dtype)))  # [B,q,H]
-        cos, sin = rope_cos_sin(self.drafter.inv_freq, positions.clamp(0, self.max_len - 1), self.dtype)
-        for i, layer in enumerate(self.drafter.layers):
-            attn = layer.self_attn
-            k = apply_rope(attn.k_norm(_heads(attn.k_proj, context, attn.nkv, attn.d)), cos, sin)
-            write_by_position(self.k_cache[i], 2, positions, k, valid)
-            write_by_position(self.v_cache[i], 2, positions, _heads(attn.v_proj, context, attn.nkv, attn.d), valid)
+        """features [B,q,W] at consecutive positions [B,q] → every layer's context K/V, at
+        their positions where valid (else parked in the scratch slot)."""
+        d, cfg = self.drafter, self.drafter.config
+        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        context = rms_norm(d.fc(features.to(self.dtype)), d.hidden_norm.weight, d.hidden_norm.eps)[0]  # [B,q,H]
+        slots = torch.where(valid, positions, self.scratch)
+        for i, layer in enumerate(d.layers):
+            k, v = F.linear(context, self.kv_weight[i]).split(nkv * hd, -1)
+            kv = torch.cat([self._head_norm(k, layer.self_attn.k_norm, nkv), v], -1)
+            rope_cache(kv, positions, d.inv_freq, self.k_cache[i], self.v_cache[i], 0, nkv, slots=slots)  # no queries
 
     def _block_logits(self):
         """Logits [B,k,Vd] of block positions 1..k."""
-        cfg = self.drafter.config
-        B, Bs, S = self.batch, cfg.block_size, self.max_len
-        block = torch.cat([self.bonus[:, None], torch.full_like(self.drafts[:, :1], cfg.mask_token_id).expand(B, Bs - 1)], 1)
+        d, cfg = self.drafter, self.drafter.config
+        nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
         positions = self.anchor[:, None] + 1 + self.block_offsets  # [B,Bs]
-        cos, sin = rope_cos_sin(self.drafter.inv_freq, positions, self.dtype)
-        sees = torch.cat([cache_mask(self.anchor[:, None], S).expand(B, 1, Bs, S),
-                          torch.ones(B, 1, Bs, Bs, dtype=torch.bool, device=self.device)], -1)  # [B,1,Bs,S+Bs]
-        h = self.drafter.embed_tokens(block).to(self.dtype)  # [B,Bs,H]
-        for i, layer in enumerate(self.drafter.layers):
+        sees = (self.anchor + cfg.block_size)[:, None].expand_as(positions)  # context <= a, the whole block
+        h = d.embed_tokens(torch.cat([self.bonus[:, None], self.masks], 1)).to(self.dtype)  # [B,Bs,H]
+        for i, layer in enumerate(d.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = apply_rope(attn.q_norm(_heads(attn.q_proj, x, attn.nh, attn.d)), cos, sin)
-            k = apply_rope(attn.k_norm(_heads(attn.k_proj, x, attn.nkv, attn.d)), cos, sin)
-            v = _heads(attn.v_proj, x, attn.nkv, attn.d)
-            out = F.scaled_dot_product_attention(q, torch.cat([self.k_cache[i], k], 2), torch.cat([self.v_cache[i], v], 2),
-                                                 attn_mask=sees, enable_gqa=attn.nh != attn.nkv)  # [B,nh,Bs,hd]
-            h = h + attn.o_proj(out.transpose(1, 2).reshape(B, Bs, attn.nh * attn.d))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.drafter.lm_head(self.drafter.norm(h[:, 1 : self.k + 1]))
+            x = rms_norm(h, layer.input_layernorm.weight, eps)[0]
+            q, k, v = F.linear(x, self.qkv_weight[i]).split([nh * hd, nkv * hd, nkv * hd], -1)
+            qkv = torch.cat([self._head_norm(q, attn.q_norm, nh), self._head_norm(k, attn.k_norm, nkv), v], -1)
+            q = rope_cache(qkv, positions, d.inv_freq, self.k_cache[i], self.v_cache[i], nh, nkv)
+            out = attn.o_proj(decode_attention(q, self.k_cache[i], self.v_cache[i], sees))
+            post, h = rms_norm(out, layer.post_attention_layernorm.weight, eps, h)  # h = h + attention
+            h = layer.mlp.down_proj(silu_mul(F.linear(post, self.gate_up_weight[i]))) + h
+        return d.lm_head(rms_norm(h[:, 1 : self.k + 1], d.norm.weight, d.norm.eps)[0])
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
         B, T, _ = aux.shape
-        self.anchor.copy_(torch.as_tensor([len(p) - 1 for p in prompts], device=self.device))
-        self.bonus.copy_(torch.as_tensor(first, device=self.device))
+        self.anchor.copy_(torch.as_tensor([len(p) - 1 for p in prompts]))
+        self.bonus.copy_(torch.as_tensor([int(f) for f in first]))
         # positions past a row's prompt are padding: stale, overwritten once verified
         self._write_context(aux, torch.arange(T, device=self.device).expand(B, T),
                             torch.ones(B, T, dtype=torch.bool, device=self.device))

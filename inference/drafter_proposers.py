@@ -83,7 +83,12 @@ class Eagle3Proposer(HostLoopInterface):
     def _step0(self, tokens, aux, positions, last_index):
         """Step-0 entries of `tokens` [B,q] with target features `aux` [B,q,n*Ht] at `positions`;
         → (hidden, position) of each row's entry at `last_index` [B]."""
-        fused = self.drafter.fuse(aux.to(self.drafter.fc.weight.dtype))
+        aux = aux.to(self.drafter.fc.weight.dtype)
+        if self.fused and self.drafter.config.norm_before_fc:  # the fused norm kernel: one launch, not seven
+            norm = self.drafter.input_norm
+            fused = self.drafter.fc(rms_norm(aux, norm.weight, norm.eps)[0])
+        else:
+            fused = self.drafter.fuse(aux)
         out = self._run(tokens, fused, positions)
         rows = torch.arange(tokens.shape[0], device=tokens.device)
         return out[rows, last_index], positions[rows, last_index]
@@ -118,7 +123,11 @@ class Eagle3Proposer(HostLoopInterface):
         hidden = self.hidden[:, None]
         B = hidden.shape[0]
         for s in range(self.k):
-            logits = self.drafter.logits(hidden)[:, -1]  # [B,Vd]
+            if self.fused:  # drafter.logits with the fused norm kernel
+                normed, _ = rms_norm(hidden, self.drafter.norm.weight, self.drafter.norm.eps)
+                logits = self.drafter.lm_head(normed)[:, -1]  # [B,Vd]
+            else:
+                logits = self.drafter.logits(hidden)[:, -1]
             if temperature:
                 probs = torch.softmax(logits.float() / temperature, -1)
                 u = torch.rand(B, device=probs.device, generator=generator)

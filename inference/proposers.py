@@ -34,6 +34,7 @@ import torch
 # importable from here too
 from inference.draft_model import DraftModelProposer, vocab_intersection  # noqa: F401
 from inference.drafter_proposers import Eagle3Proposer, MedusaProposer, RecomputeProposer, drafter_proposer  # noqa: F401
+from kernels.ngram import ngram_drafts  # buffer [B,S], lengths [B] → drafts [B,k] (one Triton launch on a GPU)
 
 
 def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:
@@ -85,34 +86,6 @@ class NgramProposer:
 
     def accepted(self, fed, aux, counts, active):
         pass
-
-
-def ngram_drafts(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int) -> torch.Tensor:
-    """Vectorised prompt lookup over a batch on the device: for each row, the k tokens after
-    the most recent earlier occurrence of its longest suffix (min_n..max_n tokens), as
-    `longest_suffix_match` finds it; -1 where there is none or the row runs out.
-
-    buffer [B,S] token ids (beyond each row's length: anything), lengths [B] → [B,k]."""
-    B, S = buffer.shape
-    dev = buffer.device
-    found = torch.zeros(B, dtype=torch.bool, device=dev)
-    cont = torch.zeros(B, dtype=torch.long, device=dev)  # where the continuation starts
-    for n in range(max_n, min_n - 1, -1):
-        if n >= S:
-            continue
-        windows = buffer.unfold(1, n, 1)  # [B, S-n+1, n]: windows[b, s] = buffer[b, s:s+n]
-        suffix_idx = (lengths - n).clamp_min(0)[:, None] + torch.arange(n, device=dev)
-        suffix = buffer.gather(1, suffix_idx)  # [B, n]
-        starts = torch.arange(windows.shape[1], device=dev)
-        match = (windows == suffix[:, None, :]).all(-1) & (starts[None] <= (lengths - n - 1)[:, None])
-        latest = torch.where(match, starts[None], -1).max(1).values  # most recent occurrence
-        new = (latest >= 0) & ~found & (lengths > n)
-        cont = torch.where(new, latest + n, cont)
-        found |= new
-    idx = cont[:, None] + torch.arange(k, device=dev)
-    drafts = buffer.gather(1, idx.clamp_max(S - 1))
-    ok = found[:, None] & (idx < lengths[:, None])
-    return torch.where(ok, drafts, torch.full_like(drafts, -1))
 
 
 class GpuNgramProposer:

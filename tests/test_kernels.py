@@ -273,3 +273,22 @@ def test_emit_kernel_matches_reference(B, k, E):
             assert torch.equal(got[name], ref[name]), (trial, name)
         changed += not all(torch.equal(ref[name], state[name]) for name in state)
     assert changed  # some steps emitted (not every row was finished)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("B,S,k,min_n,max_n", [(1, 5, 1, 1, 1), (6, 40, 4, 1, 4), (3, 70, 7, 2, 3), (4, 9, 3, 1, 12)])
+def test_ngram_kernel_matches_reference(B, S, k, min_n, max_n):
+    """Rows of small vocabularies (many repeats), lengths from 0 to the whole buffer, sizes
+    larger than the buffer: the drafts of the torch form."""
+    from kernels.ngram import ngram_drafts_reference, ngram_drafts_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B * S + k)
+    for trial in range(4):
+        buffer = torch.randint(0, 3 + trial, (B, S), device=device)
+        lengths = torch.randint(0, S + 1, (B,), device=device)
+        lengths[0] = S
+        ref = ngram_drafts_reference(buffer, lengths, k, min_n, max_n)
+        got = ngram_drafts_triton(buffer, lengths, k, min_n, max_n)
+        assert torch.equal(got, ref), (trial, got, ref)
+    assert (ref >= 0).any() or S < 6  # matches were found

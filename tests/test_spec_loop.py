@@ -185,7 +185,7 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
 
 def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
     """float32, every runtime kernel on (the Triton interpreter on a CPU): the device loop with
-    the EAGLE-3 and MTP proposers (RoPE written at slots, decode attention, the fused emission)
+    the EAGLE-3, MTP and DFlash proposers (RoPE written at slots, decode attention, fused emission)
     emits what it emits through the torch references, with the same histograms."""
     import os
 
@@ -200,7 +200,7 @@ def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monk
     plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n, cuda_graphs=False)
     drafters = _random_drafters(hf)
     makers = {name: (lambda d=drafters[name].to(device): drafter_proposer(d, 3, len(prompts), n, rt.config))
-              for name in ("eagle3", "mtp")}
+              for name in ("eagle3", "mtp", "dflash")}
     makers["ngram-gpu"] = lambda: GpuNgramProposer(3, len(prompts), n, max_n=2, device=device)  # accepts drafts here
     accepted = 0
     for name, make in makers.items():
