@@ -37,14 +37,16 @@ def main(argv=None):
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--trace", action="store_true", help="also profile one answer of plain, EAGLE-3 k=4 and Medusa "
+    ap.add_argument("--trace", action="store_true", help="also profile one answer of plain, EAGLE-3 k=4, Medusa and DFlash "
                     "(torch.profiler): the top host and device ops, the engine's named ranges; traces to --out")
     args = ap.parse_args(argv)
     from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
     from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.dflash import DFlashConfig, DFlashDrafter
     from models.medusa import MedusaConfig, MedusaDrafter
+    from models.mtp import MTPConfig, MTPDrafter
 
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -57,7 +59,13 @@ def main(argv=None):
     eagle.init_from_target(hf.float(), *keep)
     medusa = MedusaDrafter(MedusaConfig.from_target(hf.config, 16384, num_heads=4))
     medusa.init_from_target(hf, *keep)
-    eagle, medusa = eagle.to(dev, torch.bfloat16).eval(), medusa.to(dev, torch.bfloat16).eval()
+    # the recipes' shapes: MTP D = 3 (16k draft vocabulary), DFlash 5 layers, blocks of 8, full vocabulary
+    mtp = MTPDrafter(MTPConfig.from_target(hf.config, 16384, num_modules=3))
+    mtp.init_from_target(hf, *keep)
+    full = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    dflash = DFlashDrafter(DFlashConfig.from_target(hf.config, V, mask_token_id=0, num_layers=5, block_size=8))
+    dflash.init_from_target(hf, *full)
+    eagle, medusa, mtp, dflash = (m.to(dev, torch.bfloat16).eval() for m in (eagle, medusa, mtp, dflash))
     torch.manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,)).tolist() for n in torch.randint(60, 300, (args.prompts,)).tolist()]
     max_len = -(-cache_size(prompts, args.max_new, 8) // CACHE_BUCKET) * CACHE_BUCKET
@@ -67,6 +75,8 @@ def main(argv=None):
         rows[f"EAGLE-3 k={k}"] = drafter_proposer(eagle, k, 1, max_len, rt.config)
         rows[f"n-gram on the device k={k}"] = GpuNgramProposer(k, 1, max_len, device=dev)
     rows["Medusa k=4"] = drafter_proposer(medusa, 4, 1, max_len, rt.config)
+    rows["MTP k=3"] = drafter_proposer(mtp, 3, 1, max_len, rt.config)
+    rows["DFlash k=7"] = drafter_proposer(dflash, 7, 1, max_len, rt.config)
 
     def run(proposer):
         total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None,
@@ -109,7 +119,7 @@ def main(argv=None):
         r.update(tokens_per_s=tps, vs_plain=tps / plain, tau=tau)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.trace:
-        for name in ("plain", "EAGLE-3 k=4", "Medusa k=4"):
+        for name in ("plain", "EAGLE-3 k=4", "Medusa k=4", "DFlash k=7"):
             trace(rows[name], name, prompts[0], rt, args, max_len, verification)
     (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
                                                                  "rows": results}, indent=2))
