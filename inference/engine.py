@@ -1,4 +1,9 @@
-"""Speculative decoding loop over the runtime model: prefill, then draft → verify → accept.
+"""`generate`: the runtime's one entry point for decoding. It sizes the KV cache, runs the
+prefill (inference/steps.py) and hands the rest to one of three loops:
+
+- plain greedy decoding, feeding its own argmax back on the device (inference/steps.py);
+- the device loop, for proposers that draft from device tensors (inference/spec_loop.py);
+- the host loop, for proposers that draft on the host (inference/host_loop.py).
 
 Greedy verification is lossless: every emitted token is the target's argmax given the tokens
 before it, so the output equals plain greedy decoding (exactly, in float32).
@@ -12,11 +17,12 @@ import torch
 from torch.profiler import record_function
 
 from inference.acceptance import acceptance_from_histogram
-from inference.model import GraphedStep, RuntimeModel
-from inference.graphs import kernels_mode as _kernels_mode, reuse as _reuse
-from inference.steps import GreedyDecodeStep, prefill
-from inference.verify import (NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs,
-                              synthetic_verify)
+from inference.graphs import reuse
+from inference.host_loop import host_speculation
+from inference.model import RuntimeModel
+from inference.spec_loop import device_speculation
+from inference.steps import GreedyDecodeStep, plain_greedy, prefill  # noqa: F401  (GreedyDecodeStep: scripts/profile_decode.py)
+from inference.verify import sampling_probs
 
 
 @dataclass
@@ -105,7 +111,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
 
     Plain greedy decoding (no proposer, temperature 0) takes a device-side loop unless
     fast_plain=False: each step feeds its own argmax back, and the host checks for
-    end-of-sequence once every `EOS_CHECK_EVERY` tokens instead of syncing per token.
+    end-of-sequence once every `steps.EOS_CHECK_EVERY` tokens instead of syncing per token.
 
     A device proposer (`on_device`, inference/proposers.py) runs in the device loop of
     inference/spec_loop.py unless device_loop=False: drafts, acceptance and emitted tokens stay
@@ -127,7 +133,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
     stats = GenerationStats(k=k, histogram=[0] * (k + 1), row_histograms=[[0] * (k + 1) for _ in prompts])
     t_start = time.perf_counter()
-    cache = _reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
+    cache = reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
     graphed = cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True)
     with record_function("draftsmith.prefill"):  # named ranges: a profiler trace shows where a generation goes
@@ -142,7 +148,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     if proposer is None and temperature == 0 and fast_plain:
         first = logits[:, 0].argmax(-1)
         with record_function("draftsmith.plain_loop"):
-            outputs, stats.host_syncs = _plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device),
+            outputs, stats.host_syncs = plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device),
                                                       max_new_tokens, eos_ids, graphed=graphed)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
@@ -151,174 +157,22 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         stats.steps = max(len(o) for o in outputs) - 1
         return outputs, stats
     if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
-        outputs = _device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
+        outputs = device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
                                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.new_tokens = sum(len(o) for o in outputs)
         return outputs, stats
-    if proposer is not None:
-        proposer.begin(prompts, aux, nxt)
-    step_fn = None
-    if cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True):
-        graph = _reuse(model, ("step", id(cache), B, k + 1, aux_layers, _kernels_mode()),
-                       lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
-        step_fn = graph
-    tokens = [list(p) for p in prompts]
-    outputs: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    for b in range(B):
-        _emit(b, [nxt[b]], tokens, outputs, done, eos_ids, max_new_tokens)
-
-    while not all(done):
-        t0 = time.perf_counter()
-        drafts = [[NO_DRAFT] * k for _ in range(B)]
-        draft_probs = None
-        if k and temperature > 0 and hasattr(proposer, "propose_sampled"):
-            # drafters with distributions sample their drafts and hand q to verification
-            proposed, draft_probs = proposer.propose_sampled(tokens, temperature, generator)
-            for b, d in enumerate(proposed):
-                if not done[b]:
-                    drafts[b][: min(len(d), k)] = d[:k]
-        elif k:
-            for b, d in enumerate(proposer.propose(tokens)):  # a proposer may draft more than k
-                if not done[b]:
-                    drafts[b][: min(len(d), k)] = d[:k]
-        _sync(device)
-        t1 = time.perf_counter()
-        # each row feeds its last token followed by its drafts, at its own positions
-        pos0 = torch.as_tensor([len(t) - 1 for t in tokens], device=device)
-        draft_t = torch.as_tensor(drafts, dtype=torch.long, device=device).view(B, k)
-        step = torch.cat([torch.as_tensor([t[-1] for t in tokens], device=device)[:, None], draft_t.clamp_min(0)], 1)
-        positions = pos0[:, None] + torch.arange(k + 1, device=device)
-        if step_fn is not None:
-            logits, aux = step_fn(step, positions)
-        else:
-            logits, aux = model(step, positions, cache, aux_layers)
-        if verification.startswith("synthetic:"):
-            accepted, bonus = synthetic_verify(draft_t, float(verification.split(":", 1)[1]), logits, generator)
-        elif temperature > 0:
-            verify = block_verify if verification == "block" else rejection_verify
-            q = None if draft_probs is None else draft_probs[:, :k].to(logits.device)
-            accepted, bonus = verify(draft_t, q, sampling_probs(logits, temperature, top_k, top_p), generator)
-        else:
-            accepted, bonus = greedy_verify(draft_t, logits)
-        accepted, bonus = accepted.tolist(), bonus.tolist()
-        stats.host_syncs += 2  # the drafts read by the proposer, the verification's result
-        for b in range(B):
-            if done[b]:
-                continue
-            if k:
-                stats.row_histograms[b][accepted[b]] += 1
-            _emit(b, drafts[b][: accepted[b]] + [bonus[b]], tokens, outputs, done, eos_ids, max_new_tokens)
-        if k:
-            # after _emit: a row that has just finished is no longer active, so a proposer with
-            # its own cache keeps it in place rather than advancing it by tokens past its budget
-            # (still computed with the batch, it would otherwise write past the cache's end)
-            proposer.accepted(step, aux, list(zip(accepted, bonus)), [not d for d in done])
-        t2 = time.perf_counter()
-        stats.draft_seconds += t1 - t0
-        stats.verify_seconds += t2 - t1
-        stats.steps += 1
-    stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
-    if proposer is not None and hasattr(proposer, "end"):
-        proposer.end(outputs)  # e.g. suffix decoding caches finished responses
+    with record_function("draftsmith.host_loop"):
+        outputs = host_speculation(model, cache, proposer, prompts, aux, nxt, k, max_new_tokens, eos_ids, stats, cuda_graphs,
+                                   temperature, top_k, top_p, verification, generator)
     _sync(device)
     stats.total_seconds = time.perf_counter() - t_start
     stats.new_tokens = sum(len(o) for o in outputs)
     return outputs, stats
 
 
-EOS_CHECK_EVERY = 16
-SPEC_CHECK_EVERY = 4  # device loop on a GPU: speculative steps between reads of the done flags
 CACHE_BUCKET = 256  # cache lengths are rounded up to this
-
-
-def _device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
-                        cuda_graphs, temperature, top_k, top_p, verification, generator, t_start) -> list[list[int]]:
-    """The speculative steps of `generate` in the device loop; fills `stats`, returns the outputs."""
-    from inference.spec_loop import SpecLoop
-
-    B, k = len(prompts), proposer.k
-    device = model.embed_tokens.weight.device
-    with record_function("draftsmith.proposer_begin"):
-        proposer.begin(prompts, aux, first)
-        _sync(device)
-    setup_end = time.perf_counter()
-    key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
-           id(generator), cuda_graphs, _kernels_mode())
-    tree = getattr(proposer, "tree", False)
-    if tree and (temperature > 0 or verification.startswith("synthetic:")):
-        raise ValueError("draft trees verify greedily for now (temperature 0)")
-    if tree:
-        from inference.tree_decoding import TreeLoop
-    make = TreeLoop if tree else SpecLoop
-    # trees run eagerly until their step is captured and checked on a GPU
-    loop = _reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
-                                           verification, generator, graphed=cuda_graphs and not tree))
-    with record_function("draftsmith.loop_reset"):
-        loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
-    with record_function("draftsmith.loop_run"):
-        timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
-    with record_function("draftsmith.read_outputs"):
-        n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
-    outputs = [row[len(p): len(p) + n] for row, p, n in zip(rows, prompts, n_out)]
-    stats.row_histograms = loop.histogram.tolist()
-    stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
-    stats.steps = int(loop.row_steps.max())
-    stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
-    stats.launch_seconds = timing["launch"]
-    stats.setup_seconds = setup_end - t_start
-    stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
-    stats.verify_tokens = getattr(proposer, "verify_tokens", None)
-    if hasattr(proposer, "end"):
-        proposer.end(outputs)
-    return outputs
-
-
-
-
-def _plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> tuple[list[list[int]], int]:
-    """first [B] (the prefill's argmax), lengths [B] → (each row's tokens, cut after its EOS;
-    the host syncs it took)."""
-    B = first.shape[0]
-    step = _reuse(model, ("plain", id(cache), B, graphed, _kernels_mode()),
-                  lambda: GreedyDecodeStep(model, cache, B, graphed))
-    step.ids[:, 0] = first
-    step.positions[:, 0] = lengths  # the first new token sits right after the prompt
-    history = torch.empty(B, max_new_tokens, dtype=torch.long, device=first.device)
-    history[:, 0] = first
-    eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=first.device)
-    n, syncs = 1, 2  # the prefill's first tokens and the final read
-    while n < max_new_tokens:
-        if eos.numel() and n % EOS_CHECK_EVERY == 0:
-            syncs += 1
-            if bool(torch.isin(history[:, :n], eos).any(1).all()):
-                break  # every row has ended (one host sync per EOS_CHECK_EVERY tokens)
-        step()
-        history[:, n] = step.ids[:, 0]
-        n += 1
-    outputs = []
-    for row in history[:, :n].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
-        outputs.append(row[:cut])
-    return outputs, syncs
-
-
-def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):
-    """Append accepted tokens to row b, stopping at end-of-sequence or the token budget.
-
-    A finished row's cache positions are never advanced again, so its later (ignored) steps
-    write only beyond its end."""
-    for t in new:
-        if len(outputs[b]) >= max_new_tokens:
-            break
-        outputs[b].append(t)
-        tokens[b].append(t)
-        if t in eos_ids:
-            break
-    if len(outputs[b]) >= max_new_tokens or (outputs[b] and outputs[b][-1] in eos_ids):
-        done[b] = True
 
 
 def cache_size(prompts: list[list[int]], max_new_tokens: int, k: int) -> int:

@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.profiler import record_function
 
-from inference.graphs import capture_graph, graph_generator_ok
+from inference.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
 from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
 from kernels.emit import emit
 
@@ -174,6 +175,52 @@ class SpecLoop:
             self.graphs[i].replay()
         else:
             fn()
+
+
+SPEC_CHECK_EVERY = 4  # on a GPU: speculative steps between reads of the done flags
+
+
+def device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
+                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start) -> list[list[int]]:
+    """The speculative steps of `generate` for an `on_device` proposer, after the prefill: the
+    loop of this shape (kept on the model, its graphs captured once) serves the prompts; fills
+    `stats` and returns the outputs. `first` [B] holds each row's first token."""
+    B, k = len(prompts), proposer.k
+    device = model.embed_tokens.weight.device
+    with record_function("draftsmith.proposer_begin"):
+        proposer.begin(prompts, aux, first)
+        if device.type == "cuda":  # the setup ends here: its time is reported apart
+            torch.cuda.synchronize(device)
+    setup_end = time.perf_counter()
+    key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
+           id(generator), cuda_graphs, kernels_mode())
+    tree = getattr(proposer, "tree", False)
+    if tree and (temperature > 0 or verification.startswith("synthetic:")):
+        raise ValueError("draft trees verify greedily for now (temperature 0)")
+    if tree:
+        from inference.tree_decoding import TreeLoop
+    make = TreeLoop if tree else SpecLoop
+    # trees run eagerly until their step is captured and checked on a GPU
+    loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
+                                           verification, generator, graphed=cuda_graphs and not tree))
+    with record_function("draftsmith.loop_reset"):
+        loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
+    with record_function("draftsmith.loop_run"):
+        timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
+    with record_function("draftsmith.read_outputs"):
+        n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
+    outputs = [row[len(p): len(p) + n] for row, p, n in zip(rows, prompts, n_out)]
+    stats.row_histograms = loop.histogram.tolist()
+    stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
+    stats.steps = int(loop.row_steps.max())
+    stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
+    stats.launch_seconds = timing["launch"]
+    stats.setup_seconds = setup_end - t_start
+    stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the prefill's first tokens
+    stats.verify_tokens = getattr(proposer, "verify_tokens", None)
+    if hasattr(proposer, "end"):
+        proposer.end(outputs)
+    return outputs
 
 
 def _state_ids(proposer) -> tuple:

@@ -90,3 +90,33 @@ class GreedyDecodeStep:
             self.graph.replay()
         else:
             self._step()
+
+
+EOS_CHECK_EVERY = 16  # plain greedy: tokens between the host's checks for end-of-sequence
+
+
+def plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, graphed: bool) -> tuple[list[list[int]], int]:
+    """first [B] (the prefill's argmax), lengths [B] → (each row's tokens, cut after its EOS;
+    the host syncs it took)."""
+    B = first.shape[0]
+    step = reuse(model, ("plain", id(cache), B, graphed, kernels_mode()),
+                  lambda: GreedyDecodeStep(model, cache, B, graphed))
+    step.ids[:, 0] = first
+    step.positions[:, 0] = lengths  # the first new token sits right after the prompt
+    history = torch.empty(B, max_new_tokens, dtype=torch.long, device=first.device)
+    history[:, 0] = first
+    eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=first.device)
+    n, syncs = 1, 2  # the prefill's first tokens and the final read
+    while n < max_new_tokens:
+        if eos.numel() and n % EOS_CHECK_EVERY == 0:
+            syncs += 1
+            if bool(torch.isin(history[:, :n], eos).any(1).all()):
+                break  # every row has ended (one host sync per EOS_CHECK_EVERY tokens)
+        step()
+        history[:, n] = step.ids[:, 0]
+        n += 1
+    outputs = []
+    for row in history[:, :n].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        outputs.append(row[:cut])
+    return outputs, syncs
