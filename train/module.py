@@ -281,7 +281,9 @@ class DrafterModule(L.LightningModule):
         self._clock = time.monotonic()
 
     def on_save_checkpoint(self, checkpoint):
-        if self.description is not None:  # every save (step, last, interrupted) goes through here
+        # every save (step, last, interrupted) goes through here; a module built without a
+        # description (unit tests, profiling) writes checkpoints that export refuses, saying why
+        if getattr(self, "description", None) is not None:
             from models.checkpoint import SECTION, section_for_save
 
             current = self.predicted if self.predicted and self.predicted.get("step") == self.global_step else None
