@@ -107,7 +107,8 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
         hf_config = AutoConfig.for_model(**section["target"]["config"])
     run_config = section["run_config"]
     provenance = {"target": section["target"]["name"], "target_weights_sha256": section["target"]["weights_sha256"],
-                  "training_config": run_config, "predicted_acceptance": _predicted(section, ckpt, checkpoint.get("global_step")),
+                  "training_config": run_config,
+                  "predicted_acceptance": _predicted(section, ckpt, checkpoint.get("global_step")),
                   "checkpoint": str(ckpt.resolve())}
     if action == "replace":
         print(f"replacing the draftsmith export at {out} (--force)", file=sys.stderr)

@@ -123,8 +123,8 @@ def read_description(ckpt: dict, source) -> dict:
     section = ckpt.get(SECTION)
     if not isinstance(section, dict):
         raise CheckpointError(f"{source}: the checkpoint does not describe itself (no '{SECTION}' section with the method, "
-                              "drafter config, target identity and draft-vocabulary maps); it was written before "
-                              "draftsmith stored them: retrain, or resume it for a step to rewrite it")
+                              "drafter config, target identity and draft-vocabulary maps); it was written before draftsmith "
+                              "stored them: `python -m train ... --resume` in its run folder rewrites last.ckpt with them")
     missing = [k for k in REQUIRED if k not in section]
     maps = section.get("draft_vocab")
     if isinstance(maps, dict):
@@ -164,7 +164,8 @@ def drafter_from_checkpoint(checkpoint: str | Path | dict, source=None):
     try:
         drafter = drafter_cls(config_cls.from_dict(section["drafter_config"]))
     except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{source}: its {section['method']} drafter_config does not build a drafter ({_first_line(e)})") from None
+        raise CheckpointError(f"{source}: its {section['method']} drafter_config does not build a drafter "
+                              f"({_first_line(e)})") from None
     state = {k.removeprefix("drafter."): v for k, v in checkpoint["state_dict"].items() if k.startswith("drafter.")}
     try:
         check_tensors(state, drafter, f"{source}: drafter")
