@@ -1,7 +1,7 @@
-"""python -m export --checkpoint RUN_OR_CKPT --format FORMAT --out DIR
+"""python -m export --checkpoint RUN_OR_CKPT [--format FORMAT] [--out DIR]
 
-Writes a trained drafter (a run folder, taking its checkpoints/last.ckpt, or a checkpoint file
-inside a run folder) in a serving stack's layout, atomically. Formats per method:
+Writes a trained drafter (a run folder, taking its checkpoints/last.ckpt, or any checkpoint
+file, which needs nothing beside it) in a serving stack's layout, atomically. Formats per method:
 
     eagle3: speculators (vLLM), sglang (SGLang / EAGLE)     eagle1: eagle
     medusa: medusa (vLLM)     mtp: mtp (DeepSeek-V3; joint runs: the target with its MTP layers)
@@ -11,7 +11,9 @@ A pair the format cannot carry, an option the layout cannot express, or an --out
 something other than a draftsmith export (a file, a folder of yours, a run folder) is one error
 line and exit code 2; nothing is written. An existing export is replaced only with --force.
 Checkpoints load with weights_only=True: one that holds more than tensors and plain data is
-refused.
+refused, and so is one that does not describe itself (written before checkpoints stored their
+method, drafter config, target identity and maps). MTP and joint exports load the target the
+checkpoint names and refuse it when its weights hash differs from the one recorded in training.
 """
 from __future__ import annotations
 
@@ -29,62 +31,89 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _run_and_checkpoint(spec: str) -> tuple[Path, Path]:
+def _checkpoint_file(spec: str) -> Path:
     path = Path(spec)
-    if path.is_dir():
-        ckpt = path / "checkpoints" / "last.ckpt"
-        run_dir = path
-    else:
-        ckpt, run_dir = path, path.parent.parent
+    ckpt = path / "checkpoints" / "last.ckpt" if path.is_dir() else path
     if not ckpt.is_file():
         raise FileNotFoundError(f"--checkpoint: {ckpt} does not exist")
-    if not (run_dir / "config.yaml").is_file():
-        raise FileNotFoundError(f"--checkpoint: {run_dir}/config.yaml (the run's resolved config) is missing")
-    return run_dir, ckpt
+    return ckpt
 
 
-def export_checkpoint(spec: str, fmt: str, out: str, dtype_name: str = "bfloat16", force: bool = False) -> Path:
-    import torch
-    from transformers import AutoConfig, AutoTokenizer
+def _predicted(section: dict, ckpt: Path, step) -> dict | None:
+    """The held-out acceptance of exactly this checkpoint: the one it stored, else its run's
+    predicted.json when that was measured at the same step (the file may sit alone)."""
+    if section.get("predicted") is not None:
+        return section["predicted"]
+    summary = ckpt.parent.parent / "predicted.json"
+    if summary.is_file():
+        predicted = json.loads(summary.read_text()).get("predicted")
+        if isinstance(predicted, dict) and predicted.get("step") == step:
+            return predicted
+    return None
 
-    from data.templates import apply_template_choice
-    from export.paths import check_export_destination
-    from train.checkpoint_io import load_checkpoint
 
+def _target_as_trained(section: dict):
+    """The target the checkpoint names, loaded only when its files hash as they did in
+    training: a layout that copies its tensors must not copy another model's."""
+    from transformers import AutoConfig
+
+    from models.checkpoint import CheckpointError, target_weights_hash
     from models.target import Target
     from models.zoo import resolve_target
-    from train.config import load_config
-    from train.run import _mask_token, _weights_hash, build_drafter
 
-    run_dir, ckpt = _run_and_checkpoint(spec)
-    action = check_export_destination(out, force)  # before anything loads: nothing of the user's is replaced
-    cfg = load_config(str(run_dir / "config.yaml"), [])
-    method = cfg.drafter.method
-    if fmt not in FORMATS[method]:  # before anything loads
+    name, recorded = section["target"]["name"], section["target"]["weights_sha256"]
+    path = resolve_target(name)
+    found = target_weights_hash(path)
+    if found != recorded:
+        raise CheckpointError(f"target {name} ({path}): its weights hash {str(found)[:16]} is not the {str(recorded)[:16]} "
+                              "the checkpoint was trained against; refusing to copy another model's tensors into the export")
+    return Target.load(name, []).model, AutoConfig.from_pretrained(path)
+
+
+def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None, dtype_name: str = "bfloat16",
+                      force: bool = False) -> Path:
+    """Export from the checkpoint file alone (models/checkpoint.py): the run folder around it
+    is not read, except a predicted.json of the same step; the target is loaded (and its hash
+    checked) only for MTP, whose layout stores the target's embedding and head, and for joint
+    runs, whose export carries the trained target. fmt None: the method's own layout; out
+    None: a folder beside the checkpoint, named after it and the layout."""
+    import torch
+    from transformers import AutoConfig
+
+    from export.paths import check_export_destination
+    from models.checkpoint import drafter_from_checkpoint, load_checkpoint, read_description
+
+    ckpt = _checkpoint_file(spec)
+    if out is not None:
+        action = check_export_destination(out, force)  # before anything loads: nothing of the user's is replaced
+    checkpoint = load_checkpoint(ckpt)  # weights_only=True
+    section = read_description(checkpoint, ckpt)
+    method = section["method"]
+    fmt = fmt or FORMATS[method][0]
+    if fmt not in FORMATS[method]:  # before the drafter is built
         raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
-    state = load_checkpoint(ckpt)["state_dict"]
-    drafter_state = {k.removeprefix("drafter."): v for k, v in state.items() if k.startswith("drafter.")}
-    if "d2t" not in drafter_state:
-        raise ValueError(f"--checkpoint: {ckpt} holds no draftsmith drafter (no drafter.d2t)")
-    target_path = resolve_target(cfg.target)
-    hf_config = AutoConfig.from_pretrained(target_path)
-    tokenizer = AutoTokenizer.from_pretrained(target_path)
-    apply_template_choice(tokenizer, cfg.data.chat_template, cfg.data.plain_text, cfg.target)  # as training set it
-    drafter = build_drafter(cfg, hf_config, drafter_state["d2t"].numel(), mask_token_id=_mask_token(cfg, tokenizer))
-    drafter.load_state_dict(drafter_state, strict=True)
-    predicted = json.loads((run_dir / "predicted.json").read_text()).get("predicted") if (run_dir / "predicted.json").is_file() else None
-    provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path), "training_config": cfg.to_dict(),
-                  "predicted_acceptance": predicted, "checkpoint": str(ckpt.resolve())}
+    if out is None:
+        out = ckpt.parent / f"{ckpt.stem}-{fmt}"
+        action = check_export_destination(out, force)
+    drafter, _ = drafter_from_checkpoint(checkpoint, ckpt)
+    state = checkpoint["state_dict"]
     joint = any(k.startswith("target.") for k in state)
     target_model = None
-    if method == "mtp" or joint:  # MTP stores the target's embedding and head; joint runs the trained target
-        target_model = Target.load(cfg.target, []).model
-        if joint:
+    if method == "mtp" or joint:
+        target_model, hf_config = _target_as_trained(section)
+        if joint:  # the trained target replaces the one loaded
             target_model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})
+    else:  # what the other layouts read of the target (its architectures) is in the checkpoint
+        hf_config = AutoConfig.for_model(**section["target"]["config"])
+    run_config = section["run_config"]
+    provenance = {"target": section["target"]["name"], "target_weights_sha256": section["target"]["weights_sha256"],
+                  "training_config": run_config,
+                  "predicted_acceptance": _predicted(section, ckpt, checkpoint.get("global_step")),
+                  "checkpoint": str(ckpt.resolve())}
     if action == "replace":
         print(f"replacing the draftsmith export at {out} (--force)", file=sys.stderr)
-    return write_export(drafter, fmt, out, method=method, target_name=cfg.target, hf_config=hf_config,
-                        target_model=target_model, joint=joint, k=cfg.eval.k, provenance=provenance,
+    return write_export(drafter, fmt, out, method=method, target_name=section["target"]["name"], hf_config=hf_config,
+                        target_model=target_model, joint=joint, k=run_config["eval"]["k"], provenance=provenance,
                         dtype=getattr(torch, dtype_name))
 
 
@@ -92,22 +121,22 @@ def main(argv=None) -> int:
     ap = _Parser(prog="python -m export", description=__doc__.split("\n\n")[0],
                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--checkpoint", required=True, help="a run folder (its checkpoints/last.ckpt) or a checkpoint file")
-    ap.add_argument("--format", required=True, choices=sorted({f for fs in FORMATS.values() for f in fs}),
-                    help="the serving layout (which ones carry which method: above)")
-    ap.add_argument("--out", required=True, help="a new (or empty) folder, or an existing draftsmith export with --force")
+    ap.add_argument("--format", choices=sorted({f for fs in FORMATS.values() for f in fs}),
+                    help="the serving layout (which ones carry which method: above); default: the method's own, listed first")
+    ap.add_argument("--out", help="a new (or empty) folder, or an existing draftsmith export with --force; "
+                                  "default: CKPT_STEM-FORMAT beside the checkpoint file")
     ap.add_argument("--force", action="store_true", help="replace --out when it is a draftsmith export (nothing else is ever replaced)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the stored weights")
     args = ap.parse_args(argv)
-    from data.sources import DataError
     from models.zoo import AssetError
-    from train.config import ConfigError
 
     try:
         out = export_checkpoint(args.checkpoint, args.format, args.out, args.dtype, args.force)
-    except (ValueError, KeyError, FileNotFoundError, ConfigError, AssetError, DataError, OSError) as e:
+    except (ValueError, KeyError, FileNotFoundError, AssetError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
-    print(f"wrote {out} ({args.format}); check it with: python -m export.check {out}")
+    fmt = args.format or json.loads((Path(out) / "draftsmith.json").read_text())["format"]
+    print(f"wrote {out} ({fmt}); check it with: python -m export.check {out}")
     return 0
 
 

@@ -60,22 +60,12 @@ def _method_and_config(folder: Path):
 
 
 def _drafter_class(method: str):
-    if method == "eagle3":
-        from models.eagle3 import Eagle3Config, Eagle3Drafter
-        return Eagle3Config, Eagle3Drafter
-    if method == "eagle1":
-        from models.eagle1 import Eagle1Config, Eagle1Drafter
-        return Eagle1Config, Eagle1Drafter
-    if method == "medusa":
-        from models.medusa import MedusaConfig, MedusaDrafter
-        return MedusaConfig, MedusaDrafter
-    if method == "mtp":
-        from models.mtp import MTPConfig, MTPDrafter
-        return MTPConfig, MTPDrafter
-    if method == "dflash":
-        from models.dflash import DFlashConfig, DFlashDrafter
-        return DFlashConfig, DFlashDrafter
-    raise ValueError(f"draftsmith.json: unknown method {method!r}")
+    from models.checkpoint import drafter_classes
+
+    try:
+        return drafter_classes(method)
+    except ValueError:
+        raise ValueError(f"draftsmith.json: unknown method {method!r}") from None
 
 
 def check_keys(folder: Path, meta: dict):
@@ -247,7 +237,7 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
         return c
     config_cls, drafter_cls = _drafter_class(meta["method"])
     reference = drafter_cls(config_cls.from_dict(meta["drafter_config"]))
-    from train.checkpoint_io import load_checkpoint
+    from models.checkpoint import load_checkpoint
 
     state = load_checkpoint(checkpoint)["state_dict"]  # weights_only; a hostile or corrupt file is an error (exit 2)
     state = {k.removeprefix("drafter."): v for k, v in state.items()}

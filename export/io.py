@@ -15,6 +15,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from models.checkpoint import check_tensors  # noqa: F401  (the readers' strict check, shared with checkpoints)
+
 
 @contextlib.contextmanager
 def atomic_folder(dest: str | Path):
@@ -91,18 +93,6 @@ def full_vocab_maps(vocab_size: int) -> dict:
     import torch
 
     return {"d2t": torch.zeros(vocab_size, dtype=torch.long), "t2d": torch.ones(vocab_size, dtype=torch.bool)}
-
-
-def check_tensors(state: dict, module, source, not_stored=()) -> None:
-    """Strict reading: every tensor of `module` (but `not_stored`) present in `state` with its
-    shape, nothing else; an error naming the tensor otherwise."""
-    shapes = {n: t.shape for n, t in module.state_dict().items() if n not in not_stored}
-    missing, unexpected = set(shapes) - set(state), set(state) - set(shapes)
-    if missing or unexpected:
-        raise KeyError(f"{source}: missing tensors {sorted(missing)[:5]}, unexpected tensors {sorted(unexpected)[:5]}")
-    for name, t in state.items():
-        if t.shape != shapes[name]:
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(shapes[name])}")
 
 
 def target_embedding_and_head(target: str):

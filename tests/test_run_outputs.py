@@ -36,6 +36,8 @@ def test_resume_continues_the_metrics_and_keeps_every_checkpoint(chat_file, tmp_
     assert set(first) <= set(steps) and max(steps) > max(first)  # the earlier rows survive
     kept = sorted(p.name for p in (out / "checkpoints").glob("step*.ckpt"))
     assert kept == ["step1.ckpt", "step2.ckpt", "step3.ckpt", "step4.ckpt"]
+    for path in (out / "checkpoints").glob("*.ckpt"):  # before and after the resume, each describes itself
+        assert torch.load(path, weights_only=True)["draftsmith"]["method"] == "eagle3", path.name
 
 
 class _StopAt(L.Callback):
@@ -72,6 +74,7 @@ def test_ctrl_c_prints_the_command_that_resumes(chat_file, tmp_path, monkeypatch
     monkeypatch.setattr(run_mod, "build_trainer", real_build)
     assert main(shlex.split(command)[3:]) == 0  # the printed command, as typed
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert "draftsmith" in torch.load(out / "checkpoints" / "step2.ckpt", weights_only=True)  # saved before Ctrl-C
 
 
 def test_a_killed_checkpoint_write_is_cleaned_on_the_next_run(chat_file, tmp_path):

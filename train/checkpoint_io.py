@@ -2,44 +2,19 @@
 
 A Lightning checkpoint of draftsmith holds tensors, numbers, strings, lists and dicts and
 nothing else, so it loads without unpickling arbitrary objects; a `.ckpt` that needs more
-(one crafted to run code, say) is refused with one line.
+(one crafted to run code, say) is refused with one line. What a checkpoint holds, and how
+it is read, is models/checkpoint.py's; this module writes them.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import re
 from pathlib import Path
 
 import torch
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that is missing, unreadable, or holds more than plain data."""
-
-
-def load_checkpoint(path: str | Path) -> dict:
-    """The checkpoint's dict, loaded with weights_only=True onto the CPU."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: checkpoint does not exist")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        if "weights only" in str(e).lower():
-            raise CheckpointError(f"{path}: refusing to load it: it holds Python objects beyond tensors and plain "
-                                  "data, and unpickling those could run code") from None
-        raise CheckpointError(f"{path}: not a readable checkpoint ({_first_line(e)})") from None
-    except (RuntimeError, EOFError, OSError, ValueError, KeyError, IndexError) as e:
-        raise CheckpointError(f"{path}: not a readable checkpoint (truncated or corrupt: {_first_line(e)})") from None
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("state_dict"), dict):
-        raise CheckpointError(f"{path}: not a draftsmith training checkpoint (no state_dict)")
-    return ckpt
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return text.splitlines()[0][:200]
+# read here by --resume, and by export without train (models is the floor both stand on)
+from models.checkpoint import CheckpointError, load_checkpoint  # noqa: F401
 
 
 def make_checkpoint_io():

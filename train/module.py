@@ -28,7 +28,7 @@ def lr_factor(step: int, warmup: int, total: int, floor: float, time_fraction: f
 class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: torch.nn.Module, objective: ObjectiveConfig,
                  optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None,
-                 time_budget_s: float | None = None):
+                 time_budget_s: float | None = None, description: dict | None = None):
         super().__init__()
         self.joint = objective.joint  # Medusa-2 / joint MTP: the target trains too
         self.target = target.requires_grad_(self.joint)
@@ -50,6 +50,8 @@ class DrafterModule(L.LightningModule):
         self.predicted: dict | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
+        # what every checkpoint says about itself (models/checkpoint.py): method, target, run config
+        self.description = description
 
     # ----------------------------------------------------------------- checkpoint contents
     # A frozen target is rebuilt from its source, so checkpoints hold the drafter only (and the
@@ -279,6 +281,13 @@ class DrafterModule(L.LightningModule):
         self._clock = time.monotonic()
 
     def on_save_checkpoint(self, checkpoint):
+        # every save (step, last, interrupted) goes through here; a module built without a
+        # description (unit tests, profiling) writes checkpoints that export refuses, saying why
+        if getattr(self, "description", None) is not None:
+            from models.checkpoint import SECTION, section_for_save
+
+            current = self.predicted if self.predicted and self.predicted.get("step") == self.global_step else None
+            checkpoint[SECTION] = section_for_save(self.description, self.drafter, current)
         if self._clock is not None:
             checkpoint["draftsmith_train_seconds"] = self._seconds_before + time.monotonic() - self._clock
 

@@ -149,6 +149,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
+    from models.checkpoint import describe
     from train.checkpoint_io import load_checkpoint, remove_stale_temp_files
     from train.module import DrafterModule
     from train.run_folder import TrainingInterrupted, check_run_folder, clear_run_outputs
@@ -182,7 +183,8 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     max_steps = cfg.trainer.get("max_steps", 1) if not fast else int(cfg.trainer["fast_dev_run"])
     time_budget = max_time_seconds(cfg.trainer.get("max_time")) if cfg.optim.schedule_by == "time" and not fast else None
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
-                           eval_names=list(heldouts), time_budget_s=time_budget)
+                           eval_names=list(heldouts), time_budget_s=time_budget,
+                           description=describe(cfg.drafter.method, cfg.target, target_path, hf_config, cfg.to_dict()))
     datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
@@ -242,7 +244,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         atomic_write_json(out_dir / "predicted.json", summary)
         export_dir = out_dir / "export"
         last_ckpt = out_dir / "checkpoints" / "last.ckpt"
-        provenance = {"target": cfg.target, "target_weights_sha256": _weights_hash(target_path),
+        provenance = {"target": cfg.target, "target_weights_sha256": module.description["target"]["weights_sha256"],
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
@@ -322,17 +324,3 @@ def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int, mask_token_i
                                                   norm_before_residual=cfg.drafter.norm_before_residual,
                                                   norm_before_fc=cfg.drafter.norm_before_fc))
 
-
-def _weights_hash(target_path: str) -> str | None:
-    import hashlib
-
-    files = sorted(Path(target_path).glob("*.safetensors")) if Path(target_path).is_dir() else []
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}".encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))  # size + first MiB: cheap and stable
-    return h.hexdigest()
