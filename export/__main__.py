@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from export.formats import FORMATS, write_export
+from export.formats import FORMATS, layout_module, write_export
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,8 +90,7 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     section = read_description(checkpoint, ckpt)
     method = section["method"]
     fmt = fmt or FORMATS[method][0]
-    if fmt not in FORMATS[method]:  # before the drafter is built
-        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])})")
+    layout = layout_module(method, fmt)  # refuses a layout that cannot carry the method, before the drafter is built
     if out is None:
         out = ckpt.parent / f"{ckpt.stem}-{fmt}"
         action = check_export_destination(out, force)
@@ -99,7 +98,7 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     state = checkpoint["state_dict"]
     joint = any(k.startswith("target.") for k in state)
     target_model = None
-    if method == "mtp" or joint:
+    if getattr(layout, "COPIES_TARGET", False) or joint:
         target_model, hf_config = _target_as_trained(section)
         if joint:  # the trained target replaces the one loaded
             target_model.load_state_dict({k.removeprefix("target."): v for k, v in state.items() if k.startswith("target.")})

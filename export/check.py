@@ -59,13 +59,13 @@ def _method_and_config(folder: Path):
     return meta.get("method"), meta
 
 
-def _drafter_class(method: str):
-    from models.checkpoint import drafter_classes
+def _method(method: str):
+    """The method's row of models/methods.py."""
+    from models.methods import METHODS
 
-    try:
-        return drafter_classes(method)
-    except ValueError:
-        raise ValueError(f"draftsmith.json: unknown method {method!r}") from None
+    if method not in METHODS:
+        raise ValueError(f"draftsmith.json: unknown method {method!r} (known: {', '.join(METHODS)})")
+    return METHODS[method]
 
 
 def check_keys(folder: Path, meta: dict):
@@ -235,8 +235,8 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     if not checkpoint or not Path(checkpoint).is_file():
         c.problems.append(f"no training checkpoint to compare with ({checkpoint or 'none recorded'}); pass --checkpoint")
         return c
-    config_cls, drafter_cls = _drafter_class(meta["method"])
-    reference = drafter_cls(config_cls.from_dict(meta["drafter_config"]))
+    row = _method(meta["method"])
+    reference = row.drafter(row.config.from_dict(meta["drafter_config"]))
     from models.checkpoint import load_checkpoint
 
     state = load_checkpoint(checkpoint)["state_dict"]  # weights_only; a hostile or corrupt file is an error (exit 2)
@@ -259,9 +259,9 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     ids = torch.randint(0, reference.config.vocab_size, (2, 16))
     width = reference.config.hidden_size * (len(reference.aux_layer_ids) or 1)
     features = torch.randn(2, 16, width)
-    steps = {"medusa": getattr(reference.config, "num_heads", 1), "mtp": getattr(reference.config, "num_modules", 1)}.get(meta["method"], 3)
+    steps = reference.train_steps(3)  # three unroll steps, or every head / module it has
     with torch.no_grad():
-        if meta["method"] == "dflash":  # one block per anchor
+        if row.predictor == "block":  # one block per anchor
             anchors = torch.tensor([0, 5, 9])
             ref = [reference.block_logits(ids[0], features[0], anchors)]
             got = [drafter.block_logits(ids[0], features[0], anchors)]
@@ -309,7 +309,11 @@ def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> 
                 "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
                 "mtp": ["num_nextn_predict_layers"],
                 "dflash": ["block_size", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size", "sample_from_anchor"]
-                if meta.get("format") == "speculators" else ["block_size", "num_target_layers", "dflash_config"]}[meta["method"]]
+                if meta.get("format") == "speculators" else ["block_size", "num_target_layers", "dflash_config"]}.get(meta["method"])
+    if required is None:  # a method whose layout states its own (export/formats.py)
+        from export.formats import layout_module
+
+        required = list(layout_module(meta["method"], meta.get("format")).REQUIRED_KEYS)
     absent = [k for k in required if k not in config]
     if meta["method"] == "mtp" and _theta(config) is None:
         absent.append("rope_theta / rope_parameters")

@@ -93,3 +93,17 @@ def dflash_from_state(cfg: DFlashConfig, state: dict, target: str | None, folder
         with torch.no_grad():
             drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
     return drafter
+
+
+# ---------------------------------------------------------------- the layout's entry points
+def write(drafter, out, ctx) -> Path:
+    return export_dflash(drafter, out, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    # z-lab's layout; a DFlashDraftModel with speculators_model_type is the speculators layout's
+    return (config.get("architectures") or [None])[0] == "DFlashDraftModel" and not config.get("speculators_model_type")
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_dflash(folder, dtype=dtype, served=served)

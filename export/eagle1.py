@@ -106,3 +106,17 @@ def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
     with torch.no_grad():
         drafter.lm_head.weight.copy_(head[drafter.draft_ids()])
     return drafter.to(dtype)
+
+
+# ---------------------------------------------------------------- the layout's entry points
+# one module, two layouts: eagle (SGLang) and eagle-vllm, told apart by ctx.fmt / the architecture
+def write(drafter, out, ctx) -> Path:
+    return export_eagle1(drafter, out, fmt=ctx.fmt, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] in ARCHITECTURES.values()
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_eagle1(folder, dtype=dtype, served=served)

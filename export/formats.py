@@ -1,21 +1,79 @@
 """Which layouts carry which drafter, and one writer that dispatches on the layout: used by
-the training run (its final export) and by `python -m export`."""
+the training run (its final export) and by `python -m export`.
+
+Each method's row of models/methods.py names its layouts and the module of each. A layout
+module provides:
+
+    write(drafter, out, ctx: ExportContext) -> Path   the folder, written atomically
+    reads(config: dict) -> bool                        whether a config.json is of this layout
+    read(folder, dtype, served) -> drafter             strict reader (export/load.py)
+    served_config(config, folder) -> drafter config    what a server builds from config.json
+    COPIES_TARGET (optional, default False)            the layout stores the target's tensors
+    REQUIRED_KEYS                                      config.json keys export.check requires
+                                                       (the shipped layouts' are listed in export/check.py)
+"""
 from __future__ import annotations
 
-# method → the layouts that carry it, its own (the training run's default export) first
-FORMATS = {"eagle3": ("speculators", "sglang"), "eagle1": ("eagle", "eagle-vllm"), "medusa": ("medusa",), "mtp": ("mtp",),
-           "dflash": ("dflash", "speculators")}
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from models import methods
+
+
+class _LayoutsByMethod(Mapping):
+    """method → the layouts that carry it, its own (the training run's default export) first;
+    read from the method table at each use, so a method registered later is seen."""
+
+    def __getitem__(self, name: str) -> tuple[str, ...]:
+        return tuple(methods.METHODS[name].layouts)
+
+    def __iter__(self):
+        return iter(methods.METHODS)
+
+    def __len__(self) -> int:
+        return len(methods.METHODS)
+
+
+FORMATS = _LayoutsByMethod()
 
 # why a layout cannot carry a method, where there is more to say than "it has no slot for it"
 WHY_NOT = {("mtp", "speculators"): "speculators' MTP format holds one Qwen3-family layer (with q/k norms) reused for "
                                    "every step; draftsmith's MTP has one Llama-style layer per step, like the target's"}
 
 
-# said by every MTP export: the layout is DeepSeek-V3's, but neither server has an MTP path for
-# the Llama-family targets draftsmith trains on (docs/serving.md)
-MTP_SERVED_BY = ("served by the draftsmith runtime only (python -m inference.validate / generate): vLLM 0.33 and "
-                 "SGLang 0.5.23 run MTP only for model types that ship MTP layers (DeepSeek-V3 and the like), and "
-                 "model_type llama is not one")
+@dataclass(frozen=True)
+class ExportContext:
+    """What a layout's `write` may need beside the drafter."""
+
+    fmt: str  # the layout's name (one module may write several, e.g. eagle / eagle-vllm)
+    target_name: str
+    hf_config: Any  # the target's transformers config
+    target_model: Any  # the target (its embedding and head; in joint runs the trained target), or None
+    joint: bool  # the target trained too: it travels with the export where the layout can carry it
+    k: int  # the draft length the drafter was trained and predicted for
+    provenance: dict
+    dtype: Any  # torch dtype of the stored weights
+    runtime_only: bool = False  # the training run's own export, for draftsmith's runtime (export/medusa.py)
+
+    def common(self) -> dict:
+        return dict(target_name=self.target_name, dtype=self.dtype, provenance=self.provenance)
+
+
+def layout_module(method: str, fmt: str):
+    """The module of layout `fmt` for `method`; one ValueError line when the layout cannot carry it."""
+    layouts = methods.method(method).layouts
+    if fmt not in layouts:
+        why = f"; {WHY_NOT[method, fmt]}" if (method, fmt) in WHY_NOT else ""
+        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(layouts)}){why}")
+    return methods.resolve(layouts[fmt])
+
+
+def layout_modules() -> list:
+    """Every layout module of the table, each once, in table order (export/load.py asks each
+    whether it reads a folder)."""
+    paths = dict.fromkeys(path for row in methods.METHODS.values() for path in row.layouts.values())
+    return [methods.resolve(path) for path in paths]
 
 
 def write_export(drafter, fmt: str, out, *, method: str, target_name: str, hf_config, target_model, joint: bool,
@@ -24,34 +82,9 @@ def write_export(drafter, fmt: str, out, *, method: str, target_name: str, hf_co
     and head for MTP; in joint runs the trained target, which travels with the export).
     runtime_only: the training run's own export, for draftsmith's runtime, where a layout no
     server loads for this drafter (Medusa with Vd < V) is written instead of refused."""
-    if fmt not in FORMATS[method]:
-        why = f"; {WHY_NOT[method, fmt]}" if (method, fmt) in WHY_NOT else ""
-        raise ValueError(f"--format {fmt} cannot carry a {method} drafter (formats for {method}: {', '.join(FORMATS[method])}){why}")
+    layout = layout_module(method, fmt)
     import torch
 
-    common = dict(target_name=target_name, dtype=dtype or torch.bfloat16, provenance=provenance)
-    if fmt == "speculators":
-        from export.speculators import export_speculators
-
-        return export_speculators(drafter, out, target_arch=list(hf_config.architectures or []), k=k, **common)
-    if fmt == "sglang":
-        from export.sglang import export_sglang
-
-        return export_sglang(drafter, out, **common)
-    if fmt in ("eagle", "eagle-vllm"):
-        from export.eagle1 import export_eagle1
-
-        return export_eagle1(drafter, out, fmt=fmt, **common)
-    if fmt == "medusa":
-        from export.medusa import export_medusa
-
-        return export_medusa(drafter, out, target_model=target_model if joint else None, runtime_only=runtime_only, **common)
-    if fmt == "dflash":
-        from export.dflash import export_dflash
-
-        return export_dflash(drafter, out, **common)
-    from export.mtp import export_mtp
-
-    print(f"note: MTP on a {'/'.join(hf_config.architectures or ['Llama-family'])} target is {MTP_SERVED_BY}")
-    return export_mtp(drafter, out, target_config=hf_config.to_dict(), embed=target_model.get_input_embeddings().weight,
-                      head=target_model.get_output_embeddings().weight, target_model=target_model if joint else None, **common)
+    ctx = ExportContext(fmt=fmt, target_name=target_name, hf_config=hf_config, target_model=target_model, joint=joint,
+                        k=k, provenance=provenance, dtype=dtype or torch.bfloat16, runtime_only=runtime_only)
+    return layout.write(drafter, out, ctx)

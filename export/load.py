@@ -1,4 +1,5 @@
-"""Read any export draftsmith writes back into its module, chosen by config.json's architecture."""
+"""Read any export draftsmith writes back into its module: the layout modules of the method
+table (export/formats.py) are asked in turn whether config.json is theirs."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,16 @@ import torch
 READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle3": "sglang", "LlamaForCausalLMEagle": "eagle",
            "EagleLlamaForCausalLM": "eagle-vllm",
            "MedusaModel": "medusa", "DFlashDraftModel": "dflash (z-lab) or speculators (with speculators_model_type)"}
+
+
+def _layout_of(config: dict, where):
+    from export.formats import layout_modules
+
+    for layout in layout_modules():
+        if layout.reads(config):
+            return layout
+    arch = (config.get("architectures") or [None])[0]
+    raise ValueError(f"{where}: architecture {arch!r} has no reader ({', '.join(READERS)})")
 
 
 def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False):
@@ -23,32 +34,7 @@ def load_export(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     config = read_json(config_path)  # the readers below parse these again: a corrupt file is named here first
     if (folder / "draftsmith.json").is_file():
         read_json(folder / "draftsmith.json")
-    arch = (config.get("architectures") or [None])[0]
-    if config.get("num_nextn_predict_layers"):
-        from export.mtp import load_mtp
-
-        return load_mtp(folder, dtype=dtype, served=served)
-    if arch == "Eagle3DraftModel" or config.get("speculators_model_type") in ("eagle3", "dflash"):
-        from export.speculators import load_speculators
-
-        return load_speculators(folder, dtype=dtype, served=served)
-    if arch == "LlamaForCausalLMEagle3":
-        from export.sglang import load_sglang
-
-        return load_sglang(folder, dtype=dtype, served=served)
-    if arch in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM"):
-        from export.eagle1 import load_eagle1
-
-        return load_eagle1(folder, dtype=dtype, served=served)
-    if arch == "DFlashDraftModel":
-        from export.dflash import load_dflash
-
-        return load_dflash(folder, dtype=dtype, served=served)
-    if arch == "MedusaModel":
-        from export.medusa import load_medusa
-
-        return load_medusa(folder, dtype=dtype, served=served)
-    raise ValueError(f"{config_path}: architecture {arch!r} has no reader ({', '.join(READERS)})")
+    return _layout_of(config, config_path).read(folder, dtype=dtype, served=served)
 
 
 def served_config(folder: str | Path):
@@ -57,21 +43,4 @@ def served_config(folder: str | Path):
     field by field with the trained drafter's."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    arch = (config.get("architectures") or [None])[0]
-    if config.get("num_nextn_predict_layers"):
-        from export.mtp import served_config as of_layout
-    elif arch == "Eagle3DraftModel" or config.get("speculators_model_type") in ("eagle3", "dflash"):
-        from export.speculators import _dflash_config, _eagle3_config
-
-        return (_dflash_config if config.get("speculators_model_type") == "dflash" else _eagle3_config)(config, folder)
-    elif arch == "LlamaForCausalLMEagle3":
-        from export.sglang import served_config as of_layout
-    elif arch in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM"):
-        from export.eagle1 import served_config as of_layout
-    elif arch == "DFlashDraftModel":
-        from export.dflash import served_config as of_layout
-    elif arch == "MedusaModel":
-        from export.medusa import served_config as of_layout
-    else:
-        raise ValueError(f"{folder}/config.json: architecture {arch!r} has no reader ({', '.join(READERS)})")
-    return of_layout(config, folder)
+    return _layout_of(config, f"{folder}/config.json").served_config(config, folder)

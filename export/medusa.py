@@ -103,3 +103,17 @@ def load_medusa(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     check_tensors(state, drafter, folder)
     drafter.load_state_dict(state, strict=True)
     return drafter.to(dtype)
+
+
+# ---------------------------------------------------------------- the layout's entry points
+def write(drafter, out, ctx) -> Path:
+    return export_medusa(drafter, out, target_model=ctx.target_model if ctx.joint else None,
+                         runtime_only=ctx.runtime_only, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] == "MedusaModel"
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_medusa(folder, dtype=dtype, served=served)

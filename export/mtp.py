@@ -117,3 +117,28 @@ class _Namespace:
 
     def __init__(self, d: dict):
         self.__dict__.update(d)
+
+
+# ---------------------------------------------------------------- the layout's entry points
+COPIES_TARGET = True  # the target's embedding and head sit beside every module
+
+# said by every MTP export: the layout is DeepSeek-V3's, but neither server has an MTP path for
+# the Llama-family targets draftsmith trains on (docs/serving.md)
+MTP_SERVED_BY = ("served by the draftsmith runtime only (python -m inference.validate / generate): vLLM 0.33 and "
+                 "SGLang 0.5.23 run MTP only for model types that ship MTP layers (DeepSeek-V3 and the like), and "
+                 "model_type llama is not one")
+
+
+def write(drafter, out, ctx) -> Path:
+    print(f"note: MTP on a {'/'.join(ctx.hf_config.architectures or ['Llama-family'])} target is {MTP_SERVED_BY}")
+    model = ctx.target_model
+    return export_mtp(drafter, out, target_config=ctx.hf_config.to_dict(), embed=model.get_input_embeddings().weight,
+                      head=model.get_output_embeddings().weight, target_model=model if ctx.joint else None, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    return bool(config.get("num_nextn_predict_layers"))
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_mtp(folder, dtype=dtype, served=served)

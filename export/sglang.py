@@ -123,3 +123,16 @@ def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32, served: 
     check_tensors(state, drafter, folder)
     drafter.load_state_dict(state, strict=True)
     return drafter.to(dtype)
+
+
+# ---------------------------------------------------------------- the layout's entry points
+def write(drafter, out, ctx) -> Path:
+    return export_sglang(drafter, out, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    return (config.get("architectures") or [None])[0] == "LlamaForCausalLMEagle3"
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_sglang(folder, dtype=dtype, served=served)

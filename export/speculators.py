@@ -234,3 +234,23 @@ def _dflash_config(config: dict, folder):
     return DFlashConfig(**fields, draft_vocab_size=config.get("draft_vocab_size") or fields["vocab_size"],
                         target_num_layers=max(ids) + 4, mask_token_id=config["mask_token_id"], target_layer_ids=ids,
                         num_layers=layer.num_hidden_layers, block_size=config["block_size"])
+
+
+# ---------------------------------------------------------------- the layout's entry points
+# (export/formats.py: write_export dispatches here; export/load.py: load_export)
+def write(drafter, out, ctx) -> Path:
+    return export_speculators(drafter, out, target_arch=list(ctx.hf_config.architectures or []), k=ctx.k, **ctx.common())
+
+
+def reads(config: dict) -> bool:
+    return ((config.get("architectures") or [None])[0] == "Eagle3DraftModel"
+            or config.get("speculators_model_type") in ("eagle3", "dflash"))
+
+
+def read(folder, dtype=torch.float32, served: bool = False):
+    return load_speculators(folder, dtype=dtype, served=served)
+
+
+def served_config(config: dict, folder):
+    """The drafter config vLLM builds from config.json alone (its defaults for absent keys)."""
+    return (_dflash_config if config.get("speculators_model_type") == "dflash" else _eagle3_config)(config, folder)

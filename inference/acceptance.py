@@ -11,6 +11,8 @@ from itertools import accumulate, islice
 
 import torch
 
+from models.methods import predictor_of
+
 
 def accepted_lengths(drafts: torch.Tensor, target_choice: torch.Tensor) -> torch.Tensor:
     """Leading matches per chain. drafts, target_choice [N, k] → [N] in 0..k.
@@ -72,7 +74,7 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
         out = target(ids)
         features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
-    blockwise = hasattr(drafter, "draft_at")  # DFlash drafts a whole block per anchor
+    blockwise = predictor_of(drafter) == "block"  # DFlash drafts a whole block per anchor
     if not blockwise:
         draft_ids = drafter.draft_ids()
         steps = drafter.unroll(ids, features, k, greedy=True)  # k x [B,T,Vd]

@@ -15,6 +15,7 @@ from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
 from models.eagle3 import Eagle3Drafter
+from models.methods import method_of, resolve
 
 
 class Eagle3Proposer(HostLoopInterface):
@@ -245,6 +246,7 @@ class RecomputeProposer:
         check_drafter_fits(drafter, k, target_config)
         self.drafter, self.k = drafter.eval(), k
         self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers,)
+        self.blockwise = method_of(drafter).predictor == "block"  # DFlash: one block per anchor
         self.max_len = max_len
         self.features = None  # [B, S, width]
 
@@ -263,7 +265,7 @@ class RecomputeProposer:
             n = len(row)  # the chain continues x_0..x_{n-1}: anchor a = n - 2
             ids = torch.as_tensor(row, device=dev)
             feats = self.features[b, :n].to(self.drafter.lm_head.weight.dtype)
-            if hasattr(self.drafter, "draft_at"):
+            if self.blockwise:
                 chain = self.drafter.draft_at(ids, feats, torch.tensor([n - 2], device=dev), self.k)[0]
             else:
                 steps = self.drafter.unroll(ids[None], feats[None], self.k, greedy=True)
@@ -282,19 +284,14 @@ class RecomputeProposer:
                 self._start[b] = start + n + 1
 
 
-def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
-    """The runtime proposer for a trained drafter module, every one a device proposer:
-    EAGLE-3 / EAGLE-1 (own KV cache), Medusa (cache-free), MTP and DFlash (cached streams,
-    inference/block_proposers.py; `RecomputeProposer` is their exact reference)."""
-    from inference.block_proposers import DFlashCachedProposer, MTPCachedProposer
-    from models.dflash import DFlashDrafter
-    from models.medusa import MedusaDrafter
-    from models.mtp import MTPDrafter
+def medusa_proposer(drafter, k: int, batch: int, max_len: int, target_config) -> MedusaProposer:
+    """MedusaProposer with the table's proposer signature (it keeps no cache: max_len unused)."""
+    return MedusaProposer(drafter, k, target_config, batch)
 
-    if isinstance(drafter, MedusaDrafter):
-        return MedusaProposer(drafter, k, target_config, batch)
-    if isinstance(drafter, MTPDrafter):
-        return MTPCachedProposer(drafter, k, batch, max_len, target_config)
-    if isinstance(drafter, DFlashDrafter):
-        return DFlashCachedProposer(drafter, k, batch, max_len, target_config)
-    return Eagle3Proposer(drafter, k, batch, max_len, target_config=target_config)
+
+def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
+    """The runtime proposer for a trained drafter module, the one its method's row of
+    models/methods.py names; the shipped ones are all device proposers: EAGLE-3 / EAGLE-1 (own
+    KV cache), Medusa (cache-free), MTP and DFlash (cached streams, inference/block_proposers.py;
+    `RecomputeProposer` is their exact reference)."""
+    return resolve(method_of(drafter).proposer)(drafter, k, batch, max_len, target_config)

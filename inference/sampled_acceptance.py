@@ -142,13 +142,14 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
 def drive_drafter(drafter, ids, features, anchors, k: int, step):
     """Run the drafter at `anchors` [m] for k drafts, calling step(logits [m,Vd]) → tokens [m] for
     each draft in order; the drafters that read their own drafts read step's tokens."""
-    from models.medusa import MedusaDrafter
+    from models.methods import predictor_of
 
-    if hasattr(drafter, "draft_at"):  # DFlash: the whole block in one forward, from mask tokens
+    predictor = predictor_of(drafter)
+    if predictor == "block":  # DFlash: the whole block in one forward, from mask tokens
         logits = drafter.block_logits(ids, features, anchors)[:, 1 : k + 1]  # [m,k,Vd]
         for s in range(k):
             step(logits[:, s])
-    elif isinstance(drafter, MedusaDrafter):  # heads read no tokens
+    elif predictor == "heads":  # Medusa: heads read no tokens
         for logits in drafter.unroll(ids[None], features[None], k):
             step(logits[0, anchors])
     else:  # EAGLE-3, EAGLE-1, MTP: step s reads draft s-1 (only the anchors' chains are ours)

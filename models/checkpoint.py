@@ -19,23 +19,17 @@ a checkpoint that needs more (one crafted to run code, say) is refused with one 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import pickle
 from pathlib import Path
 
 import torch
 
+from models import methods
+
 SECTION = "draftsmith"
 VERSION = 1
 REQUIRED = ("method", "drafter_config", "draft_vocab", "target", "run_config")
-
-# method → (module, config class, drafter class)
-DRAFTERS = {"eagle3": ("models.eagle3", "Eagle3Config", "Eagle3Drafter"),
-            "eagle1": ("models.eagle1", "Eagle1Config", "Eagle1Drafter"),
-            "medusa": ("models.medusa", "MedusaConfig", "MedusaDrafter"),
-            "mtp": ("models.mtp", "MTPConfig", "MTPDrafter"),
-            "dflash": ("models.dflash", "DFlashConfig", "DFlashDrafter")}
 
 
 class CheckpointError(ValueError):
@@ -44,12 +38,9 @@ class CheckpointError(ValueError):
 
 
 def drafter_classes(method: str):
-    """(config class, drafter class) of `method`."""
-    if method not in DRAFTERS:
-        raise ValueError(f"unknown drafter method {method!r} (known: {', '.join(DRAFTERS)})")
-    module, config_name, drafter_name = DRAFTERS[method]
-    mod = importlib.import_module(module)
-    return getattr(mod, config_name), getattr(mod, drafter_name)
+    """(config class, drafter class) of `method` (its row of models/methods.py)."""
+    row = methods.method(method)
+    return row.config, row.drafter
 
 
 def load_checkpoint(path: str | Path) -> dict:
@@ -134,8 +125,8 @@ def read_description(ckpt: dict, source) -> dict:
         missing += [f"target.{k}" for k in ("name", "weights_sha256", "config") if k not in target]
     if missing:
         raise CheckpointError(f"{source}: the checkpoint's '{SECTION}' section lacks {', '.join(missing)}")
-    if section["method"] not in DRAFTERS:
-        raise CheckpointError(f"{source}: unknown drafter method {section['method']!r} (known: {', '.join(DRAFTERS)})")
+    if section["method"] not in methods.METHODS:
+        raise CheckpointError(f"{source}: unknown drafter method {section['method']!r} (known: {', '.join(methods.METHODS)})")
     return section
 
 

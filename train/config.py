@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from export.formats import FORMATS
+from models import methods
 
 
 class ConfigError(ValueError):
@@ -291,10 +291,6 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     return cfg
 
 
-METHODS = tuple(FORMATS)
-EXPORT_FORMATS = {method: layouts[0] for method, layouts in FORMATS.items()}  # the method's own layout
-
-
 def max_time_seconds(value) -> float:
     """Lightning's trainer.max_time ("DD:HH:MM:SS" or {days, hours, minutes, seconds}) in seconds."""
     if isinstance(value, str) and re.fullmatch(r"\d+:\d+:\d+:\d+", value.strip()):
@@ -309,14 +305,21 @@ def max_time_seconds(value) -> float:
     return float(total)
 
 
+def _listed(names) -> str:
+    """"a", "a and b", "a, b and c"."""
+    names = list(names)
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+
+
 def validate(cfg: RunConfig):
     """Checks that need the file system or the target's shape, but no model weights."""
     from models import zoo
 
     from train.config_ranges import range_errors
 
-    if cfg.drafter.method not in METHODS:
-        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(METHODS)})")
+    if cfg.drafter.method not in methods.METHODS:  # read at each call: a test may register a method
+        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(methods.METHODS)})")
+    row = methods.METHODS[cfg.drafter.method]
     errors = range_errors(cfg.to_dict())
     if errors:
         raise ConfigError(errors[0])
@@ -324,11 +327,13 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"objective.token_loss: {cfg.objective.token_loss!r} is not one of kl, ce")
     if cfg.objective.feature_weight < 0 or cfg.objective.token_weight < 0:
         raise ConfigError("objective.token_weight and objective.feature_weight must not be negative")
-    if cfg.objective.feature_weight > 0 and cfg.drafter.method != "eagle1":
+    if cfg.objective.feature_weight > 0 and not row.feature_regression:
         raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
-                          f"features (eagle1), not {cfg.drafter.method}")
-    if cfg.objective.joint and cfg.drafter.method not in ("medusa", "mtp"):
-        raise ConfigError(f"objective.joint: joint training is for medusa and mtp, not {cfg.drafter.method}")
+                          f"features ({_listed(n for n, m in methods.METHODS.items() if m.feature_regression)}), "
+                          f"not {cfg.drafter.method}")
+    if cfg.objective.joint and not row.joint:
+        raise ConfigError(f"objective.joint: joint training is for "
+                          f"{_listed(n for n, m in methods.METHODS.items() if m.joint)}, not {cfg.drafter.method}")
     if min(cfg.objective.joint_lambda, cfg.objective.lm_weight, cfg.objective.keep_weight) < 0:
         raise ConfigError("objective.joint_lambda, lm_weight and keep_weight must not be negative")
     if cfg.drafter.method == "dflash":
@@ -385,9 +390,10 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
     if len(set(map(float, temps))) != len(temps):
         raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
-    if cfg.export_format not in ("auto", EXPORT_FORMATS[cfg.drafter.method]):
+    own = methods.default_layout(cfg.drafter.method)
+    if cfg.export_format not in ("auto", own):
         raise ConfigError(f"export_format: {cfg.export_format!r} cannot carry a {cfg.drafter.method} drafter "
-                          f"(use auto or {EXPORT_FORMATS[cfg.drafter.method]})")
+                          f"(use auto or {own})")
     try:
         layers = zoo.target_num_layers(cfg.target)
         context = zoo.target_context_length(cfg.target)

@@ -9,6 +9,7 @@ import torch
 
 from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, predicted_histogram
 from inference.sampled_acceptance import VERIFICATIONS, acceptance_with_error, sampled_histogram, setting_key
+from models.methods import predictor_of
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
 from train.joint import keep_close_kl, lm_loss
@@ -45,6 +46,7 @@ class DrafterModule(L.LightningModule):
         self.schedule_steps = schedule_steps  # LR schedule length
         self.time_budget_s = time_budget_s  # optim.schedule_by=time: trainer.max_time in seconds
         self._clock, self._seconds_before = None, 0.0  # training time before this process (resume)
+        self.predictor = predictor_of(drafter)  # chain / heads unroll; block: DFlash's objective
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: dict | None = None
@@ -161,7 +163,7 @@ class DrafterModule(L.LightningModule):
         """Per-step token loss (+ feature regression where configured) and accuracy (draft
         argmax == target's full-vocab argmax), weighted decay**step. Step s at index t drafts
         x_{t+2+s}: its teacher and feature target sit at t+1+s, its label at t+2+s."""
-        if hasattr(self.drafter, "block_logits"):
+        if self.predictor == "block":
             return self._block_objective(ids, loss_mask, out, teacher, greedy)
         obj = self.objective
         features = self.drafter.features(out)

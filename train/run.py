@@ -145,7 +145,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     from data.templates import apply_template_choice
     from export.io import atomic_write_json, atomic_write_text
     from export.formats import write_export
-    from train.config import EXPORT_FORMATS
+    from models.methods import default_layout
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
@@ -248,7 +248,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
                       "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
-        fmt = EXPORT_FORMATS[cfg.drafter.method] if cfg.export_format == "auto" else cfg.export_format
+        fmt = default_layout(cfg.drafter.method) if cfg.export_format == "auto" else cfg.export_format
         write_export(module.drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
                      hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
                      provenance=provenance, runtime_only=True)
@@ -295,32 +295,11 @@ def default_mask_token(tokenizer) -> int:
 
 
 def build_drafter(cfg: RunConfig, hf_config, draft_vocab_size: int, mask_token_id: int = 0):
-    """The drafter of `drafter.method`, shaped for this target (weights initialised later)."""
-    if cfg.drafter.method == "dflash":
-        from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+    """The drafter of `drafter.method`, shaped for this target (weights initialised later), as
+    its row of models/methods.py builds it."""
+    from models.methods import method
 
-        layer_ids = cfg.drafter.aux_layer_ids or default_target_layer_ids(hf_config.num_hidden_layers, cfg.drafter.dflash_target_layers)
-        try:
-            return DFlashDrafter(DFlashConfig.from_target(hf_config, draft_vocab_size, mask_token_id, cfg.drafter.dflash_layers,
-                                                          cfg.drafter.dflash_block_size, layer_ids))
-        except ValueError as e:
-            raise ConfigError(f"drafter: {e}") from None
-    if cfg.drafter.method == "eagle1":
-        from models.eagle1 import Eagle1Config, Eagle1Drafter
-
-        return Eagle1Drafter(Eagle1Config.from_target(hf_config, draft_vocab_size, fc_bias=cfg.drafter.fc_bias))
-    if cfg.drafter.method == "mtp":
-        from models.mtp import MTPConfig, MTPDrafter
-
-        return MTPDrafter(MTPConfig.from_target(hf_config, draft_vocab_size, cfg.drafter.mtp_modules))
-    if cfg.drafter.method == "medusa":
-        from models.medusa import MedusaConfig, MedusaDrafter
-
-        return MedusaDrafter(MedusaConfig.from_target(hf_config, draft_vocab_size, cfg.drafter.medusa_heads,
-                                                      cfg.drafter.medusa_layers))
-    from models.eagle3 import Eagle3Config, Eagle3Drafter
-
-    return Eagle3Drafter(Eagle3Config.from_target(hf_config, draft_vocab_size, cfg.drafter.aux_layer_ids,
-                                                  norm_before_residual=cfg.drafter.norm_before_residual,
-                                                  norm_before_fc=cfg.drafter.norm_before_fc))
-
+    try:
+        return method(cfg.drafter.method).build(cfg.drafter, hf_config, draft_vocab_size, mask_token_id)
+    except ValueError as e:  # a shape the target cannot give (e.g. DFlash's layers): a config error
+        raise ConfigError(f"drafter: {e}") from None
