@@ -119,3 +119,26 @@ def overfit_one_batch(module, drafter, steps: int, rows: int = 2, length: int = 
         opt.step()
         losses.append(loss.item())
     return batch, losses
+
+
+def interrupt_training_at(monkeypatch, step: int):
+    """The next `train.run` stops at `step` as Ctrl-C would (a KeyboardInterrupt in the batch
+    loop). Returns a function that puts the real trainer back."""
+    import lightning as L
+
+    import train.run as run_mod
+
+    class StopAt(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == step:
+                raise KeyboardInterrupt
+
+    real_build = run_mod.build_trainer
+
+    def interrupted(cfg, out_dir):
+        trainer = real_build(cfg, out_dir)
+        trainer.callbacks.insert(0, StopAt())
+        return trainer
+
+    monkeypatch.setattr(run_mod, "build_trainer", interrupted)
+    return lambda: monkeypatch.setattr(run_mod, "build_trainer", real_build)
