@@ -134,6 +134,8 @@ wait)
   if [ ! -f /tmp/regression-checked ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -4 | tee $R/regression.log
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
+    # the device loop through every kernel (the kernels' CUDA builds) against its torch path
+    python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py -k "kernel" 2>&1 | tail -2 | tee -a $R/regression.log
     touch /tmp/regression-checked
   fi
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
