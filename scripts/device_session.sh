@@ -112,7 +112,7 @@ part2)
     # two regeneration shards per GPU (session 4: the second on a GPU added ~8 %, the second GPU ~2x)
     nshard=$((2 * NGPU))
     for i in $(seq 0 $((nshard - 1))); do
-      CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
+      CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m inference.regenerate --dataset sharegpt --out /tmp/regen/s$i \
         --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
       regen_pids+=($!)
     done
