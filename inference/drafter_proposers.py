@@ -66,6 +66,7 @@ class Eagle3Proposer(HostLoopInterface):
         self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=p.dtype, device=p.device)  # drafter output at t0
         self.drafts = torch.zeros(batch, k, dtype=torch.long, device=p.device)
         self.q = torch.zeros(batch, k, cfg.vocab_size, dtype=torch.float32, device=p.device)  # sampled drafts' q
+        self.offsets = torch.arange(k + 1, device=p.device)  # static: no arange launched per step
 
     def _run(self, tokens, hidden, positions):
         """tokens [B,q], hidden [B,q,H], positions [B,q] → output hidden [B,q,H], caching K/V."""
@@ -91,8 +92,8 @@ class Eagle3Proposer(HostLoopInterface):
         else:
             fused = self.drafter.fuse(aux)
         out = self._run(tokens, fused, positions)
-        rows = torch.arange(tokens.shape[0], device=tokens.device)
-        return out[rows, last_index], positions[rows, last_index]
+        pick = last_index[:, None]  # [B,1]: gathers, one launch each
+        return out.gather(1, pick[..., None].expand(-1, 1, out.shape[-1]))[:, 0], positions.gather(1, pick)[:, 0]
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
@@ -123,6 +124,7 @@ class Eagle3Proposer(HostLoopInterface):
     def _chain(self, temperature, generator):
         hidden = self.hidden[:, None]
         B = hidden.shape[0]
+        positions = self.last[:, None] + 1 + self.offsets[None, : self.k]  # [B,k]: the chain's positions
         for s in range(self.k):
             if self.fused:  # drafter.logits with the fused norm kernel
                 normed, _ = rms_norm(hidden, self.drafter.norm.weight, self.drafter.norm.eps)
@@ -138,7 +140,7 @@ class Eagle3Proposer(HostLoopInterface):
                 d = self.draft_ids[logits.argmax(-1)]  # [B]
             self.drafts[:, s] = d
             if s + 1 < self.k:
-                hidden = self._run(d[:, None], hidden, (self.last + 1 + s)[:, None])
+                hidden = self._run(d[:, None], hidden, positions[:, s : s + 1])
 
     @torch.no_grad()
     def advance(self, fed, aux, accepted, bonus, active):
@@ -148,10 +150,11 @@ class Eagle3Proposer(HostLoopInterface):
         their (ignored) entries never run past the cache."""
         q = fed.shape[1]
         nxt = torch.cat([fed[:, 1:], bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
-        positions = (self.last + 1)[:, None] + torch.arange(q, device=fed.device)
+        offsets = self.offsets[:q] if q <= self.offsets.numel() else torch.arange(q, device=fed.device)
+        positions = (self.last + 1)[:, None] + offsets
         hidden, last = self._step0(nxt, aux, positions, accepted)
-        self.hidden.copy_(torch.where(active[:, None], hidden, self.hidden))
-        self.last.copy_(torch.where(active, last, self.last))
+        torch.where(active[:, None], hidden, self.hidden, out=self.hidden)
+        torch.where(active, last, self.last, out=self.last)
 
 
 def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):

@@ -38,6 +38,7 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
         graph = reuse(model, ("step", id(cache), B, k + 1, aux_layers, kernels_mode()),
                       lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
         step_fn = graph
+    offsets = torch.arange(k + 1, device=device)
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -60,11 +61,13 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
                     drafts[b][: min(len(d), k)] = d[:k]
         _sync(device)
         t1 = time.perf_counter()
-        # each row feeds its last token followed by its drafts, at its own positions
-        pos0 = torch.as_tensor([len(t) - 1 for t in tokens], device=device)
-        draft_t = torch.as_tensor(drafts, dtype=torch.long, device=device).view(B, k)
-        step = torch.cat([torch.as_tensor([t[-1] for t in tokens], device=device)[:, None], draft_t.clamp_min(0)], 1)
-        positions = pos0[:, None] + torch.arange(k + 1, device=device)
+        # each row feeds its last token followed by its drafts, at its own positions: one host
+        # tensor [B, 2+k] (first position, last token, drafts), one copy to the device
+        host = torch.tensor([[len(t) - 1, t[-1], *d] for t, d in zip(tokens, drafts)], dtype=torch.long)
+        packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        draft_t = packed[:, 2:]
+        step = torch.cat([packed[:, 1:2], draft_t.clamp_min(0)], 1)
+        positions = packed[:, :1] + offsets
         if step_fn is not None:
             logits, aux = step_fn(step, positions)
         else:
@@ -77,8 +80,8 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
             accepted, bonus = verify(draft_t, q, sampling_probs(logits, temperature, top_k, top_p), generator)
         else:
             accepted, bonus = greedy_verify(draft_t, logits)
-        accepted, bonus = accepted.tolist(), bonus.tolist()
-        stats.host_syncs += 2  # the drafts read by the proposer, the verification's result
+        accepted, bonus = torch.stack([accepted, bonus]).tolist()  # one read back
+        stats.host_syncs += 2  # the sync that ends the draft timing, the verification's result read back
         for b in range(B):
             if done[b]:
                 continue
@@ -98,8 +101,6 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
     if proposer is not None and hasattr(proposer, "end"):
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses
     return outputs
-
-
 
 
 def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):

@@ -207,7 +207,7 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
     if abs(data_gap) > tolerance:
         lines.append(f"Data gap: the promise ({tp:.3f}) was measured on held-out text unlike the served answers "
                      f"(replayed {tr:.3f}, {data_gap:+.1%}). Train and predict on the target's own answers "
-                     "(`python -m data.regenerate`), or validate on data like the held-out set.")
+                     "(`python -m inference.regenerate`), or validate on data like the held-out set.")
     diffs = [(i + 1, m - p) for i, (p, m) in enumerate(zip(predicted["a"], measured["a"]))]
     off = [f"a_{i} {d:+.3f}" for i, d in diffs if abs(d) > tolerance * max(predicted["a"][i - 1], 1e-9)]
     if off:

@@ -112,7 +112,7 @@ part2)
     # two regeneration shards per GPU (session 4: the second on a GPU added ~8 %, the second GPU ~2x)
     nshard=$((2 * NGPU))
     for i in $(seq 0 $((nshard - 1))); do
-      CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m data.regenerate --dataset sharegpt --out /tmp/regen/s$i \
+      CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m inference.regenerate --dataset sharegpt --out /tmp/regen/s$i \
         --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
       regen_pids+=($!)
     done
@@ -134,6 +134,8 @@ wait)
   if [ ! -f /tmp/regression-checked ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu tests/ 2>&1 | tail -4 | tee $R/regression.log
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
+    # the device loop through every kernel (the kernels' CUDA builds) against its torch path
+    python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py -k "kernel" 2>&1 | tail -2 | tee -a $R/regression.log
     touch /tmp/regression-checked
   fi
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done

@@ -95,3 +95,50 @@ def package_alone(requirement: str):
             pytest.skip(f"{requirement} could not be installed here: {res.stderr.strip().splitlines()[-1:]}")
         tmp.rename(site)
     return site
+
+
+def overfit_one_batch(module, drafter, steps: int, rows: int = 2, length: int = 20, vocab: int = 40000,
+                      reseed: int | None = None) -> tuple[dict, list[float]]:
+    """A DrafterModule's training step repeated on one random batch (AdamW, lr 3e-3, the
+    drafter's trainable parameters): (the batch, the loss at each step). reseed: the seed set
+    before every step (methods that draw anchors see the same ones each time)."""
+    import torch
+
+    module.log = lambda *a, **k: None
+    torch.manual_seed(0)
+    batch = {"input_ids": torch.randint(0, vocab, (rows, length)), "loss_mask": torch.ones(rows, length, dtype=torch.long),
+             "lengths": torch.tensor([length] * rows)}
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        if reseed is not None:
+            torch.manual_seed(reseed)
+        opt.zero_grad()
+        loss = module.training_step(batch, 0)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return batch, losses
+
+
+def interrupt_training_at(monkeypatch, step: int):
+    """The next `train.run` stops at `step` as Ctrl-C would (a KeyboardInterrupt in the batch
+    loop). Returns a function that puts the real trainer back."""
+    import lightning as L
+
+    import train.run as run_mod
+
+    class StopAt(L.Callback):
+        def on_train_batch_start(self, trainer, *args):
+            if trainer.global_step == step:
+                raise KeyboardInterrupt
+
+    real_build = run_mod.build_trainer
+
+    def interrupted(cfg, out_dir):
+        trainer = real_build(cfg, out_dir)
+        trainer.callbacks.insert(0, StopAt())
+        return trainer
+
+    monkeypatch.setattr(run_mod, "build_trainer", interrupted)
+    return lambda: monkeypatch.setattr(run_mod, "build_trainer", real_build)

@@ -18,7 +18,7 @@ from tests.conftest import make_conversations, tiny_overrides
 
 MAINS = {"train": "train.__main__", "export": "export.__main__", "export.check": "export.check",
          "generate": "inference.generate", "validate": "inference.validate", "bench": "inference.bench",
-         "regenerate": "data.regenerate"}
+         "regenerate": "inference.regenerate"}
 
 
 class _RunsCode:

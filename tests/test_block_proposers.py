@@ -19,6 +19,7 @@ from inference.model import RuntimeModel
 from models.dflash import DFlashConfig, DFlashDrafter
 from models.mtp import MTPConfig, MTPDrafter
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
+from tests.test_eagle3_runtime import Recording
 
 PROMPT_LENGTHS = (3, 11, 6, 1, 8)
 MAX_NEW = 24
@@ -64,24 +65,6 @@ def _frequent_tokens(outputs, n):
     return [t for t, _ in collections.Counter(t for o in outputs for t in o).most_common(n)]
 
 
-class Recording:
-    """Wraps a proposer and records each step's drafts."""
-
-    def __init__(self, inner):
-        self.inner, self.k, self.aux_layers, self.drafts = inner, inner.k, inner.aux_layers, []
-
-    def begin(self, *a):
-        self.inner.begin(*a)
-
-    def propose(self, tokens):
-        drafts = self.inner.propose(tokens)
-        self.drafts.append(drafts)
-        return drafts
-
-    def accepted(self, *a):
-        self.inner.accepted(*a)
-
-
 CACHED = {"mtp": MTPCachedProposer, "dflash": DFlashCachedProposer}
 
 
@@ -96,7 +79,7 @@ def test_cached_proposers_draft_what_recomputation_drafts(small_target, kind, k,
     for name, cls in (("recompute", RecomputeProposer), ("cached", CACHED[kind])):
         rec = Recording(cls(drafter, k, len(prompts), size, rt.config))
         outs, stats = generate(rt, prompts, MAX_NEW, proposer=rec, eos_ids=EOS, max_len=size)
-        runs[name] = (outs, stats, rec.drafts)
+        runs[name] = (outs, stats, [drafts for _, drafts in rec.calls])
     (outs, stats, drafts), (c_outs, c_stats, c_drafts) = runs["recompute"], runs["cached"]
     assert outs == plain and c_outs == plain
     # finished rows draft garbage that nobody verifies; compare the rows still generating

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from tests.conftest import tiny_overrides
+from tests.conftest import overfit_one_batch, tiny_overrides
 
 
 def tiny_dflash(B=4, seed=0):
@@ -77,19 +77,7 @@ def test_dflash_trains_and_leaves_the_frozen_target_alone(tiny_target):
     target = Target.load(tiny_target, d.aux_layer_ids)
     d.init_from_target(target.model, torch.zeros(hf_cfg.vocab_size, dtype=torch.long), torch.ones(hf_cfg.vocab_size, dtype=torch.bool))
     module = DrafterModule(target, d, ObjectiveConfig(block_anchors=8), OptimConfig(), EvalConfig(k=3, anchors_per_sequence=4), 100)
-    module.log = lambda *a, **k: None
-    torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 40000, (2, 24)), "loss_mask": torch.ones(2, 24, dtype=torch.long),
-             "lengths": torch.tensor([24, 24])}
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        torch.manual_seed(1)  # the same anchors each step: overfitting one batch
-        opt.zero_grad()
-        loss = module.training_step(batch, 0)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    batch, losses = overfit_one_batch(module, d, 30, length=24, reseed=1)  # the same anchors each step
     assert all(p.grad is None for p in target.parameters()) and d.lm_head.weight.grad is None
     assert losses[-1] < 0.5 * losses[0], losses[::10]
     hist = module.predicted_histogram(batch["input_ids"], batch["loss_mask"], batch["lengths"],

@@ -13,7 +13,7 @@ from inference.model import RuntimeModel
 from inference.proposers import Eagle3Proposer
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 from models.target import Target
-from tests.conftest import tiny_overrides
+from tests.conftest import overfit_one_batch, tiny_overrides
 from tests.test_eagle3_runtime import Recording
 from train.losses import feature_smooth_l1, hard_ce
 
@@ -115,18 +115,7 @@ def test_feature_regression_trains_through_the_module(tiny_target):
     d = _eagle1_for(target.model, vd=target.model.config.vocab_size).train()
     module = DrafterModule(target, d, ObjectiveConfig(ttt_steps=2, token_weight=0.1, feature_weight=1.0), OptimConfig(),
                            EvalConfig(k=3), 100)
-    module.log = lambda *a, **k: None
-    torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 40000, (2, 20)), "loss_mask": torch.ones(2, 20, dtype=torch.long),
-             "lengths": torch.tensor([20, 20])}
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(40):
-        opt.zero_grad()
-        loss = module.training_step(batch, 0)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    _, losses = overfit_one_batch(module, d, 40)
     assert d.lm_head.weight.grad is None and d.embed_tokens.weight.grad is None  # the target's, frozen
     assert losses[-1] < 0.5 * losses[0], losses[::10]
 

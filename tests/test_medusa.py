@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from models.medusa import MedusaConfig, MedusaDrafter
-from tests.conftest import tiny_overrides
+from tests.conftest import overfit_one_batch, tiny_overrides
 
 
 def tiny_medusa(heads=3, layers=1, V=300, Vd=64, H=32, seed=0):
@@ -88,19 +88,8 @@ def test_medusa_module_step_trains_heads_and_leaves_the_frozen_target_alone(tiny
     d.init_from_target(target.model, torch.zeros(hf.vocab_size, dtype=torch.long), torch.ones(hf.vocab_size, dtype=torch.bool))
     module = DrafterModule(target, d, ObjectiveConfig(ttt_steps=7), OptimConfig(), EvalConfig(k=3), 100)
     assert module.steps == 3  # every head, whatever ttt_steps says
-    torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(0, hf.vocab_size, (2, 24)), "loss_mask": torch.ones(2, 24, dtype=torch.long),
-             "lengths": torch.tensor([24, 24])}
-    module.log = lambda *a, **k: None
     before = {n: p.clone() for n, p in target.named_parameters()}
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        opt.zero_grad()
-        loss = module.training_step(batch, 0)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    _, losses = overfit_one_batch(module, d, 30, length=24, vocab=hf.vocab_size)
     assert all(p.grad is None for p in target.parameters())
     assert all(torch.equal(p, before[n]) for n, p in target.named_parameters())
     assert d.blocks[0].layers[0].weight.abs().sum() > 0  # the zero-initialised blocks moved

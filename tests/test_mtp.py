@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from models.mtp import MTPConfig, MTPDrafter
-from tests.conftest import tiny_overrides
+from tests.conftest import overfit_one_batch, tiny_overrides
 
 
 def tiny_mtp(D=3, V=300, seed=0):
@@ -64,18 +64,7 @@ def test_mtp_trains_modules_and_not_the_frozen_target(tiny_target):
     d.init_from_target(target.model, torch.zeros(hf.vocab_size, dtype=torch.long), torch.ones(hf.vocab_size, dtype=torch.bool))
     module = DrafterModule(target, d, ObjectiveConfig(ttt_steps=7, ttt_decay=1.0), OptimConfig(), EvalConfig(k=2), 100)
     assert module.steps == 2
-    module.log = lambda *a, **k: None
-    torch.manual_seed(0)
-    batch = {"input_ids": torch.randint(0, 40000, (2, 20)), "loss_mask": torch.ones(2, 20, dtype=torch.long),
-             "lengths": torch.tensor([20, 20])}
-    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        opt.zero_grad()
-        loss = module.training_step(batch, 0)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    _, losses = overfit_one_batch(module, d, 30)
     assert all(p.grad is None for p in target.parameters())
     assert d.lm_head.weight.grad is None and d.mtp[1].eh_proj.weight.grad is not None
     assert losses[-1] < 0.5 * losses[0], losses[::10]

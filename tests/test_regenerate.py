@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from data.regenerate import read_finished, regenerate
+from inference.regenerate import read_finished, regenerate
 from inference.engine import generate
 from tests.conftest import make_conversations
 
@@ -73,7 +73,7 @@ def test_resume_with_other_settings_and_bad_input_are_one_line_errors(tmp_path):
     source, _ = _sharegpt_file(tmp_path, n=2)
     out = tmp_path / "regen"
     regenerate("tiny-random-llama", str(source), out, batch_size=2, max_new_tokens=3, max_length=512)
-    cmd = [sys.executable, "-m", "data.regenerate", "--target", "tiny-random-llama", "--dataset", str(source), "--out", str(out)]
+    cmd = [sys.executable, "-m", "inference.regenerate", "--target", "tiny-random-llama", "--dataset", str(source), "--out", str(out)]
     res = subprocess.run(cmd + ["--max-new-tokens", "4", "--max-length", "512"], capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "max_new_tokens" in res.stderr and "Traceback" not in res.stderr
     res = subprocess.run(cmd[:5] + ["no-such-data", "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=300)
@@ -96,7 +96,7 @@ def test_shards_split_the_conversations_without_overlap(tmp_path):
 
 
 def test_loop_start_finds_the_end_of_the_first_copy_of_a_trailing_loop():
-    from data.regenerate import loop_start
+    from inference.regenerate import loop_start
 
     prose = list(range(1000, 1050))
     assert loop_start(prose + [7, 8, 9] * 40) == 53  # unit [7, 8, 9] from 50: keep one copy
@@ -108,7 +108,7 @@ def test_loop_start_finds_the_end_of_the_first_copy_of_a_trailing_loop():
 
 
 def test_an_answer_cut_in_a_loop_keeps_one_copy_and_ends_the_conversation(tokenizer):
-    from data.regenerate import regenerate_batch
+    from inference.regenerate import regenerate_batch
 
     unit = tokenizer.encode(" I like tea.", add_special_tokens=False)
     looping = tokenizer.encode("Sure.", add_special_tokens=False) + unit * 30

@@ -6,11 +6,10 @@ from __future__ import annotations
 import csv
 import json
 
-import lightning as L
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import interrupt_training_at, tiny_overrides
 
 
 def _overrides(chat_file, out, **extra):
@@ -40,38 +39,21 @@ def test_resume_continues_the_metrics_and_keeps_every_checkpoint(chat_file, tmp_
         assert torch.load(path, weights_only=True)["draftsmith"]["method"] == "eagle3", path.name
 
 
-class _StopAt(L.Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_start(self, trainer, *args):
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
-
-
 def test_ctrl_c_prints_the_command_that_resumes(chat_file, tmp_path, monkeypatch, capsys):
     import shlex
 
-    import train.run as run_mod
     from train.__main__ import main
 
     out = tmp_path / "run"
     argv = tiny_overrides(chat_file, out, **{"checkpoint_every_n_steps": 2})
-    real_build = run_mod.build_trainer
-
-    def interrupted(cfg, out_dir):
-        trainer = real_build(cfg, out_dir)
-        trainer.callbacks.insert(0, _StopAt(2))
-        return trainer
-
-    monkeypatch.setattr(run_mod, "build_trainer", interrupted)
+    restore = interrupt_training_at(monkeypatch, 2)
     assert main(argv + ["--overwrite"]) == 130
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if x.startswith("interrupted at step 2"))
     assert "last.ckpt" in line
     command = line.split("continue with: ", 1)[1]
     assert command.startswith("python -m train ") and command.endswith("--resume") and "--overwrite" not in command
-    monkeypatch.setattr(run_mod, "build_trainer", real_build)
+    restore()
     assert main(shlex.split(command)[3:]) == 0  # the printed command, as typed
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     assert "draftsmith" in torch.load(out / "checkpoints" / "step2.ckpt", weights_only=True)  # saved before Ctrl-C

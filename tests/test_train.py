@@ -3,11 +3,10 @@ import json
 import subprocess
 import sys
 
-import lightning as L
 import pytest
 import torch
 
-from tests.conftest import tiny_overrides
+from tests.conftest import interrupt_training_at, tiny_overrides
 from train.config import load_config
 from train.run import run
 
@@ -58,39 +57,21 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
         assert torch.allclose(x, y, atol=0.1, rtol=0.05)
 
 
-class _StopAt(L.Callback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_train_batch_start(self, trainer, *args):
-        if trainer.global_step == self.step:
-            raise KeyboardInterrupt
-
-
 def test_resume_is_bit_for_bit(chat_file, tmp_path, monkeypatch):
-    import train.run as run_mod
-
     full = tmp_path / "full"
     run(load_config(None, tiny_overrides(chat_file, full)))
     expect, step = _final_weights(full)
     assert step == 6
 
     part = tmp_path / "part"
-    real_build = run_mod.build_trainer
-
-    def interrupted(cfg, out_dir):
-        trainer = real_build(cfg, out_dir)
-        trainer.callbacks.insert(0, _StopAt(3))
-        return trainer
-
-    monkeypatch.setattr(run_mod, "build_trainer", interrupted)
+    restore = interrupt_training_at(monkeypatch, 3)
     from train.run_folder import TrainingInterrupted
 
     with pytest.raises(TrainingInterrupted):  # Lightning shuts down gracefully; run says where to resume
         run(load_config(None, tiny_overrides(chat_file, part)))
     _, step = _final_weights(part)
     assert step == 3
-    monkeypatch.setattr(run_mod, "build_trainer", real_build)
+    restore()
     run(load_config(None, tiny_overrides(chat_file, part)), resume=str(part / "checkpoints" / "last.ckpt"))
     got, step = _final_weights(part)
     assert step == 6

@@ -1,7 +1,7 @@
-"""python -m data.regenerate: replace every assistant turn of a data set with the target's own
+"""python -m inference.regenerate: replace every assistant turn of a data set with the target's own
 greedy answer, so a drafter trains on the text it will see when serving.
 
-    python -m data.regenerate --target smollm2-135m-instruct --dataset sharegpt --out regen/sharegpt \
+    python -m inference.regenerate --target smollm2-135m-instruct --dataset sharegpt --out regen/sharegpt \
         [--limit N] [--batch-size 64] [--max-new-tokens 512] [--max-length 2048] [--max-minutes M] [--shard I/N]
 
 Turns are answered in order through the runtime, a batch of conversations at a time (turn r of
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, positive, \
         resolve_device
 
-    ap = Parser(prog="python -m data.regenerate", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m inference.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
     ap.add_argument("--dataset", default="sharegpt", help="zoo name, ShareGPT JSON or OpenAI-messages JSONL")
     ap.add_argument("--out", required=True, help="output folder (conversations.jsonl); re-run to resume")
