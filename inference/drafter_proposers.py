@@ -15,7 +15,7 @@ from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
 from models.eagle3 import Eagle3Drafter
-from models.methods import method_of, resolve
+from models.methods import method_of, predictor_of, resolve
 
 
 class Eagle3Proposer(HostLoopInterface):
@@ -249,7 +249,7 @@ class RecomputeProposer:
         check_drafter_fits(drafter, k, target_config)
         self.drafter, self.k = drafter.eval(), k
         self.aux_layers = tuple(drafter.aux_layer_ids) or (target_config.num_layers,)
-        self.blockwise = method_of(drafter).predictor == "block"  # DFlash: one block per anchor
+        self.blockwise = predictor_of(drafter) == "block"  # DFlash: one block per anchor
         self.max_len = max_len
         self.features = None  # [B, S, width]
 

@@ -3,7 +3,7 @@
 A training checkpoint (any `.ckpt` a run writes: step files, last.ckpt, an interrupted run's)
 holds, beside Lightning's own keys, a `draftsmith` section of plain data:
 
-    method          "eagle3" | "eagle1" | "medusa" | "mtp" | "dflash"
+    method          a method of models/methods.py's table ("eagle3", "eagle1", "medusa", "mtp", "dflash")
     drafter_config  the drafter's config dataclass as a dict (its class follows from method)
     draft_vocab     {"d2t": LongTensor[Vd], "t2d": BoolTensor[V]}
     target          {"name": the target as the run config gave it (zoo name or path),
