@@ -66,20 +66,6 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
     return fitting or [cap]
 
 
-def _tree_spec(spec: str) -> tuple[int, int, int]:
-    """--tree DEPTH,TOPK,NODES → three positive ints (NODES at most what the tree drafts)."""
-    from inference.cli import CliError
-
-    try:
-        depth, top_k, total = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise CliError(f"--tree {spec}: expected DEPTH,TOPK,NODES, three integers (e.g. 5,8,48)") from None
-    if min(depth, top_k, total) < 1 or total > top_k + (depth - 1) * top_k * top_k:
-        raise CliError(f"--tree {spec}: depth, top-k and nodes must be positive, nodes at most the "
-                       f"{top_k + (depth - 1) * top_k * top_k} candidates such a tree drafts")
-    return depth, top_k, total
-
-
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
               trees: list[tuple[int, int, int]] = ()) -> dict:
@@ -277,7 +263,7 @@ def _chart(summary: dict, path: Path):
 
 def main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        positive, resolve_device
+        parse_tree_spec, positive, resolve_device
 
     ap = Parser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
@@ -305,7 +291,7 @@ def main(argv=None) -> int:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
-        trees = [_tree_spec(spec) for spec in args.tree]
+        trees = [parse_tree_spec(spec) for spec in args.tree]
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
