@@ -129,8 +129,8 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
         features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
     hists = {tuple(t): torch.zeros(2, t[0] + 1, dtype=torch.long) for t in trees}
-    # the runtime's fused weights, taken now (training moves them between validations); float32
-    # drafting whatever the training autocast, as the runtime's drafter runs in its own dtype
+    # the runtime's fused weights, taken now (training moves them between validations); drafting
+    # in the drafter's own dtype whatever the training's autocast, as the runtime's proposer drafts
     with torch.autocast(ids.device.type, enabled=False):
         p = Eagle3Proposer(drafter, 1, 1, max(ids.shape[1] - 1, 1))
         for b in range(ids.shape[0]):
