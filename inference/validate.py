@@ -1,13 +1,15 @@
 """python -m inference.validate: does the acceptance promised in training hold when serving?
 
     python -m inference.validate --drafter runs/eagle3/export --dataset mt-bench [-k 7] \
-        [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--out DIR]
+        [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--tree D,K,N] [--out DIR]
 
 Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
 per category and per turn, and compares them with the prediction stored in the export
 (`draftsmith.json`) at the served temperature and verification (the greedy promise at T = 0;
-at T > 0 the sampled one, inference/sampled_acceptance.py). Exit 1 when
+at T > 0 the sampled one, inference/sampled_acceptance.py; with --tree, EAGLE-2 trees of that depth,
+top-k and node count served and held to the export's promise for that tree,
+inference/tree_acceptance.py). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
