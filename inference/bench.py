@@ -6,7 +6,11 @@ each -k it can draft). Batch 1, greedy; --batch-size B adds plain and each draft
 prompts at once. Reports tok/s, tau, ratios against transformers plain and runtime plain (at
 the same batch), where a speculative step's time goes (draft / verify / other ms per step, host
 syncs per token), and how many outputs equal the runtime's plain output (exact in float32; bf16
-batching may flip near-ties). Writes bench.json and bench.png to --out.
+batching may flip near-ties). --tree DEPTH,TOPK,NODES (repeatable) adds EAGLE-2 tree rows for
+each EAGLE-3 drafter; of the trees swept, the fastest on this target and device is printed and
+kept in bench.json (`best_tree`) beside the same drafter's chain at that depth (else its
+fastest chain): tok/s, tau and the tokens verified per step of each. Writes bench.json and
+bench.png to --out.
 
     python -m inference.bench --target smollm2-135m-instruct --dataset mt-bench --num-prompts 20 \
         --max-new-tokens 256 [--drafter runs/eagle3/export runs/dflash/export ...] [-k 4 7] \
@@ -66,18 +70,50 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
     return fitting or [cap]
 
 
-def _tree_spec(spec: str) -> tuple[int, int, int]:
-    """--tree DEPTH,TOPK,NODES → three positive ints (NODES at most what the tree drafts)."""
-    from inference.cli import CliError
+def _tree_row(tree) -> str:
+    depth, top_k, total = tree
+    return f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}, {total} nodes)"
 
-    try:
-        depth, top_k, total = (int(x) for x in spec.split(","))
-    except ValueError:
-        raise CliError(f"--tree {spec}: expected DEPTH,TOPK,NODES, three integers (e.g. 5,8,48)") from None
-    if min(depth, top_k, total) < 1 or total > top_k + (depth - 1) * top_k * top_k:
-        raise CliError(f"--tree {spec}: depth, top-k and nodes must be positive, nodes at most the "
-                       f"{top_k + (depth - 1) * top_k * top_k} candidates such a tree drafts")
-    return depth, top_k, total
+
+def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict | None:
+    """The swept tree with the highest tok/s on this target and device (ties: the first given),
+    beside the same EAGLE-3 drafter's chain at the tree's depth (else its fastest chain): tok/s,
+    tau and the verify tokens per step (root + nodes, root + k) of each, and their ratios.
+    rows: bench.json's rows; None when no tree row was measured."""
+    swept = [(tuple(t), rows[_tree_row(t)]) for t in trees if _tree_row(t) in rows]
+    if not swept:
+        return None
+
+    def side(name, r):
+        return {"row": name, "tokens_per_s": r["tokens_per_s"], "tau": (r.get("acceptance") or {}).get("tau"),
+                "verify_tokens_per_step": r["verify_tokens_per_step"], "vs_runtime_plain": r.get("vs_runtime_plain")}
+
+    tree, row = max(swept, key=lambda tr: tr[1]["tokens_per_s"])
+    chains = {k: f"runtime EAGLE-3 (k={k})" for k in ks if f"runtime EAGLE-3 (k={k})" in rows}
+    chain_k = tree[0] if tree[0] in chains else max(chains, key=lambda k: rows[chains[k]]["tokens_per_s"], default=None)
+    best = {"target": target, "device": device, "tree": dict(zip(("depth", "top_k", "total_tokens"), tree)),
+            **side(_tree_row(tree), row), "chain": None, "tree_vs_chain": None,
+            "swept": [{"tree": list(t), **side(_tree_row(t), r)} for t, r in swept]}
+    if chain_k is not None:
+        chain = rows[chains[chain_k]]
+        best["chain"] = {"k": chain_k, **side(chains[chain_k], chain)}
+        best["tree_vs_chain"] = {"tokens_per_s": row["tokens_per_s"] / chain["tokens_per_s"],
+                                 "tau": (best["tau"] / best["chain"]["tau"]) if best["tau"] and best["chain"]["tau"] else None}
+    return best
+
+
+def _best_tree_line(best: dict) -> str:
+    t, c = best["tree"], best["chain"]
+    tau = (lambda x: "-" if x is None else f"{x:.3f}")
+    line = (f"best tree on {best['target']} ({best['device']}, of {len(best['swept'])} swept): depth {t['depth']}, "
+            f"top-k {t['top_k']}, {t['total_tokens']} nodes: {best['tokens_per_s']:.1f} tok/s, tau {tau(best['tau'])}, "
+            f"{best['verify_tokens_per_step']} verify tokens per step")
+    if c is not None:
+        ratio = best["tree_vs_chain"]
+        line += (f"; chain k={c['k']}: {c['tokens_per_s']:.1f} tok/s, tau {tau(c['tau'])}, {c['verify_tokens_per_step']} "
+                 f"verify tokens per step; tree/chain {ratio['tokens_per_s']:.2f}x tok/s"
+                 + (f", {ratio['tau']:.2f}x tau" if ratio["tau"] else ""))
+    return line
 
 
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
@@ -175,7 +211,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             from inference.tree_decoding import EagleTreeProposer
 
             proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config)
-            rows[f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}, {total} nodes)"] = lambda p=proposer: runtime(p)
+            rows[_tree_row((depth, top_k, total))] = lambda p=proposer: runtime(p)
     if batch_size > 1:
         rows[f"runtime plain, batch {batch_size}"] = lambda: runtime(None, batch_size)
         for module in modules:
@@ -239,11 +275,15 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
         "rows": {name: {kk: vv for kk, vv in r.items() if kk != "outputs"} for name, r in results.items()},
     }
+    # the sweep's best tree for this target and device, beside the same drafter's chain
+    summary["best_tree"] = best_tree_setting(summary["rows"], trees, ks, target, summary["device"])
     print(f"{'row':52s} {'tok/s':>9s} {'vs plain':>9s} {'vs HF':>7s} {'tau':>6s}  = plain")
     for name, r in summary["rows"].items():
         tau = f"{r['acceptance']['tau']:.3f}" if "acceptance" in r else "-"
         print(f"{name:52s} {r['tokens_per_s']:9.1f} {r['vs_runtime_plain_same_batch']:8.2f}x {r['vs_transformers']:6.1f}x "
               f"{tau:>6s}  {r['outputs_equal_runtime_plain']}/{r['prompts']}")
+    if summary["best_tree"] is not None:
+        print(_best_tree_line(summary["best_tree"]))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     _chart(summary, out_dir / "bench.png")
@@ -277,7 +317,7 @@ def _chart(summary: dict, path: Path):
 
 def main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        positive, resolve_device
+        parse_tree_spec, positive, resolve_device
 
     ap = Parser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
@@ -305,7 +345,7 @@ def main(argv=None) -> int:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
-        trees = [_tree_spec(spec) for spec in args.tree]
+        trees = [parse_tree_spec(spec) for spec in args.tree]
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)

@@ -58,6 +58,23 @@ def check_ranges(args, table: dict) -> None:
             raise CliError(f"{flag}: must be {check.what}, got {value}")
 
 
+def parse_tree_spec(spec: str, flag: str = "--tree") -> tuple[int, int, int]:
+    """DEPTH,TOPK,NODES → three positive ints, NODES at most the candidates such an EAGLE-2 tree
+    drafts (inference/tree_acceptance.py: tree_spec_problem)."""
+    from inference.tree_acceptance import tree_spec_problem
+
+    try:
+        tree = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        tree = ()
+    if len(tree) != 3:
+        raise CliError(f"{flag} {spec}: expected DEPTH,TOPK,NODES, three integers (e.g. 5,8,48)")
+    problem = tree_spec_problem(*tree)
+    if problem:
+        raise CliError(f"{flag} {spec}: {problem}")
+    return tree
+
+
 def resolve_device(spec: str | None) -> str:
     """auto/None → cuda when available, else cpu; cuda without CUDA is an error."""
     import torch

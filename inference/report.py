@@ -23,9 +23,13 @@ def _write_markdown(report: dict, out: Path):
     cats += [f"| {c} | {s['tau']:.3f} | {s['num_chains']} |" for c, s in sorted(report["per_category"].items())]
     turns = [f"| turn {t} | {s['tau']:.3f} | {s['num_chains']} |" for t, s in sorted(report["per_turn"].items())]
     verdict = "PASS" if report["pass"] else "FAIL"
+    tree = report.get("tree")
+    drafting = f"k = {report['k']}" if not tree else (
+        f"EAGLE-2 trees of depth {tree['depth']}, top-k {tree['top_k']}, {tree['total_tokens']} nodes "
+        f"({tree['verify_tokens_per_step']} verify tokens per step; a_i by depth)")
     md = [f"# Acceptance validation: {verdict}", "",
           f"Drafter `{report['drafter']}` on target `{report['target']}`, {report['dataset']} "
-          f"({report['num_questions']} questions, {report['num_answers']} answers), k = {report['k']}, "
+          f"({report['num_questions']} questions, {report['num_answers']} answers), {drafting}, "
           f"T = {report['temperature']}" + (f", {report['verification']} verification" if report['temperature'] else "")
           + f", device {report['device']}."
           + (f" Stopped by --max-minutes after {report['num_questions']} of {report['questions_planned']} questions."

@@ -40,7 +40,7 @@ class EagleTreeProposer(Eagle3Proposer):
         super().__init__(drafter, depth, batch, max_len, target_config)
         if not self.fused:
             raise ValueError("draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1: chains)")
-        candidates = top_k + (depth - 1) * top_k * top_k
+        candidates = tree_candidate_count(depth, top_k)
         if depth < 1 or top_k < 1 or not 1 <= total_tokens <= candidates:
             raise ValueError(f"a tree of depth {depth} expanding top_k={top_k} drafts {candidates} candidates: "
                              f"total_tokens={total_tokens} must be in 1..{candidates} (and depth, top_k >= 1)")
@@ -50,56 +50,74 @@ class EagleTreeProposer(Eagle3Proposer):
     @torch.no_grad()
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
-        d = self.drafter
-        B, H = self.hidden.shape
-        cfg = d.config
-        cand_k = self.k_cache.new_zeros(B, cfg.num_key_value_heads, self.candidates, cfg.head_dim)
-        cand_v = torch.zeros_like(cand_k)
-        cand_hidden = self.hidden.new_zeros(B, self.candidates, H)
-        rows = torch.arange(B, device=self.hidden.device)[:, None]
-        state = start_tree(B, self.hidden.device)
-        logprobs = torch.log_softmax(d.logits(self.hidden[:, None]).float(), -1)  # [B,1,Vd]: after the root
-        for depth in range(self.k):
-            if depth:  # run the drafter on the frontier (its nodes are at this depth)
-                frontier = state.frontier  # [B,F] candidate indices
-                parent = state.parents.gather(1, frontier)
-                parent_hidden = torch.where((parent >= 0)[..., None], cand_hidden[rows, parent.clamp_min(0)],
-                                            self.hidden[:, None])
-                sees = ancestor_mask(state.parents).gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
-                visible = torch.zeros(B, frontier.shape[1], self.candidates, dtype=torch.bool, device=sees.device)
-                visible[..., : sees.shape[2]] = sees
-                positions = (self.last + depth)[:, None].expand_as(frontier)
-                h = self._tree_step(state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible,
-                                    cand_k, cand_v)
-                cand_hidden[rows, frontier] = h
-                logprobs = torch.log_softmax(d.logits(h).float(), -1)  # [B,F,Vd]
-            top = logprobs.topk(self.top_k, dim=-1)
-            state = expand_depth(state, self.draft_ids[top.indices], top.values, self.top_k)
-        return finalize(state, self.total_tokens, self.last + 1)
+        return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
+                                self.total_tokens)
 
-    def _tree_step(self, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v):
-        """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, positions, frontier
-        [B,F], parent_hidden [B,F,H], visible [B,F,C] (each node's ancestors and itself).
-        Their K/V go to the candidate buffers [B,nkv,C,d] at their candidate index; each node
-        attends to the drafter's cache up to the row's last step-0 entry and to the visible
-        candidates. → hidden [B,F,H]."""
-        d = self.drafter
-        layer, cfg = d.layers[0], d.config
-        B, F_, _ = parent_hidden.shape
-        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        normed = layer.hidden_norm(parent_hidden)
-        embeds = layer.input_layernorm(d.embed_tokens(tokens).to(parent_hidden.dtype))
-        q, k, v = F.linear(torch.cat([embeds, normed], -1), self.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
-        q, k, v = (x.view(B, F_, -1, hd).transpose(1, 2) for x in (q, k, v))
-        cos, sin = rope_cos_sin(d.inv_freq, positions, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        index = frontier[:, None, :, None].expand(B, nkv, F_, hd)
-        cand_k.scatter_(2, index, k.to(cand_k.dtype))
-        cand_v.scatter_(2, index, v.to(cand_v.dtype))
-        attn = layer.self_attn.o_proj(tree_attention_reference(q, self.k_cache, self.v_cache, self.last, cand_k, cand_v,
-                                                               visible))
-        h = (normed if layer.norm_before_residual else parent_hidden) + attn
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+def tree_candidate_count(depth: int, top_k: int) -> int:
+    """Candidates an EAGLE-2 tree drafts: top_k at depth 1, top_k^2 at every later depth."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+@torch.no_grad()
+def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int):
+    """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
+    hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
+    position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
+    written). The runtime passes its proposer's state; training's held-out walk
+    (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
+    both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth."""
+    d = p.drafter
+    B, H = hidden.shape
+    cfg = d.config
+    candidates = tree_candidate_count(depth, top_k)
+    cand_k = k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim)
+    cand_v = torch.zeros_like(cand_k)
+    cand_hidden = hidden.new_zeros(B, candidates, H)
+    rows = torch.arange(B, device=hidden.device)[:, None]
+    state = start_tree(B, hidden.device)
+    logprobs = torch.log_softmax(d.logits(hidden[:, None]).float(), -1)  # [B,1,Vd]: after the root
+    for level in range(depth):
+        if level:  # run the drafter on the frontier (its nodes are at this depth)
+            frontier = state.frontier  # [B,F] candidate indices
+            parent = state.parents.gather(1, frontier)
+            parent_hidden = torch.where((parent >= 0)[..., None], cand_hidden[rows, parent.clamp_min(0)], hidden[:, None])
+            sees = ancestor_mask(state.parents).gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
+            visible = torch.zeros(B, frontier.shape[1], candidates, dtype=torch.bool, device=sees.device)
+            visible[..., : sees.shape[2]] = sees
+            positions = (last + level)[:, None].expand_as(frontier)
+            h = _tree_step(p, state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible, cand_k,
+                           cand_v, k_cache, v_cache, last)
+            cand_hidden[rows, frontier] = h
+            logprobs = torch.log_softmax(d.logits(h).float(), -1)  # [B,F,Vd]
+        top = logprobs.topk(top_k, dim=-1)
+        state = expand_depth(state, p.draft_ids[top.indices], top.values, top_k)
+    return finalize(state, total_tokens, last + 1)
+
+
+def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v, k_cache,
+               v_cache, last):
+    """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, positions, frontier
+    [B,F], parent_hidden [B,F,H], visible [B,F,C] (each node's ancestors and itself).
+    Their K/V go to the candidate buffers [B,nkv,C,d] at their candidate index; each node
+    attends to the drafter's cache [B,nkv,S,d] up to the row's last step-0 entry `last` [B]
+    and to the visible candidates. → hidden [B,F,H]."""
+    d = p.drafter
+    layer, cfg = d.layers[0], d.config
+    B, F_, _ = parent_hidden.shape
+    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    normed = layer.hidden_norm(parent_hidden)
+    embeds = layer.input_layernorm(d.embed_tokens(tokens).to(parent_hidden.dtype))
+    q, k, v = F.linear(torch.cat([embeds, normed], -1), p.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
+    q, k, v = (x.view(B, F_, -1, hd).transpose(1, 2) for x in (q, k, v))
+    cos, sin = rope_cos_sin(d.inv_freq, positions, q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    index = frontier[:, None, :, None].expand(B, nkv, F_, hd)
+    cand_k.scatter_(2, index, k.to(cand_k.dtype))
+    cand_v.scatter_(2, index, v.to(cand_v.dtype))
+    attn = layer.self_attn.o_proj(tree_attention_reference(q, k_cache, v_cache, last, cand_k, cand_v, visible))
+    h = (normed if layer.norm_before_residual else parent_hidden) + attn
+    return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
 class TreeLoop(SpecLoop):

@@ -1,13 +1,15 @@
 """python -m inference.validate: does the acceptance promised in training hold when serving?
 
     python -m inference.validate --drafter runs/eagle3/export --dataset mt-bench [-k 7] \
-        [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--out DIR]
+        [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--tree D,K,N] [--out DIR]
 
 Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
 per category and per turn, and compares them with the prediction stored in the export
 (`draftsmith.json`) at the served temperature and verification (the greedy promise at T = 0;
-at T > 0 the sampled one, inference/sampled_acceptance.py). Exit 1 when
+at T > 0 the sampled one, inference/sampled_acceptance.py; with --tree, EAGLE-2 trees of that depth,
+top-k and node count served and held to the export's promise for that tree,
+inference/tree_acceptance.py). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
@@ -21,13 +23,13 @@ accepted_lengths.png to --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from inference.report import write_report
+from inference.served import load_prompts_for, measure, replay  # noqa: F401  (load_prompts_for: tests)
 
 
 def tau_at(a: list[float], k: int) -> float:
@@ -37,123 +39,6 @@ def tau_at(a: list[float], k: int) -> float:
         run *= x
         tau += run
     return tau
-
-
-def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[dict]:
-    """[{id, category, turns}] for a zoo benchmark, `sharegpt-heldout` or a JSON/JSONL file."""
-    from data.sources import load_prompts
-
-    if dataset == "sharegpt-heldout":
-        from data.chat import _is_heldout
-        from data.sources import load_conversations
-
-        data_cfg = provenance.get("training_config", {}).get("data", {})
-        fraction = data_cfg.get("heldout_fraction", 0.02)
-        rows = []
-        for i, conv in enumerate(load_conversations("sharegpt")):
-            if _is_heldout(conv, fraction):
-                turns = [m["content"] for m in conv if m["role"] == "user"]
-                if turns:
-                    rows.append({"id": f"sharegpt-{i}", "category": "sharegpt", "turns": turns})
-    else:
-        rows = load_prompts(dataset)
-    if not rows:
-        raise ValueError(f"--dataset {dataset}: no prompts")
-    return spread_over_categories(rows, limit) if limit else rows
-
-
-def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:
-    """The first `limit` rows taken in turn from each category (MT-bench lists its 8 categories
-    one after another: its first 16 questions would be writing and roleplay only)."""
-    by_category: dict[str, list[dict]] = {}
-    for row in rows:
-        by_category.setdefault(row.get("category", ""), []).append(row)
-    picked = []
-    for depth in range(max(len(group) for group in by_category.values())):
-        picked += [group[depth] for group in by_category.values() if depth < len(group)]
-    return picked[:limit]
-
-
-def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
-            seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-            make_proposer=None, deadline: float | None = None, batch_size: int = 1):
-    """Serve the questions turn by turn, `batch_size` questions at a time (turn r of each, then
-    turn r+1 after those answers); returns per-answer records with their own histograms.
-
-    make_proposer(prompts) → proposer replaces the drafter (the reference rows: n-gram, suffix).
-    deadline (time.time()): no batch after the first is started after it. A record's seconds are
-    its share (by new tokens) of its batch's time, so sums give the throughput."""
-    import time
-
-    import torch
-    from tqdm import tqdm
-
-    from data.chat import encode_prompt
-    from inference.cli import check_fits
-    from inference.engine import CACHE_BUCKET, cache_size, generate
-    from inference.proposers import drafter_proposer
-
-    device = rt.embed_tokens.weight.device
-    generator = torch.Generator(device=device).manual_seed(seed) if temperature > 0 else None
-    eos = tokenizer.eos_token_id
-    records = []
-    context = getattr(rt.config, "max_position_embeddings", None)
-    proposers = {}  # one drafter proposer per (batch, cache length): its captured graphs are reused
-    with tqdm(total=len(questions), desc="validating", unit="question", disable=not progress) as bar:
-        for start in range(0, len(questions), batch_size):
-            if deadline is not None and records and time.time() > deadline:
-                break
-            batch = questions[start : start + batch_size]
-            conversations = [[] for _ in batch]
-            for turn in range(max(len(q["turns"][:max_turns]) for q in batch)):
-                rows = [i for i, q in enumerate(batch) if turn < len(q["turns"][:max_turns])]
-                prompts = []
-                for i in rows:
-                    conversations[i].append({"role": "user", "content": batch[i]["turns"][turn]})
-                    prompts.append(encode_prompt(tokenizer, conversations[i]))
-                    check_fits(len(prompts[-1]), max_new_tokens, context, f"question {batch[i]['id']}, turn {turn + 1}")
-                max_len = -(-cache_size(prompts, max_new_tokens, k) // CACHE_BUCKET) * CACHE_BUCKET
-                if make_proposer:
-                    proposer = make_proposer(prompts)
-                else:
-                    key = (len(prompts), max_len)
-                    proposer = proposers.get(key) or proposers.setdefault(
-                        key, drafter_proposer(drafter, k, len(prompts), max_len, rt.config))
-                outs, stats = generate(rt, prompts, max_new_tokens, proposer=proposer, eos_ids=(eos,), max_len=max_len,
-                                       temperature=temperature, generator=generator, verification=verification)
-                new_tokens = max(sum(len(o) for o in outs), 1)
-                for i, prompt, answer, hist in zip(rows, prompts, outs, stats.row_histograms):
-                    text = tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer, skip_special_tokens=True)
-                    conversations[i].append({"role": "assistant", "content": text})
-                    records.append({"id": batch[i]["id"], "category": batch[i]["category"], "turn": turn + 1,
-                                    "prompt": prompt, "answer": answer, "histogram": hist, "new_tokens": len(answer),
-                                    "seconds": stats.total_seconds * len(answer) / new_tokens})
-            bar.update(len(batch))
-    return records
-
-
-def replay(target, drafter, records: list[dict], k: int, anchors: int | None, part: str, temperature: float = 0.0,
-           verification: str = "standard", seed: int = 0):
-    """Training's predictor on the served text (at most `anchors` chains per text, None: all), walking the
-    answers as serving did (greedy: the very chains the runtime drafted) or the prompts. At T > 0 the
-    sampled predictor (inference/sampled_acceptance.py) at that temperature and verification."""
-    import torch
-
-    from inference.acceptance import predicted_histogram
-    from inference.sampled_acceptance import sampled_histogram
-
-    device = next(target.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
-    hist = torch.zeros(k + 1, dtype=torch.long if temperature == 0 else torch.float64)
-    for r in records:
-        ids = r["prompt"] + r["answer"]
-        mask = [0] * len(r["prompt"]) + [1] * len(r["answer"]) if part == "answer" else \
-            [1] * len(r["prompt"]) + [0] * len(r["answer"])
-        t = torch.as_tensor([ids], device=device)
-        mask, length = torch.as_tensor([mask], device=device), torch.as_tensor([len(ids)])
-        hist += predicted_histogram(target, drafter, t, mask, length, k, anchors) if temperature == 0 else \
-            sampled_histogram(target, drafter, t, mask, length, k, anchors, temperature, verification, generator)
-    return hist
 
 
 def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
@@ -241,7 +126,10 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
-             batch_size: int | None = None) -> dict:
+             batch_size: int | None = None, tree: tuple[int, int, int] | None = None) -> dict:
+    """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
+    total_tokens): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
+    promise (`trees` in its predicted acceptance, inference/tree_acceptance.py)."""
     import time
 
     import torch
@@ -262,7 +150,13 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
 
     provenance = read_json(prov_path) if prov_path.is_file() else {}
     predicted = provenance.get("predicted_acceptance") or {}
-    if "a" in predicted:
+    if tree is not None:  # held to its own promise, found once the drafter is known to draft trees
+        if temperature > 0:
+            raise ValueError(f"--tree: draft trees verify greedily for now (--temperature 0, not {temperature:g})")
+        if k and k != tree[0]:
+            raise ValueError(f"-k {k} and --tree {tree[0]},{tree[1]},{tree[2]}: a tree's depth is its k (leave -k out)")
+        k = tree[0]
+    elif "a" in predicted:
         k = k or predicted.get("k", len(predicted["a"]))
         if k > len(predicted["a"]):
             raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted['a'])}")
@@ -275,17 +169,28 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         raise ValueError("--target: the export does not name its target; pass --target")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    drafter = load_export(folder, dtype=dtype).to(device)
+    tree_promised = make_tree = None
+    if tree is not None:
+        from inference.tree_acceptance import check_tree_drafter, tree_promise
+
+        check_tree_drafter(drafter)
+        tree_promised = tree_promise(predicted, tree)
     path = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rt = load_runtime(path, dtype=dtype, device=device)
-    drafter = load_export(folder, dtype=dtype).to(device)
+    if tree is not None:
+        from inference.tree_acceptance import tree_proposers
+
+        make_tree = tree_proposers(drafter, tree, rt.config)
     questions = load_prompts_for(dataset, provenance, num_prompts)
 
     planned = len(questions)
     batch_size = batch_size or (16 if device == "cuda" else 1)
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
-                      progress=progress, verification=verification, deadline=deadline, batch_size=batch_size)
+                      progress=progress, verification=verification, deadline=deadline, batch_size=batch_size,
+                      make_proposer=make_tree, verify_tokens=tree[2] if tree else None)
     served = {r["id"] for r in records}
     questions = [q for q in questions if q["id"] in served]  # served before the deadline
     total = torch.zeros(k + 1, dtype=torch.long)
@@ -302,10 +207,10 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.proposers import NgramProposer, SuffixProposer
 
         if name == "ngram":
-            make = lambda prompts: NgramProposer(k)  # noqa: E731
+            make = lambda prompts, max_len: NgramProposer(k)  # noqa: E731
         else:
             suffix = SuffixProposer(k)  # one per run: its global cache of earlier answers grows question by question
-            make = lambda prompts: suffix  # noqa: E731
+            make = lambda prompts, max_len: suffix  # noqa: E731
         ref = measure(rt, tokenizer, None, questions, k, max_new_tokens, temperature, max_turns=max_turns,
                       progress=progress, verification=verification, make_proposer=make, batch_size=batch_size)
         references[name] = acceptance_from_histogram(sum((torch.as_tensor(r["histogram"]) for r in ref),
@@ -316,10 +221,14 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
     # every served chain: the walk then is the runtime's own
     summarize = acceptance_from_histogram if temperature == 0 else acceptance_with_error
-    replay_answers = summarize(replay(tgt, drafter, records, k, None, "answer", temperature, verification))
-    replay_prompts = summarize(replay(tgt, drafter, records, k, anchors, "prompt", temperature, verification))
+    replay_answers = summarize(replay(tgt, drafter, records, k, None, "answer", temperature, verification, tree=tree))
+    replay_prompts = summarize(replay(tgt, drafter, records, k, anchors, "prompt", temperature, verification, tree=tree))
 
-    if predicted is None:
+    if tree_promised is not None:
+        from inference.tree_acceptance import tree_prediction
+
+        pred = tree_prediction(tree_promised, predicted.get("dataset", "training data"))
+    elif predicted is None:
         pred = {"a": replay_answers["a"][:k], "tau": replay_answers["tau"], "histogram": replay_answers.get("histogram"),
                 "source": "no promise in the export: training's predictor on the served answers"}
     else:
@@ -350,6 +259,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         "turns": turn_mix(pred.get("per_turn", {}), per_turn),
         "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
         "references": references,
+        "tree": None if tree is None else {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2],
+                                           "verify_tokens_per_step": tree[2] + 1},
     }
     report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance, temperature,
                                    report["turns"])
@@ -377,7 +288,7 @@ def _export_target(folder: str) -> str | None:
 
 def main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        positive, resolve_device
+        parse_tree_spec, positive, resolve_device
 
     ap = Parser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="export folder (draftsmith's, or one made elsewhere in a layout it reads)")
@@ -397,6 +308,9 @@ def main(argv=None) -> int:
                     help="start no question after this long; the report covers the questions served")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="questions served together (default 16 on a GPU, 1 on CPU); tokens/s is then throughput")
+    ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
+                    help="serve EAGLE-2 trees with the EAGLE-3 drafter (greedy) and hold them to the export's promise "
+                         "for that tree (train with eval.trees)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
     args = ap.parse_args(argv)
@@ -407,6 +321,7 @@ def main(argv=None) -> int:
         check_ranges(args, {"k": positive, "num_prompts": positive, "max_new_tokens": positive, "max_turns": positive,
                             "max_minutes": positive, "batch_size": positive, "tolerance": not_negative,
                             "temperature": not_negative})
+        tree = None if args.tree is None else parse_tree_spec(args.tree)
         args.device = resolve_device(args.device)
         check_output_folder(args.out, "report.json")
         check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
@@ -417,11 +332,13 @@ def main(argv=None) -> int:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
-                          max_minutes=args.max_minutes, batch_size=args.batch_size)
+                          max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree)
     except (DataError, AssetError, ValueError, KeyError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     p, m = report["predicted"]["tau"], report["measured"]["tau"]
+    if tree is not None:
+        print(f"tree depth {tree[0]}, top-k {tree[1]}, {tree[2]} nodes ({tree[2] + 1} verify tokens per step):")
     print(f"tau predicted {p:.3f}, measured {m:.3f} ({report['relative_gap']:+.1%}, tolerance ±{args.tolerance:.0%}): "
           f"{'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
     for line in report["diagnosis"]:

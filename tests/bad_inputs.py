@@ -56,6 +56,8 @@ R = ("--target", "tiny-random-llama", "--dataset", "{chat}", "--device", "cpu", 
 CASES = {
     # ---- train: config values out of range or of the wrong type (one table, before anything loads)
     "train-negative-lr": train("optim.lr=-0.001", phrase="optim.lr: must be a positive number"),
+    "train-tree-more-nodes-than-drafted": train("eval.trees=[[2,2,40]]", phrase="eval.trees: must be a list of [depth, "
+                                                "top_k, total_tokens], positive integers with total_tokens at most"),
     "train-nan-lr": train("optim.lr=.nan", phrase="optim.lr: must be a positive number"),
     "train-lr-1e-3-is-a-number": train("optim.lr=1e-3", "optim.betas=[0.9]", phrase="optim.betas: must be two numbers"),
     "train-max-steps-abc": train("trainer.max_steps=abc", phrase="trainer.max_steps: must be a positive integer"),
@@ -172,6 +174,9 @@ CASES = {
     "validate-out-user-folder": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out",
                                          "{userdir}", phrase="is a folder of other files (no report.json"),
     "validate-new-tokens-beyond-context": validate(*V, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
+    "validate-tree-not-three-numbers": validate(*V, "--tree", "2,2", phrase="--tree 2,2: expected DEPTH,TOPK,NODES"),
+    "validate-tree-not-promised": validate(*V, "--tree", "2,2,4", phrase="--tree 2,2,4: the export promises no such tree "
+                                           "(it promises no trees: train with eval.trees=[[2, 2, 4]])"),
     "validate-prompt-beyond-context": validate(*V, "--max-new-tokens", "4090", "--num-prompts", "1",
                                               phrase="question 81, turn 1 ("),
     "validate-drafter-not-an-export": validate("--drafter", "{userdir}", "--dataset", "mt-bench", "--device", "cpu",

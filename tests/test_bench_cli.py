@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 
 from inference.bench import main
@@ -34,7 +35,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     drafters = _random_exports(tmp_path)
     assert main(["--target", "tiny-random-llama", "--num-prompts", "4", "--max-new-tokens", "6", "--device", "cpu",
                  "-k", "2", "4", "--drafter", *drafters, "--batch-size", "2", "--hf-prompts", "1", "--tree", "2,2,4",
-                 "--out", str(out)]) == 0
+                 "--tree", "2,1,2", "--out", str(out)]) == 0
     summary = json.loads((out / "bench.json").read_text())
     rows = summary["rows"]
     assert {"transformers generate", "transformers prompt lookup", "runtime plain", "runtime n-gram (k=4)",
@@ -56,6 +57,38 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     assert rows["runtime EAGLE-3 (k=2), batch 2"]["vs_runtime_plain_same_batch"] > 0
     assert "acceptance" in rows["runtime n-gram (k=4)"]
     assert (out / "bench.png").stat().st_size > 1000
+    # the sweep's fastest tree, beside the same drafter's chain at its depth (k=2)
+    best = summary["best_tree"]
+    trees = {(2, 2, 4): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"],
+             (2, 1, 2): rows["runtime EAGLE-3 tree (depth 2, top-k 1, 2 nodes)"]}
+    fastest = max(trees, key=lambda t: trees[t]["tokens_per_s"])
+    assert tuple(best["tree"].values()) == fastest and best["tokens_per_s"] == trees[fastest]["tokens_per_s"]
+    assert best["chain"]["row"] == "runtime EAGLE-3 (k=2)" and best["chain"]["verify_tokens_per_step"] == 3
+    assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 2
+    assert best["device"] == "cpu" and best["target"] == "tiny-random-llama"
+
+
+def test_best_tree_is_the_fastest_swept_beside_the_chain_at_its_depth():
+    from inference.bench import best_tree_setting
+
+    def row(tps, tau, verify):
+        return {"tokens_per_s": tps, "acceptance": {"tau": tau}, "verify_tokens_per_step": verify, "vs_runtime_plain": tps / 10}
+
+    rows = {"runtime plain": {"tokens_per_s": 10.0, "verify_tokens_per_step": None},
+            "runtime EAGLE-3 (k=3)": row(20.0, 2.0, 4), "runtime EAGLE-3 (k=5)": row(24.0, 2.4, 6),
+            "runtime EAGLE-3 tree (depth 3, top-k 2, 8 nodes)": row(30.0, 2.9, 9),
+            "runtime EAGLE-3 tree (depth 4, top-k 4, 24 nodes)": row(26.0, 3.4, 25),
+            "runtime EAGLE-3 tree (depth 5, top-k 2, 12 nodes)": row(30.0, 3.0, 13)}
+    trees = [(4, 4, 24), (3, 2, 8), (5, 2, 12)]
+    best = best_tree_setting(rows, trees, [3, 5], "t", "H200")
+    # highest tok/s; the tie at 30 goes to the first given; the chain at its depth
+    assert best["tree"] == {"depth": 3, "top_k": 2, "total_tokens": 8} and best["verify_tokens_per_step"] == 9
+    assert best["chain"]["k"] == 3 and best["chain"]["verify_tokens_per_step"] == 4
+    assert best["tree_vs_chain"]["tokens_per_s"] == pytest.approx(1.5) and best["tree_vs_chain"]["tau"] == pytest.approx(1.45)
+    assert [s["tree"] for s in best["swept"]] == [[4, 4, 24], [3, 2, 8], [5, 2, 12]]
+    # no chain at the tree's depth: the drafter's fastest chain stands beside it
+    assert best_tree_setting(rows, [(5, 2, 12)], [3, 5], "t", "H200")["chain"]["k"] == 5
+    assert best_tree_setting(rows, [(2, 2, 4)], [3], "t", "H200") is None  # no tree row measured
 
 
 def test_bench_chart_labels_stay_inside_the_figure(tmp_path):

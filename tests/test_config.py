@@ -21,6 +21,13 @@ CASES = [
     (["optim.schedule_by=epochs"], "optim.schedule_by: 'epochs' is not one of steps, time"),
     (["trainer.strategy=fsdp", "trainer.devices=2"], "trainer.strategy: 'fsdp' is not supported yet"),
     (["optim.schedule_by=time"], "optim.schedule_by=time: trainer.max_time must be set as DD:HH:MM:SS, got None"),
+    # tree promises: [depth, top_k, total_tokens] the runtime can draft, each once, EAGLE-3 only
+    (["eval.trees=[[3,0,4]]"], "eval.trees: must be a list of [depth, top_k, total_tokens], positive integers"),
+    (["eval.trees=[[2,2,7]]"], "total_tokens at most the top_k + (depth - 1) * top_k^2 candidates"),
+    (["eval.trees=[[2,2]]"], "eval.trees: must be a list of [depth, top_k, total_tokens]"),
+    (["eval.trees=[[2,x,4]]"], "eval.trees[0][1]: expected an integer"),
+    (["eval.trees=[[2,2,4],[2,2,4]]"], "eval.trees: [[2, 2, 4], [2, 2, 4]] lists a tree twice"),
+    (["drafter.method=medusa", "eval.k=3", "eval.trees=[[2,2,4]]"], "eval.trees: draft trees are drafted by eagle3"),
 ]
 
 

@@ -19,7 +19,9 @@ def tiny_export(tmp_path_factory):
     chat = root / "chat.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
     # whole answers walked (no chain cap): follow-up turns get chains too
-    run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2, "eval.anchors_per_sequence": None})))
+    # a tree promise too (eval.trees), beside the chain figures
+    run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2, "eval.anchors_per_sequence": None,
+                                                                      "eval.trees": [[2, 2, 4]]})))
     return root / "run" / "export"
 
 
@@ -224,3 +226,39 @@ def test_sampled_serving_is_held_to_the_promise_at_its_temperature_and_humaneval
     assert report["num_questions"] == 2 and report["num_answers"] == 2 and set(report["per_turn"]) == {1}
     assert set(report["per_category"]) == {"humaneval"} and report["measured"]["num_chains"] > 0
     assert report["predicted"]["temperature"] == 0.0
+
+
+def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_path, capsys):
+    """--tree serves EAGLE-2 trees and compares their tau with the export's promise for that tree;
+    the promise sits beside the chain figures, which keep their keys."""
+    from inference.validate import main
+    from tests.test_bench_cli import _random_exports
+
+    predicted = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
+    assert {"a", "tau", "histogram", "num_chains", "per_turn", "sampled", "k", "dataset", "step"} <= set(predicted)
+    (tree,) = predicted["trees"]
+    assert (tree["depth"], tree["top_k"], tree["total_tokens"], tree["verify_tokens_per_step"]) == (2, 2, 4, 5)
+    assert len(tree["a"]) == 2 and tree["num_chains"] > 0 and set(tree["per_turn"]) == {"1", "2+"}
+    assert tree["num_chains"] == sum(tree["histogram"])
+    out = tmp_path / "tree"
+    base = ["--drafter", str(tiny_export), "--dataset", "mt-bench", "--num-prompts", "2", "--max-new-tokens", "8",
+            "--max-turns", "1", "--tolerance", "100"]
+    assert main(base + ["--tree", "2,2,4", "--out", str(out)]) == 0
+    assert "tree depth 2, top-k 2, 4 nodes (5 verify tokens per step):" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["tree"] == {"depth": 2, "top_k": 2, "total_tokens": 4, "verify_tokens_per_step": 5} and report["k"] == 2
+    assert report["predicted"]["tau"] == pytest.approx(tree["tau"]) and "tree depth 2" in report["predicted"]["source"]
+    assert report["measured"]["num_chains"] > 0 and len(report["measured"]["a"]) == 2
+    # the walk over the served answers replays the runtime's own trees
+    assert report["replay_answers"]["histogram"] == report["measured"]["histogram"]
+    assert "EAGLE-2 trees of depth 2" in (out / "report.md").read_text()
+    # one line each: a tree not promised, sampling, a drafter that drafts no trees
+    medusa = _random_exports(tmp_path)[1]
+    for extra, phrase in ((["--tree", "3,2,6"], "--tree 3,2,6: the export promises no such tree (it promises 2,2,4)"),
+                          (["--tree", "2,2,4", "--temperature", "1"], "draft trees verify greedily for now"),
+                          (["--tree", "2,2,9"], "--tree 2,2,9: nodes at most the 6 candidates"),
+                          (["--tree", "2,2,4", "--drafter", medusa, "--target", "tiny-random-llama"],
+                           "draft trees are drafted by EAGLE-3 drafters for now")):
+        assert main(base + extra + ["--out", str(tmp_path / "bad")]) == 2, extra
+        err = capsys.readouterr().err
+        assert phrase in err and "Traceback" not in err, repr(err)

@@ -138,6 +138,11 @@ class EvalConfig:
     """Serving temperatures the promise is made for. 0: the greedy promise (always made, the top
     level of predicted_acceptance); each T > 0 adds a sampled promise for standard and block
     verification (`sampled` in predicted_acceptance, inference/sampled_acceptance.py)."""
+    trees: list[list[int]] = field(default_factory=list)
+    """EAGLE-2 draft trees the greedy promise is also made for, each [depth, top_k, total_tokens]
+    as `inference.validate --tree D,K,N` and `inference.bench --tree` serve them (EAGLE-3
+    drafters): the walk drafts them as the runtime does (`trees` in predicted_acceptance,
+    inference/tree_acceptance.py). Empty: chains only."""
 
 
 @dataclass
@@ -390,6 +395,11 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
     if len(set(map(float, temps))) != len(temps):
         raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
+    if cfg.eval.trees and cfg.drafter.method != "eagle3":
+        raise ConfigError(f"eval.trees: draft trees are drafted by eagle3 drafters for now, not {cfg.drafter.method} "
+                          "(leave eval.trees empty)")
+    if len({tuple(t) for t in cfg.eval.trees}) != len(cfg.eval.trees):
+        raise ConfigError(f"eval.trees: {cfg.eval.trees} lists a tree twice")
     own = methods.default_layout(cfg.drafter.method)
     if cfg.export_format not in ("auto", own):
         raise ConfigError(f"export_format: {cfg.export_format!r} cannot carry a {cfg.drafter.method} drafter "

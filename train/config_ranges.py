@@ -61,6 +61,14 @@ def layer_ids(v) -> bool:
     return v is None or (isinstance(v, list) and len(v) > 0 and all(non_negative_int(i) for i in v))
 
 
+def draft_trees(v) -> bool:
+    """[[depth, top_k, total_tokens], ...]: positive integers, total_tokens at most the
+    top_k + (depth - 1) top_k^2 candidates such an EAGLE-2 tree drafts."""
+    from inference.tree_acceptance import tree_spec_problem
+
+    return isinstance(v, list) and all(isinstance(t, list) and len(t) == 3 and tree_spec_problem(*t) is None for t in v)
+
+
 def fast_dev_run(v) -> bool:
     return isinstance(v, bool) or positive_int(v)
 
@@ -120,6 +128,8 @@ RANGES = [
     ("eval.anchors_per_sequence", optional(positive_int), "a positive integer or null"),
     ("eval.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
     ("eval.every_n_steps", positive_int, "a positive integer"),
+    ("eval.trees", draft_trees, "a list of [depth, top_k, total_tokens], positive integers with total_tokens at most "
+                                "the top_k + (depth - 1) * top_k^2 candidates such a tree drafts"),
     ("trainer.max_steps", positive_int, "a positive integer (optimizer steps)"),
     ("trainer.fast_dev_run", fast_dev_run, "true, false or a positive number of batches"),
     ("trainer.accumulate_grad_batches", positive_int, "a positive integer"),

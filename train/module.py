@@ -52,6 +52,7 @@ class DrafterModule(L.LightningModule):
         self.predicted: dict | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
+        self._tree_hist = {}  # eval.trees' histograms, from each validation's start
         # what every checkpoint says about itself (models/checkpoint.py): method, target, run config
         self.description = description
 
@@ -224,6 +225,9 @@ class DrafterModule(L.LightningModule):
         # drawn chains are seeded by the step: a validation repeats exactly (resume, split runs)
         rank = self.trainer.global_rank if self._trainer is not None else 0
         self._sampling_generator = torch.Generator(device=self.device).manual_seed(7919 * int(self.global_step) + rank)
+        # the tree promises (eval.trees): per tree [sets, 2, depth+1], as the chains' histogram
+        self._tree_hist = {tuple(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
+                           for t in self.evaluation.trees}
 
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
@@ -240,6 +244,14 @@ class DrafterModule(L.LightningModule):
                 self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
                 temperature, verification, self._sampling_generator, features=self.drafter.features(out),
                 last_hidden=out.last_hidden, per_turn=True)
+        if self._tree_hist:
+            from inference.tree_acceptance import predicted_tree_histograms
+
+            found = predicted_tree_histograms(self.target, self.drafter, ids, loss_mask, lengths, list(self._tree_hist),
+                                              self.evaluation.anchors_per_sequence, features=self.drafter.features(out),
+                                              greedy=greedy, per_turn=True)
+            for tree, h in found.items():
+                self._tree_hist[tree][dataloader_idx] += h
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
@@ -259,6 +271,15 @@ class DrafterModule(L.LightningModule):
                 per_set[j].setdefault("sampled", []).append(
                     {"temperature": temperature, "verification": verification, **acceptance_with_error(h.sum(0)),
                      "per_turn": {"1": acceptance_with_error(h[0]), "2+": acceptance_with_error(h[1])}})
+        if self._tree_hist:
+            from inference.tree_acceptance import tree_promises
+
+            trees = list(self._tree_hist)
+            stacked = [self._tree_hist[t].to(self.device) for t in trees]
+            if self.trainer.world_size > 1:
+                stacked = [self.trainer.strategy.reduce(h, reduce_op="sum") for h in stacked]
+            for j in range(len(per_set)):
+                per_set[j]["trees"] = tree_promises({t: h[j].cpu() for t, h in zip(trees, stacked)})
         common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
         self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
         if len(per_set) > 1:
@@ -271,6 +292,9 @@ class DrafterModule(L.LightningModule):
             for promise in stats.get("sampled", []):
                 self.log(f"val/tau_{setting_key(promise['temperature'], promise['verification'])}{suffix}", promise["tau"],
                          sync_dist=False)
+            for promise in stats.get("trees", []):
+                self.log(f"val/tau_tree_{promise['depth']}_{promise['top_k']}_{promise['total_tokens']}{suffix}",
+                         promise["tau"], sync_dist=False)
 
     # ----------------------------------------------------------------- time-boxed schedule
     def time_fraction(self) -> float:

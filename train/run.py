@@ -261,6 +261,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
             for promise in stats.get("sampled", []):
                 print(f"  at T={promise['temperature']:g}, {promise['verification']} verification: tau = "
                       f"{promise['tau']:.3f} ± {promise['tau_se']:.3f}")
+            for promise in stats.get("trees", []):
+                print(f"  tree depth {promise['depth']}, top-k {promise['top_k']}, {promise['total_tokens']} nodes "
+                      f"({promise['verify_tokens_per_step']} verify tokens per step), T=0: tau = {promise['tau']:.3f}")
         for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
             print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
                   f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
