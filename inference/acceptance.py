@@ -83,10 +83,8 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
     for b in range(ids.shape[0]):
         n = int(lengths[b])
         answer = loss_mask[b, :n].bool().tolist()
-        lengths_at = {}  # anchor -> accepted length, filled a window of anchors at a time
 
-        def fill(a0):
-            window_anchors = list(islice(anchorable_from(answer, a0), window))
+        def measure(window_anchors):
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]
             found = chain_lengths(ids[b, :n], greedy[b, :n], anchors, chain)
@@ -97,16 +95,28 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
                 if k > 1:
                     choice[:, 1:] = target.greedy_after_chains(ids[b, :n], anchors[graft], chain[graft][:, : k - 1])
                 found[graft] = accepted_lengths(chain[graft], choice)
-            lengths_at.update(zip(window_anchors, found.tolist()))
+            return found.tolist()
 
-        def accepted_at(a):
-            if a not in lengths_at:
-                fill(a)
-            return lengths_at[a]
-
-        for a, later in serving_walk(answer, anchors_per_sequence, accepted_at):
-            hist[int(later), lengths_at[a]] += 1
+        for _, later, accepted in walk_answer(answer, anchors_per_sequence, window, measure):
+            hist[int(later), accepted] += 1
     return hist if per_turn else hist.sum(0)
+
+
+def walk_answer(answer: list[bool], anchors_per_sequence: int | None, window: int, measure):
+    """The serving walk over one text (`serving_walk`), its chains measured a window of anchors
+    at a time, as the walk reaches them: measure(anchors: list[int]) → their accepted lengths
+    (one batched drafter pass per window instead of one per chain). Yields (anchor, in a later
+    answer span, accepted length) for each chain served."""
+    lengths_at = {}
+
+    def accepted_at(a):
+        if a not in lengths_at:
+            found = list(islice(anchorable_from(answer, a), window))
+            lengths_at.update(zip(found, measure(found)))
+        return lengths_at[a]
+
+    for a, later in serving_walk(answer, anchors_per_sequence, accepted_at):
+        yield a, later, lengths_at[a]
 
 
 def anchorable_from(answer: list[bool], a0: int):

@@ -34,12 +34,10 @@ varies less than its draw).
 """
 from __future__ import annotations
 
-from itertools import islice
-
 import torch
 import torch.nn.functional as F
 
-from inference.acceptance import acceptance_from_histogram, anchorable_from, serving_walk
+from inference.acceptance import acceptance_from_histogram, walk_answer
 from inference.verify import sampling_probs
 
 VERIFICATIONS = ("standard", "block")
@@ -183,23 +181,16 @@ def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_
     for b in range(ids.shape[0]):
         n = int(lengths[b])
         answer = loss_mask[b, :n].bool().tolist()
-        expected_at, drawn_at = {}, {}  # anchor → expected histogram row [k+1], drawn length
+        expected_at = {}  # anchor → expected histogram row [k+1]; the walk moves on by a drawn length
 
-        def fill(a0):
-            window_anchors = list(islice(anchorable_from(answer, a0), window))
+        def measure(window_anchors):
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             rows = sampled_chain_histograms(target, drafter, ids[b, :n], features[b, :n], last_hidden[b, :n], anchors, k,
                                             temperature, verification, generator, top_k, top_p)
-            drawn = torch.multinomial(rows.float().clamp_min(0), 1, generator=generator)[:, 0]
             expected_at.update(zip(window_anchors, rows.cpu()))
-            drawn_at.update(zip(window_anchors, drawn.tolist()))
+            return torch.multinomial(rows.float().clamp_min(0), 1, generator=generator)[:, 0].tolist()
 
-        def accepted_at(a):
-            if a not in drawn_at:
-                fill(a)
-            return drawn_at[a]
-
-        for a, later in serving_walk(answer, anchors_per_sequence, accepted_at):
+        for a, later, _ in walk_answer(answer, anchors_per_sequence, window, measure):
             hist[int(later)] += expected_at[a]
     return hist if per_turn else hist.sum(0)
 

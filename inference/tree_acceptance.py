@@ -16,11 +16,9 @@ when x_{a+1} is the last verified token.
 """
 from __future__ import annotations
 
-from itertools import islice
-
 import torch
 
-from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, anchorable_from, serving_walk
+from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, anchorable_from, walk_answer
 from inference.tree import greedy_tree_verify
 from inference.tree_decoding import draft_eagle_tree, tree_candidate_count
 
@@ -140,21 +138,12 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
                 continue
             hidden = text_states(p, ids[b, :n], features[b, :n])
             for tree in hists:
-                lengths_at = {}
-
-                def fill(a0):
-                    found = list(islice(anchorable_from(answer, a0), window))
+                def measure(found, tree=tree):
                     anchors = torch.as_tensor(found, device=ids.device)
-                    accepted = tree_lengths(target, p, ids[b, :n], greedy[b, :n], hidden, anchors, *tree)
-                    lengths_at.update(zip(found, accepted.tolist()))
+                    return tree_lengths(target, p, ids[b, :n], greedy[b, :n], hidden, anchors, *tree).tolist()
 
-                def accepted_at(a):
-                    if a not in lengths_at:
-                        fill(a)
-                    return lengths_at[a]
-
-                for a, later in serving_walk(answer, anchors_per_sequence, accepted_at):
-                    hists[tree][int(later), lengths_at[a]] += 1
+                for _, later, accepted in walk_answer(answer, anchors_per_sequence, window, measure):
+                    hists[tree][int(later), accepted] += 1
     return hists if per_turn else {t: h.sum(0) for t, h in hists.items()}
 
 

@@ -17,8 +17,6 @@ from pathlib import Path
 
 import yaml
 
-from models import methods
-
 
 class ConfigError(ValueError):
     pass
@@ -292,6 +290,8 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
         key, value = parse_override(text)
         set_dotted(tree, key, value)
     cfg = _build(RunConfig, tree, "")
+    from train.config_checks import validate  # (it reads the dataclasses above)
+
     validate(cfg)
     return cfg
 
@@ -308,121 +308,6 @@ def max_time_seconds(value) -> float:
     if total <= 0:
         raise ValueError(f"trainer.max_time must be positive, got {value!r}")
     return float(total)
-
-
-def _listed(names) -> str:
-    """"a", "a and b", "a, b and c"."""
-    names = list(names)
-    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-
-
-def validate(cfg: RunConfig):
-    """Checks that need the file system or the target's shape, but no model weights."""
-    from models import zoo
-
-    from train.config_ranges import range_errors
-
-    if cfg.drafter.method not in methods.METHODS:  # read at each call: a test may register a method
-        raise ConfigError(f"drafter.method: {cfg.drafter.method!r} is not available ({', '.join(methods.METHODS)})")
-    row = methods.METHODS[cfg.drafter.method]
-    errors = range_errors(cfg.to_dict())
-    if errors:
-        raise ConfigError(errors[0])
-    if cfg.objective.token_loss not in ("kl", "ce"):
-        raise ConfigError(f"objective.token_loss: {cfg.objective.token_loss!r} is not one of kl, ce")
-    if cfg.objective.feature_weight < 0 or cfg.objective.token_weight < 0:
-        raise ConfigError("objective.token_weight and objective.feature_weight must not be negative")
-    if cfg.objective.feature_weight > 0 and not row.feature_regression:
-        raise ConfigError(f"objective.feature_weight: feature regression needs a drafter that predicts the target's "
-                          f"features ({_listed(n for n, m in methods.METHODS.items() if m.feature_regression)}), "
-                          f"not {cfg.drafter.method}")
-    if cfg.objective.joint and not row.joint:
-        raise ConfigError(f"objective.joint: joint training is for "
-                          f"{_listed(n for n, m in methods.METHODS.items() if m.joint)}, not {cfg.drafter.method}")
-    if min(cfg.objective.joint_lambda, cfg.objective.lm_weight, cfg.objective.keep_weight) < 0:
-        raise ConfigError("objective.joint_lambda, lm_weight and keep_weight must not be negative")
-    if cfg.drafter.method == "dflash":
-        if not 2 <= cfg.drafter.dflash_block_size <= 16:
-            raise ConfigError(f"drafter.dflash_block_size: must be in 2..16, got {cfg.drafter.dflash_block_size}")
-        if cfg.eval.k > cfg.drafter.dflash_block_size - 1:
-            raise ConfigError(f"eval.k: a block of {cfg.drafter.dflash_block_size} drafts {cfg.drafter.dflash_block_size - 1} tokens, not {cfg.eval.k}")
-        if cfg.drafter.dflash_layers < 1 or cfg.drafter.dflash_target_layers < 1 or cfg.objective.block_anchors < 1:
-            raise ConfigError("drafter.dflash_layers, drafter.dflash_target_layers and objective.block_anchors must be >= 1")
-    if cfg.drafter.method == "mtp":
-        if cfg.drafter.mtp_modules < 1:
-            raise ConfigError("drafter.mtp_modules must be >= 1")
-        if cfg.eval.k > cfg.drafter.mtp_modules:
-            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} MTP modules; drafter.mtp_modules is {cfg.drafter.mtp_modules}")
-    if cfg.drafter.method == "medusa":
-        if cfg.drafter.medusa_heads < 1 or cfg.drafter.medusa_layers < 0:
-            raise ConfigError("drafter.medusa_heads must be >= 1 and drafter.medusa_layers >= 0")
-        if cfg.eval.k > cfg.drafter.medusa_heads:
-            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} Medusa heads; drafter.medusa_heads is {cfg.drafter.medusa_heads}")
-    if cfg.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
-    if cfg.optim.schedule_by not in ("steps", "time"):
-        raise ConfigError(f"optim.schedule_by: {cfg.optim.schedule_by!r} is not one of steps, time")
-    if cfg.optim.schedule_by == "time":
-        try:
-            max_time_seconds(cfg.trainer.get("max_time"))
-        except ValueError as e:
-            raise ConfigError(f"optim.schedule_by=time: {e}") from None
-    strategy = cfg.trainer.get("strategy", "auto")
-    if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
-        # Measured on 2 H200s (session 7): FSDP flattens the bf16 frozen target and the float32
-        # drafter into one parameter and fails; the export would also need the full parameters
-        raise ConfigError(f"trainer.strategy: {strategy!r} is not supported yet (the frozen bf16 target and the "
-                          "float32 drafter cannot share FSDP's flat parameters); use ddp")
-    if not zoo.target_exists(cfg.target):
-        raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
-    named = [("data.dataset", cfg.data.dataset)] + [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets or [])]
-    for key, ds in named:
-        if ds not in zoo.ASSETS and not Path(ds).expanduser().exists() and ("/" not in ds or ds.startswith((".", "/"))):
-            raise ConfigError(f"{key}: {ds!r} is not a zoo data set or an existing file")
-    if cfg.data.chat_template is not None:
-        from data.templates import template_source_problem
-
-        problem = template_source_problem(cfg.data.chat_template)
-        if problem:
-            raise ConfigError(f"data.chat_template: {problem}")
-        if cfg.data.plain_text:
-            raise ConfigError("data.chat_template and data.plain_text=true exclude each other (plain text uses no template)")
-    if cfg.eval.datasets is not None and not cfg.eval.datasets:
-        raise ConfigError("eval.datasets: give at least one data set, or leave it unset")
-    temps = cfg.eval.temperatures
-    if not isinstance(temps, list) or not temps or any(isinstance(t, bool) or not isinstance(t, (int, float))
-                                                      or not 0 <= t < float("inf") for t in temps):
-        raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
-    if len(set(map(float, temps))) != len(temps):
-        raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
-    if cfg.eval.trees and cfg.drafter.method != "eagle3":
-        raise ConfigError(f"eval.trees: draft trees are drafted by eagle3 drafters for now, not {cfg.drafter.method} "
-                          "(leave eval.trees empty)")
-    if len({tuple(t) for t in cfg.eval.trees}) != len(cfg.eval.trees):
-        raise ConfigError(f"eval.trees: {cfg.eval.trees} lists a tree twice")
-    own = methods.default_layout(cfg.drafter.method)
-    if cfg.export_format not in ("auto", own):
-        raise ConfigError(f"export_format: {cfg.export_format!r} cannot carry a {cfg.drafter.method} drafter "
-                          f"(use auto or {own})")
-    try:
-        layers = zoo.target_num_layers(cfg.target)
-        context = zoo.target_context_length(cfg.target)
-    except zoo.AssetError as e:
-        raise ConfigError(f"target: {e}") from None
-    for key in ("data.max_length", "eval.max_length"):
-        value = getattr(cfg.data if key.startswith("data") else cfg.eval, "max_length")
-        if context is not None and value > context:
-            raise ConfigError(f"{key}: {value} tokens is beyond the target's context window of {context}")
-    if layers is not None and cfg.drafter.aux_layer_ids is not None:
-        for i, layer in enumerate(cfg.drafter.aux_layer_ids):
-            if not 0 <= layer < layers:
-                raise ConfigError(f"drafter.aux_layer_ids[{i}]: layer {layer} is out of range for the {layers}-layer target (0..{layers - 1})")
-    ids = cfg.drafter.aux_layer_ids or []
-    if any(b <= a for a, b in zip(ids, ids[1:])):  # servers capture layers sorted and de-duplicated
-        raise ConfigError(f"drafter.aux_layer_ids: {ids} must be strictly increasing (vLLM sorts and de-duplicates "
-                          f"them, SGLang captures in layer order: use {sorted(set(ids))})")
-    if "max_steps" not in cfg.trainer and not cfg.trainer.get("fast_dev_run"):
-        raise ConfigError("trainer.max_steps: required (training length is counted in optimizer steps)")
 
 
 def to_yaml(cfg: RunConfig) -> str:
