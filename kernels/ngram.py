@@ -56,8 +56,7 @@ if triton is not None:
         base = buf_ptr + row * stride_b
         found = tl.zeros([], tl.int32)
         cont = tl.zeros([], tl.int64)
-        for step in tl.static_range(MAX_N - MIN_N + 1):
-            n: tl.constexpr = MAX_N - step
+        for n in tl.static_range(MAX_N, MIN_N - 1, -1):  # the longest suffix first
             if n < S:
                 best = tl.full([], -1, tl.int64)
                 suffix_start = tl.maximum(L - n, 0)
