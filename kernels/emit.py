@@ -77,6 +77,8 @@ def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, don
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, k = drafts.shape
+    if drafts.stride(-1) != 1:  # (a tree's path tokens may be a view)
+        drafts = drafts.contiguous()
     for name, t in (("tokens", tokens), ("histogram", histogram)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
