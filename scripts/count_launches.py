@@ -64,6 +64,7 @@ def count_triton_launches():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="print {proposer: {phase: launches}} as JSON instead")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -97,6 +98,14 @@ def main(argv=None):
     proposers["ngram-gpu"] = lambda: GpuNgramProposer(args.k, 1, max_len)
     for name, make in proposers.items():
         generate(rt, prompts, 8, proposer=make(), max_len=max_len)
+    if args.json:
+        import json
+
+        counts: dict = {}
+        for (name, phase), (aten, triton_launches, _) in rows.items():
+            counts.setdefault(name, {})[phase] = aten + triton_launches
+        print(json.dumps(counts))
+        return
     print(f"{'proposer':14s} {'phase':15s} {'launches':>8s} {'aten':>5s} {'triton':>6s}  most frequent aten ops")
     for (name, phase), (aten, triton_launches, top) in rows.items():
         print(f"{name:14s} {phase:15s} {aten + triton_launches:8d} {aten:5d} {triton_launches:6d}  "

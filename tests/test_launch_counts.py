@@ -1,0 +1,29 @@
+"""A speculative step's launches, counted on the CPU (scripts/count_launches.py), stay within
+what the device loop needs today: on a small target a step's GPU time follows its number of
+kernels, so a change that adds launches to a phase shows here before any GPU lease."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+# launches per phase on the tiny target at k = 3 (session 9's counts); lower is welcome
+CEILINGS = {
+    "eagle3": {"verify_phase": 35, "proposer_phase": 69},
+    "mtp": {"verify_phase": 33, "proposer_phase": 185},
+    "dflash": {"verify_phase": 35, "proposer_phase": 56},
+    "medusa": {"verify_phase": 33, "proposer_phase": 26},
+    "ngram-gpu": {"verify_phase": 32, "proposer_phase": 16},
+}
+
+
+def test_no_phase_launches_more_than_it_did():
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "scripts/count_launches.py", "--json"], cwd=root, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "PYTHONPATH": str(root)})
+    assert res.returncode == 0, res.stderr[-2000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    over = [f"{name} {phase}: {counts[name][phase]} launches (at most {ceiling})"
+            for name, phases in CEILINGS.items() for phase, ceiling in phases.items() if counts[name][phase] > ceiling]
+    assert not over, "\n".join(over)
+    assert counts["eagle3"]["proposer_phase"] > 20  # the count sees the drafter's work at all
