@@ -142,11 +142,10 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         raise ValueError(f"verification {verification!r} is not one of standard, block, synthetic:RATE")
     with record_function("draftsmith.first_token"):
         if temperature > 0:
-            nxt = torch.multinomial(sampling_probs(logits[:, 0], temperature, top_k, top_p), 1, generator=generator)[:, 0].tolist()
+            first = torch.multinomial(sampling_probs(logits[:, 0], temperature, top_k, top_p), 1, generator=generator)[:, 0]
         else:
-            nxt = logits[:, 0].argmax(-1).tolist()
-    if proposer is None and temperature == 0 and fast_plain:
-        first = logits[:, 0].argmax(-1)
+            first = logits[:, 0].argmax(-1)  # [B]
+    if proposer is None and temperature == 0 and fast_plain:  # stays on the device: no read of the first tokens
         with record_function("draftsmith.plain_loop"):
             outputs, stats.host_syncs = plain_greedy(model, cache, first, torch.as_tensor(lengths, device=device),
                                                       max_new_tokens, eos_ids, graphed=graphed)
@@ -156,6 +155,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         stats.new_tokens = sum(len(o) for o in outputs)
         stats.steps = max(len(o) for o in outputs) - 1
         return outputs, stats
+    nxt = first.tolist()  # the proposers begin from the host's copy of each row's first token
     if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
         outputs = device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
                                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)

@@ -39,6 +39,9 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
                       lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
         step_fn = graph
     offsets = torch.arange(k + 1, device=device)
+    # the step's inputs go up through one pinned buffer, rewritten each step (the previous copy
+    # has landed by then: every step ends reading its result back)
+    pinned = torch.empty(B, 2 + k, dtype=torch.long).pin_memory() if device.type == "cuda" else None
     tokens = [list(p) for p in prompts]
     outputs: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
@@ -64,7 +67,7 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
         # each row feeds its last token followed by its drafts, at its own positions: one host
         # tensor [B, 2+k] (first position, last token, drafts), one copy to the device
         host = torch.tensor([[len(t) - 1, t[-1], *d] for t, d in zip(tokens, drafts)], dtype=torch.long)
-        packed = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        packed = pinned.copy_(host).to(device, non_blocking=True) if pinned is not None else host
         draft_t = packed[:, 2:]
         step = torch.cat([packed[:, 1:2], draft_t.clamp_min(0)], 1)
         positions = packed[:, :1] + offsets

@@ -106,7 +106,7 @@ def plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, gra
     history = torch.empty(B, max_new_tokens, dtype=torch.long, device=first.device)
     history[:, 0] = first
     eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=first.device)
-    n, syncs = 1, 2  # the prefill's first tokens and the final read
+    n, syncs = 1, 1  # the final read (the first tokens stay on the device)
     while n < max_new_tokens:
         if eos.numel() and n % EOS_CHECK_EVERY == 0:
             syncs += 1
