@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
+from kernels.argmax import argmax_rows
 from kernels.decode_attention import decode_attention
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
@@ -136,11 +137,11 @@ class Eagle3Proposer(HostLoopInterface):
                 u = torch.rand(B, device=probs.device, generator=generator)
                 d = self.draft_ids[inverse_cdf(probs, u)]
                 self.q[:, s].index_copy_(1, self.draft_ids, probs)  # other columns stay 0
-            else:
-                d = self.draft_ids[logits.argmax(-1)]  # [B]
-            self.drafts[:, s] = d
+                self.drafts[:, s] = d
+            else:  # argmax, mapped to target ids, written into the chain's column: one kernel pair
+                argmax_rows(logits, self.drafts[:, s], self.draft_ids)
             if s + 1 < self.k:
-                hidden = self._run(d[:, None], hidden, positions[:, s : s + 1])
+                hidden = self._run(self.drafts[:, s : s + 1], hidden, positions[:, s : s + 1])
 
     @torch.no_grad()
     def advance(self, fed, aux, accepted, bonus, active):
@@ -163,9 +164,11 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     The same function as `drafter.step`: about 15 launches instead of about 60."""
     d = p.drafter
     layer, cfg = d.layers[0], d.config
-    normed, _ = rms_norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps)
-    embeds, _ = rms_norm(d.embed_tokens(tokens).to(hidden.dtype), layer.input_layernorm.weight, layer.input_layernorm.eps)
-    qkv = F.linear(torch.cat([embeds, normed], -1), p.qkv_weight)  # embedding first
+    H = hidden.shape[-1]
+    both = hidden.new_empty(*hidden.shape[:-1], 2 * H)  # [B,q,2H]: the normed embedding first, then the normed hidden
+    rms_norm(d.embed_tokens.weight, layer.input_layernorm.weight, layer.input_layernorm.eps, ids=tokens, out=both[..., :H])
+    normed, _ = rms_norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, out=both[..., H:])
+    qkv = F.linear(both, p.qkv_weight)
     q = rope_cache(qkv, positions, d.inv_freq, p.k_cache, p.v_cache, cfg.num_attention_heads, cfg.num_key_value_heads)
     attn = layer.self_attn.o_proj(decode_attention(q, p.k_cache, p.v_cache, positions))  # [B,q,H]
     residual = normed if layer.norm_before_residual else hidden
@@ -214,7 +217,7 @@ class MedusaProposer(HostLoopInterface):
     @torch.no_grad()
     def draft(self) -> torch.Tensor:
         for s, x in enumerate(self.drafter.unroll(None, self.hidden[:, None], self.k)):
-            self.drafts[:, s] = self.draft_ids[x[:, 0].argmax(-1)]
+            argmax_rows(x[:, 0], self.drafts[:, s], self.draft_ids)
         return self.drafts
 
     @torch.no_grad()

@@ -157,10 +157,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots=None):
+    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots=None,
+                sum_out=None):
         """(x, residual) → (mlp output, residual): the hidden state after the layer is their
-        sum, added inside the next norm (one fused kernel instead of an add and a norm)."""
-        normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual)
+        sum, added inside the next norm (one fused kernel instead of an add and a norm).
+        sum_out: where that norm writes the sum of its inputs (the previous layer's output,
+        captured as an aux feature without an add of its own)."""
+        normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual, sum_out=sum_out)
         x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots)
         normed, residual = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         return self.mlp(normed), residual
@@ -272,25 +275,38 @@ class RuntimeModel(nn.Module):
             bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
                 positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
         residual = None
-        captured = {}
+        # the hidden state after aux layer i is the sum the next norm computes: that norm writes
+        # it straight into its slice of the aux features [B,q,n*H] (no add, no cat)
+        features = aux_layers and cfg.num_layers not in aux_layers
+        aux = x.new_empty(B, q, len(aux_layers) * cfg.hidden_size) if features else None
+        slices = [aux[..., j * cfg.hidden_size: (j + 1) * cfg.hidden_size] for j in range(len(aux_layers))] if features else []
+        slot = {}
+        for i, part in zip(aux_layers, slices):
+            slot.setdefault(i, part)  # a layer listed twice: its second slice is copied at the end
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, slots)
-            if i in aux_layers:
-                captured[i] = x + residual  # the hidden state after layer i
+            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, slots,
+                                sum_out=slot.get(i - 1))
         if cfg.num_layers in aux_layers:
             # id L: the final normed hidden state, what the head reads (EAGLE-1's and Medusa's
             # input), at every position like the other aux layers
             if len(aux_layers) > 1:
                 raise ValueError(f"aux layer {cfg.num_layers} (the final hidden state) cannot be mixed with other layers")
             final, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
-            rows = torch.arange(B, device=x.device)
-            return self.lm_head(final if logits_at is None else final[rows, logits_at][:, None]), final
+            if logits_at is None:
+                return self.lm_head(final), final
+            return self.lm_head(final[torch.arange(B, device=x.device), logits_at][:, None]), final
+        last = slot.get(cfg.num_layers - 1)  # an aux feature after the last layer: the final norm's sum
         if logits_at is not None:
             rows = torch.arange(B, device=x.device)
-            x, residual = x[rows, logits_at][:, None], residual[rows, logits_at][:, None]
-        x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
+            if last is not None:
+                last.copy_(x + residual)
+            x, residual, last = x[rows, logits_at][:, None], residual[rows, logits_at][:, None], None
+        x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual, sum_out=last)
         logits = self.lm_head(x)
-        return logits, (torch.cat([captured[i] for i in aux_layers], -1) if aux_layers else None)
+        for i, part in zip(aux_layers, slices):
+            if part is not slot[i]:
+                part.copy_(slot[i])
+        return logits, aux
 
 
 class GraphedStep:

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from inference.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
 from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
-from kernels.emit import emit
+from kernels.emit import emit, feed
 
 
 class SpecLoop:
@@ -43,7 +43,8 @@ class SpecLoop:
         self.histogram = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # accepted-length counts per row
         self.row_steps = torch.zeros(batch, dtype=torch.long, device=dev)  # steps each row took part in
         self.eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=dev)
-        self.columns = torch.arange(k + 1, device=dev)
+        self.fed_ids = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # the verify step's input
+        self.fed_positions = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)
         self.graphed = graphed and dev.type == "cuda" and getattr(model, "graphable", True) and graph_generator_ok(generator)
         self.graphs = None
         self.state_ids = None  # the proposer's state tensors the graphs were captured with
@@ -56,9 +57,8 @@ class SpecLoop:
             self.drafts, self.q = self.proposer.draft(), None
 
     def verify_phase(self):
-        drafts = self.drafts
-        fed = torch.cat([self.tokens.gather(1, (self.length - 1)[:, None]), drafts.clamp_min(0)], 1)  # [B,k+1]
-        positions = (self.length - 1)[:, None] + self.columns
+        drafts, fed, positions = self.drafts, self.fed_ids, self.fed_positions  # [B,k], [B,k+1], [B,k+1]
+        feed(self.tokens, self.length, drafts, fed, positions)
         logits, aux = self.model(fed, positions, self.cache, self.aux_layers)
         if self.verification.startswith("synthetic:"):
             accepted, bonus = synthetic_verify(drafts, float(self.verification.split(":", 1)[1]), logits, self.generator)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from inference.graphs import capture_graph, kernels_mode, reuse
+from kernels.argmax import argmax_rows
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this: few prefill shapes, graphs reused
 # larger prefills run eagerly: they are bound by compute, not by launches, and a captured graph
@@ -82,7 +83,7 @@ class GreedyDecodeStep:
 
     def _step(self):
         logits, _ = self.model(self.ids, self.positions, self.cache)
-        self.ids.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        argmax_rows(logits[:, -1], self.ids[:, 0])  # two short launches, written in place
         self.positions.add_(1)
 
     def __call__(self):

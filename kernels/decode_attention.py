@@ -7,7 +7,9 @@ Why a kernel: the torch form is one SDPA call over the whole cache with an addit
 H200 that launches a flash kernel tiled for long queries, plus a mask, a memset and a copy back
 into o_proj's layout; at batch 1 it was ~14 us of a ~44 us decode layer (scripts/profile_decode.py,
 BENCHMARKS.md). Here chunks of the cache are scored in parallel (only chunks a query may see do
-any work) and merged by a second launch that writes straight into o_proj's layout, in float32.
+any work), each chunk once for all the queries and query heads that read its KV head (a verify
+step's k+1 queries cost about what one does), and merged by a second launch that writes
+straight into o_proj's layout, in float32.
 """
 from __future__ import annotations
 
@@ -66,37 +68,50 @@ def decode_attention_reference(q, k_cache, v_cache, positions, bias=None):
 if triton is not None:
 
     @triton.jit
-    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, n, G, scale,
+    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, n, G, nh, scale,
                                   stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-                                  BLOCK_SPLITS: tl.constexpr):
-        """One (query token, query head, chunk of CHUNK cache positions): softmax statistics of
-        the chunk's visible keys. Chunks wholly beyond the query's position do nothing."""
-        token = tl.program_id(0).to(tl.int64)  # b * n + t
-        head = tl.program_id(1)
+                                  BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr):
+        """One (row, KV head, chunk of CHUNK cache positions), for all the row's n queries and
+        the G query heads sharing that KV head at once (BLOCK_Q >= n*G score rows, query-major:
+        r = t*G + j): the chunk's keys and values are read once, scored by two small matrix
+        products, and each (query, head) gets the softmax statistics of its visible keys.
+        Chunks beyond every query's position do nothing."""
+        b = tl.program_id(0).to(tl.int64)
+        kv = tl.program_id(1)
         split = tl.program_id(2)
-        pos = tl.load(pos_ptr + token)
-        if split * CHUNK <= pos:
-            b = token // n
-            t = token % n
-            kv = head // G
+        r = tl.arange(0, BLOCK_Q)
+        real = r < n * G
+        t = r // G
+        head = kv * G + r % G
+        pos = tl.load(pos_ptr + b * n + t, mask=real, other=-1)  # [BLOCK_Q]
+        if split * CHUNK <= tl.max(pos, 0):
             dims = tl.arange(0, BLOCK_D)
             dim_ok = dims < D
-            q = tl.load(q_ptr + b * stride_qb + head * stride_qh + t * stride_qt + dims, mask=dim_ok, other=0.0)
-            q = q.to(tl.float32) * scale
+            q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :],
+                        mask=real[:, None] & dim_ok[None, :], other=0.0)  # [BLOCK_Q, BLOCK_D]
             keys = split * CHUNK + tl.arange(0, CHUNK)
-            visible = keys <= pos
             offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
-            both = visible[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-            v = tl.load(v_ptr + offs, mask=both, other=0.0).to(tl.float32)
-            s = tl.where(visible, tl.sum(k * q[None, :], 1), float("-inf"))
-            m = tl.max(s, 0)
-            p = tl.exp(s - m)
-            slot = (token * tl.num_programs(1) + head) * BLOCK_SPLITS + split
-            tl.store(m_ptr + slot, m)
-            tl.store(l_ptr + slot, tl.sum(p, 0))
-            tl.store(acc_ptr + slot * BLOCK_D + dims, tl.sum(p[:, None] * v, 0))
+            in_chunk = (keys <= tl.max(pos, 0))[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=in_chunk, other=0.0)  # [CHUNK, BLOCK_D]
+            v = tl.load(v_ptr + offs, mask=in_chunk, other=0.0)
+            q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+            if IEEE:  # float32 caches: exact float32 products (no TF32), so tests compare exactly
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            else:  # 16-bit caches: TF32 products (10 mantissa bits, more than the inputs' 7 or 10)
+                s = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_Q, CHUNK]
+            visible = keys[None, :] <= pos[:, None]
+            s = tl.where(visible, s, float("-inf"))
+            m = tl.max(s, 1)  # -inf for a query that sees none of this chunk (never read back)
+            p = tl.where(visible, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
+            if IEEE:
+                acc = tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = tl.dot(p, v)  # [BLOCK_Q, BLOCK_D]
+            slot = ((b * n + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q]
+            tl.store(m_ptr + slot, m, mask=real)
+            tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _combine_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, stride_ot,
@@ -141,10 +156,12 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None):
     m = torch.empty(B * n * nh * block_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * n * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
-    _partial_attention_kernel[(B * n, nh, splits)](
-        q, k_cache, v_cache, positions, m, l, acc, n, nh // nkv, d ** -0.5,
+    G = nh // nkv
+    _partial_attention_kernel[(B, nkv, splits)](
+        q, k_cache, v_cache, positions, m, l, acc, n, G, nh, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
+        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits, BLOCK_Q=max(16, triton.next_power_of_2(n * G)),
+        IEEE=q.dtype == torch.float32)
     _combine_kernel[(B * n, nh)](positions, m, l, acc, out, out.stride(1),
                                  D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
     return out

@@ -1,4 +1,5 @@
-"""Emission of a verified step into the device loop's state, one launch instead of about twenty.
+"""Emission of a verified step into the device loop's state, one launch instead of about twenty;
+and `feed`, the next verify step's input, one launch instead of six.
 
     drafts [B,k] (target ids; -1 in empty slots), accepted [B] in 0..k, bonus [B],
     eos [E] end-of-sequence ids, budget [1] (max new tokens)
@@ -20,6 +21,15 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+def feed_reference(tokens, length, drafts, fed, positions):
+    """The verify step's input: each row's last token, then its drafts (an empty slot, -1, fed as
+    token 0), at positions length-1 .. length-1+k. tokens [B,S], length [B], drafts [B,k] →
+    fed, positions [B,k+1], written in place."""
+    last = (length - 1)[:, None]
+    fed.copy_(torch.cat([tokens.gather(1, last), drafts.clamp_min(0)], 1))
+    positions.copy_(last + torch.arange(drafts.shape[1] + 1, device=drafts.device))
 
 
 def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
@@ -71,6 +81,38 @@ if triton is not None:
             tl.store(length_ptr + row, length + n_new)
             tl.store(n_out_ptr + row, n_out + n_new)
             tl.store(done_ptr + row, ((n_out + n_new >= budget) | (first_eos < n_new)).to(tl.int1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _feed_kernel(tokens_ptr, length_ptr, drafts_ptr, fed_ptr, positions_ptr, K, stride_t, stride_d, stride_f,
+                     stride_p, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK)
+        last = tl.load(length_ptr + row) - 1
+        draft = tl.load(drafts_ptr + row * stride_d + j - 1, mask=(j >= 1) & (j <= K), other=0)
+        token = tl.where(j == 0, tl.load(tokens_ptr + row * stride_t + last), tl.maximum(draft, 0))
+        tl.store(fed_ptr + row * stride_f + j, token, mask=j <= K)
+        tl.store(positions_ptr + row * stride_p + j, last + j, mask=j <= K)
+
+
+def feed_triton(tokens, length, drafts, fed, positions):
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    B, k = drafts.shape
+    if any(t.stride(-1) != 1 for t in (tokens, fed, positions)) or not length.is_contiguous():
+        raise ValueError("feed: tokens, fed and positions need a contiguous last dimension, length contiguity")
+    if B:
+        _feed_kernel[(B,)](tokens, length, drafts, fed, positions, k, tokens.stride(0), max(drafts.stride(0), 1),
+                           fed.stride(0), positions.stride(0), BLOCK=triton.next_power_of_2(k + 1))
+
+
+def feed(tokens, length, drafts, fed, positions):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    from kernels import use_kernel
+
+    (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions)
 
 
 def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):

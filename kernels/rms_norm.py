@@ -20,22 +20,36 @@ except ImportError:
     triton = None
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                       *, out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
+                       ids: torch.Tensor | None = None):
+    if ids is not None:  # x is a table (an embedding): its rows `ids`, in out's dtype
+        x = x[ids].to(out.dtype if out is not None else torch.promote_types(weight.dtype, x.dtype))
     h = x if residual is None else x + residual
     hf = h.float()
     normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-    return weight * normed, h
+    y = weight * normed
+    if out is not None:
+        y = out.copy_(y)
+    if sum_out is not None and residual is not None:
+        h = sum_out.copy_(h)
+    return y, h
 
 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, H, eps,
-                         stride_x, stride_r, stride_o, stride_s, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, ids_ptr, H, eps,
+                         stride_x, stride_r, stride_o, stride_s, HAS_RESIDUAL: tl.constexpr, HAS_IDS: tl.constexpr,
+                         BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < H
-        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
+        if HAS_IDS:  # an embedding lookup fused in: row `row` normalises table row ids[row]
+            x = tl.load(x_ptr + tl.load(ids_ptr + row) * stride_x + cols, mask=inside, other=0.0)
+            x = x.to(out_ptr.dtype.element_ty)
+        else:
+            x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_r + cols, mask=inside, other=0.0)
             h = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -44,39 +58,71 @@ if triton is not None:
             h = x
         hf = h.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / H + eps)
-        normed = (hf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+        normed = (hf * rstd).to(x.dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def _rows(t: torch.Tensor, H: int, what: str) -> torch.Tensor:
+    """t [..., H] as [R,H] with a unit column stride, without a copy (an output must be written
+    in place: it may be a slice of a bigger buffer)."""
+    try:
+        t2 = t.view(-1, H)
+    except RuntimeError:
+        raise ValueError(f"{what} of shape {tuple(t.shape)} cannot be viewed as rows of {H}") from None
+    if t2.stride(-1) != 1:
+        raise ValueError(f"{what} needs a unit stride along its last dimension")
+    return t2
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    *, out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
+                    ids: torch.Tensor | None = None):
+    """out / sum_out: write the normalised rows / the sum h there (views of a bigger buffer
+    are fine: each row is addressed by its stride). ids [...]: x is a table [V,H] and the rows
+    normalised are x[ids] (an embedding lookup and its norm in one launch)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = x.shape[-1]
     if weight.shape != (H,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for a hidden size of {H}")
-    x2 = x.reshape(-1, H)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    out = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    if ids is not None:
+        if residual is not None:
+            raise ValueError("rms_norm: ids (a table lookup) and a residual exclude each other")
+        shape = (*ids.shape, H)
+        ids2 = ids.reshape(-1).contiguous()
+        x2 = x if x.stride(-1) == 1 else x.contiguous()
+    else:
+        shape = x.shape
+        x2 = x.reshape(-1, H)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        ids2 = x2
+    rows = ids2.numel() if ids is not None else x2.shape[0]
+    dtype = out.dtype if out is not None else torch.promote_types(weight.dtype, x.dtype)
+    out2 = _rows(out, H, "out") if out is not None else torch.empty(rows, H, dtype=dtype, device=x.device)
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(f"residual of shape {tuple(residual.shape)} for x of shape {tuple(x.shape)}")
         r2 = residual.reshape(-1, H).to(x.dtype)
         if r2.stride(-1) != 1:
             r2 = r2.contiguous()
-        h2 = torch.empty_like(x2)
+        h2 = _rows(sum_out, H, "sum_out") if sum_out is not None else torch.empty_like(x2)
     else:
         r2 = h2 = x2
-    if x2.shape[0]:
-        _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, h2, H, eps, x2.stride(0), r2.stride(0), out.stride(0),
-                                         h2.stride(0), HAS_RESIDUAL=residual is not None,
-                                         BLOCK=triton.next_power_of_2(H))
-    return out.view(x.shape), (h2.view(x.shape) if residual is not None else x)
+    if rows:
+        _rms_norm_kernel[(rows,)](x2, r2, weight, out2, h2, ids2, H, eps, x2.stride(0), r2.stride(0), out2.stride(0),
+                                  h2.stride(0), HAS_RESIDUAL=residual is not None, HAS_IDS=ids is not None,
+                                  BLOCK=triton.next_power_of_2(H))
+    y = out if out is not None else out2.view(shape)
+    if residual is None:
+        return y, (x if ids is None else None)
+    return y, (sum_out if sum_out is not None else h2.view(shape))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, **where):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere;
+    `where`: out= / sum_out= / ids= (see rms_norm_triton)."""
     if use_kernel(x):
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_reference(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, **where)
+    return rms_norm_reference(x, weight, eps, residual, **where)

@@ -78,7 +78,8 @@ def test_convergence_with_and_without_the_kernel():
 
 @needs_triton_backend
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("B,n,nh,nkv,d,S", [(1, 1, 9, 3, 64, 300), (33, 1, 2, 2, 16, 37), (3, 3, 4, 2, 80, 130)])
+@pytest.mark.parametrize("B,n,nh,nkv,d,S", [(1, 1, 9, 3, 64, 300), (33, 1, 2, 2, 16, 37), (3, 3, 4, 2, 80, 130),
+                                             (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70)])
 def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d, S):
     from kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
@@ -121,9 +122,31 @@ def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
             drafts[b, cut] = (choice[b, cut] + 1) % V if b % 2 else -1
     if V > 10:  # a tie: the lowest id must win, as in torch.argmax
         logits[0, 0, 3] = logits[0, 0, 5] = logits[0, 0].max() + 1
+    if V > 2048 and B > 1:  # a tie across the kernel's chunks of 2,048 columns
+        logits[1, 0, V - 1] = logits[1, 0, 2047] = logits[1, 0].max() + 1
     exp_acc, exp_bonus = greedy_verify_reference(drafts, logits)
     acc, bonus = greedy_verify_triton(drafts, logits)
     assert torch.equal(acc, exp_acc) and torch.equal(bonus, exp_bonus)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,V", [(1, 7), (3, 2048), (4, 4099), (2, 16384)])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
+    from kernels.argmax import argmax_rows_reference, argmax_rows_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(R * V)
+    x = torch.randn(R, V, device=device).to(dtype)
+    x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie (across chunks when V > 2048): the lowest wins
+    ids = torch.randperm(V * 2, device=device)[:V] if mapped else None  # draft rows → target ids
+    want = argmax_rows_reference(x, torch.empty(R, dtype=torch.long, device=device), ids)
+    # the output a strided column of a bigger buffer, as a drafter's chain writes it
+    buffer = torch.full((R, 3), -7, dtype=torch.long, device=device)
+    got = argmax_rows_triton(x, buffer[:, 1], ids)
+    assert torch.equal(got, want) and torch.equal(buffer[:, 1], want)
+    assert (buffer[:, [0, 2]] == -7).all()
 
 
 @needs_triton_backend
@@ -146,6 +169,30 @@ def test_rms_norm_kernel_matches_reference(dtype, tol, rows, H, with_residual):
     exact = dtype == torch.float32
     torch.testing.assert_close(h.float(), ref_h.float(), rtol=0 if exact else 1e-2, atol=0 if exact else 1e-2)
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=tol, atol=tol)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_rms_norm_kernel_writes_into_slices_and_looks_up_rows(dtype, tol):
+    """out= / sum_out= halves of a bigger buffer (the drafter's [embedding; hidden] input, the
+    target's aux features) and ids= (an embedding lookup fused into the norm)."""
+    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(3)
+    B, q, H, V = 2, 3, 40, 11
+    x, r = torch.randn(B, q, H, device=device).to(dtype), torch.randn(B, q, H, device=device).to(dtype)
+    w = (torch.rand(H, device=device) + 0.5).to(dtype)
+    table, ids = torch.randn(V, H, device=device, dtype=torch.float32), torch.randint(0, V, (B, q), device=device)
+    got = torch.full((B, q, 3 * H), 7.0, device=device, dtype=dtype)
+    want = got.clone()
+    rms_norm_triton(x, w, 1e-5, r, out=got[..., :H], sum_out=got[..., 2 * H:])
+    rms_norm_reference(x, w, 1e-5, r, out=want[..., :H], sum_out=want[..., 2 * H:])
+    rms_norm_triton(table, w, 1e-5, ids=ids, out=got[..., H: 2 * H])
+    rms_norm_reference(table, w, 1e-5, ids=ids, out=want[..., H: 2 * H])
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="ids"):
+        rms_norm_triton(table, w, 1e-5, r, ids=ids)
 
 
 @needs_triton_backend
@@ -240,6 +287,24 @@ def test_block_sample_kernel_matches_reference(dtype, B, k, V, with_q):
     got = block_sample_triton(drafts, q, p, eta, u_sample)
     assert torch.equal(got[0], ref[0])
     assert torch.equal(got[1], ref[1])
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("B,k", [(1, 1), (5, 4), (3, 7), (2, 0)])
+def test_feed_kernel_matches_reference(B, k):
+    from kernels.emit import feed_reference, feed_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B + k)
+    tokens = torch.randint(0, 50, (B, 20), device=device)
+    length = torch.randint(1, 20 - k, (B,), device=device)
+    drafts = torch.randint(-1, 50, (B, k), device=device)  # -1: an empty slot, fed as token 0
+    want = [torch.full((B, k + 1), -9, dtype=torch.long, device=device) for _ in range(2)]
+    got = [w.clone() for w in want]
+    feed_reference(tokens, length, drafts, *want)
+    feed_triton(tokens, length, drafts, *got)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(want[0][:, 0], tokens.gather(1, (length - 1)[:, None])[:, 0])
 
 
 @needs_triton_backend
