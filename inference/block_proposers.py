@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
+from kernels.argmax import argmax_rows
 from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
@@ -56,8 +57,8 @@ class _DeviceProposer(HostLoopInterface):
 
     def _pick(self, j: int, logits, temperature, generator):
         """logits [B,Vd] of draft j → self.drafts[:, j] (and self.q[:, j] when sampling)."""
-        if not temperature:
-            self.drafts[:, j].copy_(self.draft_ids[logits.argmax(-1)])
+        if not temperature:  # argmax, mapped to target ids, written into the column: one kernel pair
+            argmax_rows(logits, self.drafts[:, j], self.draft_ids)
             return
         probs = torch.softmax(logits.float() / temperature, -1)  # [B,Vd]
         u = torch.rand(probs.shape[0], device=probs.device, generator=generator)
@@ -106,6 +107,8 @@ class MTPCachedProposer(_DeviceProposer):
         self.qkv_weight = [torch.cat([m.self_attn.q_proj.weight, m.self_attn.k_proj.weight, m.self_attn.v_proj.weight]).detach()
                            for m in modules]
         self.gate_up_weight = [torch.cat([m.mlp.gate_proj.weight, m.mlp.up_proj.weight]).detach() for m in modules]
+        self.module_ids = torch.arange(1, k + 1, device=self.device)[:, None, None]  # [k,1,1]: d = 1..k
+        self.columns = torch.arange(k + 1, device=self.device)[None]  # [1,k+1]
 
     def _slots(self, positions, valid):
         """Where writes at positions [B,q] go: the position where valid, else the scratch slot S."""
@@ -117,9 +120,11 @@ class MTPCachedProposer(_DeviceProposer):
         (the function of `MTPModule.forward`)."""
         module, cfg = self.drafter.mtp[d - 1], self.drafter.config
         eps = cfg.rms_norm_eps
-        embeds, _ = rms_norm(self.drafter.embed_tokens(token).to(self.dtype), module.enorm.weight, eps)
-        normed, _ = rms_norm(hidden, module.hnorm.weight, eps)
-        x = module.eh_proj(torch.cat([embeds, normed], -1))  # embedding first
+        H = hidden.shape[-1]
+        both = hidden.new_empty(*hidden.shape[:-1], 2 * H)  # [B,q,2H]: embedding first (a lookup fused into its norm)
+        rms_norm(self.drafter.embed_tokens.weight, module.enorm.weight, eps, ids=token, out=both[..., :H])
+        rms_norm(hidden, module.hnorm.weight, eps, out=both[..., H:])
+        x = module.eh_proj(both)
         qkv = F.linear(rms_norm(x, module.input_layernorm.weight, eps)[0], self.qkv_weight[d - 1])
         k_cache, v_cache = self.k_cache[d - 1], self.v_cache[d - 1]
         q = rope_cache(qkv, positions, self.drafter.inv_freq, k_cache, v_cache, cfg.num_attention_heads,
@@ -130,14 +135,21 @@ class MTPCachedProposer(_DeviceProposer):
         post, h = rms_norm(attn, module.post_attention_layernorm.weight, eps, x)  # h = x + attention
         return module.mlp.down_proj(silu_mul(F.linear(post, self.gate_up_weight[d - 1]))) + h
 
-    def _extend(self, d: int, positions, valid):
-        """Teacher-forced entries of module d at consecutive positions [B,q] (written where
-        valid): causal over the stream, the query at t' sees entries at positions <= t'."""
-        S, H = self.max_len, self.hidden.shape[-1]
-        at = positions.clamp(0, S - 1)
-        token = self.tokens.gather(1, (positions + d).clamp(0, S - 1))  # x_{t'+d}
+    def _windows(self, positions, valid):
+        """Index tensors of every module's extension at once (a few launches, not a few per
+        module): positions, valid [D,B,q] → (at, token_at, slots), each [D,B,q]: positions
+        clamped into the cache, where module d reads x_{t'+d}, and where its writes go."""
+        S = self.max_len
+        d = self.module_ids[: positions.shape[0]]  # [D,1,1]: 1..D
+        return positions.clamp(0, S - 1), (positions + d).clamp(0, S - 1), self._slots(positions, valid)
+
+    def _extend(self, d: int, at, token_at, slots):
+        """Teacher-forced entries of module d at consecutive positions (clamped: at [B,q];
+        written at slots [B,q]; see _windows): causal over the stream, the query at t' sees
+        entries at positions <= t'."""
+        H = self.hidden.shape[-1]
+        token = self.tokens.gather(1, token_at)  # x_{t'+d}
         prev = self.hidden[d - 1].gather(1, at[..., None].expand(-1, -1, H))  # h^{d-1}_{t'}
-        slots = self._slots(positions, valid)
         h = self._layer(d, token, prev, at, slots, at)
         if d < self.hidden.shape[0]:
             self.hidden[d].scatter_(1, slots[..., None].expand(-1, -1, H), h)
@@ -152,9 +164,10 @@ class MTPCachedProposer(_DeviceProposer):
         self.tokens.copy_(rows)
         self.anchor.copy_(torch.as_tensor([len(p) - 1 for p in prompts]))
         self.hidden[0, :, :T] = aux.to(self.dtype)  # beyond a row's prompt: stale, overwritten when verified
-        positions = torch.arange(T, device=self.device).expand(B, T)
+        positions = torch.arange(T, device=self.device).expand(self.k, B, T)
+        windows = self._windows(positions, torch.ones_like(positions, dtype=torch.bool))
         for d in range(1, self.k + 1):  # entries past a row's valid end are stale, overwritten later
-            self._extend(d, positions, torch.ones(B, T, dtype=torch.bool, device=self.device))
+            self._extend(d, *(w[d - 1] for w in windows))
 
     @torch.no_grad()
     def _draft(self, temperature, generator):
@@ -174,7 +187,7 @@ class MTPCachedProposer(_DeviceProposer):
     @torch.no_grad()
     def advance(self, fed, aux, accepted, bonus, active):
         S, k, H = self.max_len, self.k, self.hidden.shape[-1]
-        j = torch.arange(k + 1, device=self.device)[None]  # [1,k+1]
+        j = self.columns  # [1,k+1]
         n, act = accepted[:, None], active[:, None]
         fed_at = self.anchor[:, None] + 1 + j  # positions of fed tokens, N-1 .. N-1+k
         anchor = torch.where(active, self.anchor + accepted + 1, self.anchor)
@@ -183,10 +196,13 @@ class MTPCachedProposer(_DeviceProposer):
         self.tokens.scatter_(1, self._slots(fed_at + 1, act & (j <= n) & (fed_at + 1 < S)), grown)
         feature_slots = self._slots(fed_at, act & (j <= n) & (fed_at < S))
         self.hidden[0].scatter_(1, feature_slots[..., None].expand(-1, -1, H), aux.to(self.dtype))
-        for d in range(1, k + 1):  # module d-1's stream is extended first: module d reads it
-            window = self.anchor[:, None] + 2 - d + j  # after the old valid end a+1-d
-            valid = act & (window >= 0) & (window <= anchor[:, None] + 1 - d) & (window < S)
-            self._extend(d, window, valid)
+        # module d's window starts after its old valid end a+1-d and keeps what the text now allows
+        d = self.module_ids  # [k,1,1]
+        window = (self.anchor[:, None] + 2 + j) - d  # [k,B,k+1]
+        valid = act & (window >= 0) & (window <= (anchor[:, None] + 1) - d) & (window < S)
+        windows = self._windows(window, valid)
+        for m in range(1, k + 1):  # module m-1's stream is extended first: module m reads it
+            self._extend(m, *(w[m - 1] for w in windows))
         self.anchor.copy_(anchor)
 
 
@@ -272,7 +288,10 @@ class DFlashCachedProposer(_DeviceProposer):
 
     @torch.no_grad()
     def _draft(self, temperature, generator):
-        logits = self._block_logits()
+        logits = self._block_logits()  # [B,k,Vd]
+        if not temperature:  # every position's argmax at once
+            argmax_rows(logits.reshape(-1, logits.shape[-1]), self.drafts.view(-1), self.draft_ids)
+            return
         for j in range(self.k):
             self._pick(j, logits[:, j], temperature, generator)
 
