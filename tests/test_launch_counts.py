@@ -10,8 +10,8 @@ from pathlib import Path
 # launches per phase on the tiny target at k = 3 (session 10's counts); lower is welcome
 CEILINGS = {
     "eagle3": {"verify_phase": 27, "proposer_phase": 60},
-    "mtp": {"verify_phase": 27, "proposer_phase": 185},
-    "dflash": {"verify_phase": 27, "proposer_phase": 56},
+    "mtp": {"verify_phase": 27, "proposer_phase": 139},
+    "dflash": {"verify_phase": 27, "proposer_phase": 49},
     "medusa": {"verify_phase": 27, "proposer_phase": 23},
     "ngram-gpu": {"verify_phase": 27, "proposer_phase": 16},
 }
