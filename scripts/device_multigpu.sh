@@ -2,8 +2,9 @@
 # Issue 7 on a 2-GPU machine, one call after `device_session.sh part1` (carry .whl .dev2):
 # EAGLE-3 on the original ShareGPT answers for the same number of samples on 1 GPU, then with
 # DDP on 2 (half the steps, batch 8 per GPU), so tokens/s per GPU, peak memory and the predicted
-# tau after the same samples sit side by side. (Session 7 ran FSDP here too: it failed on the
-# target's and drafter's mixed dtypes, and the config now refuses it.) Each run takes about
+# tau after the same samples sit side by side, and FSDP on 2 the same way (train/fsdp.py; session
+# 7's FSDP failed on the target's and drafter's mixed dtypes before the drafter was sharded alone;
+# scripts/device_fsdp.sh checks it on one GPU first). Each run takes about
 # 20 s of tokenizing, its steps, then the whole-answer held-out walk (tens of seconds): session
 # 7's 170-s limit cut the 600-step 1-GPU run. Usage on the device machine:
 #   STEPS=600 bash scripts/device_multigpu.sh
@@ -30,4 +31,5 @@ run() {  # name, devices, strategy, steps, warmup
 date -u +'call start %H:%M:%S'
 run one-gpu 1 auto $steps 100
 run ddp 2 ddp $((steps / 2)) 50
+run fsdp 2 fsdp $((steps / 2)) 50
 for f in $R/*-predicted.json; do echo "== $f"; python3 -c "import json,sys; d=json.load(open('$f')); print(d['train_steps'], d['throughput'], round(d['predicted']['tau'], 3), d['predicted']['num_chains'])"; done

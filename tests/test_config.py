@@ -19,7 +19,9 @@ CASES = [
     (["data.batch_size=0"], "data.batch_size: must be a positive integer"),
     (["drafter.method=medusa9"], "drafter.method: 'medusa9' is not available"),
     (["optim.schedule_by=epochs"], "optim.schedule_by: 'epochs' is not one of steps, time"),
-    (["trainer.strategy=fsdp", "trainer.devices=2"], "trainer.strategy: 'fsdp' is not supported yet"),
+    (["trainer.strategy=fsdp_cpu_offload"], "trainer.strategy: 'fsdp_cpu_offload' is not supported (use fsdp"),
+    (["trainer.strategy=fsdp", "drafter.method=mtp", "eval.k=3", "objective.joint=true"],
+     "trainer.strategy: fsdp shards the drafter only, and objective.joint trains the target too; use ddp"),
     (["optim.schedule_by=time"], "optim.schedule_by=time: trainer.max_time must be set as DD:HH:MM:SS, got None"),
     # tree promises: [depth, top_k, total_tokens] the runtime can draft, each once, EAGLE-3 only
     (["eval.trees=[[3,0,4]]"], "eval.trees: must be a list of [depth, top_k, total_tokens], positive integers"),

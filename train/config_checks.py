@@ -69,10 +69,12 @@ def validate(cfg: RunConfig):
             raise ConfigError(f"optim.schedule_by=time: {e}") from None
     strategy = cfg.trainer.get("strategy", "auto")
     if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
-        # Measured on 2 H200s (session 7): FSDP flattens the bf16 frozen target and the float32
-        # drafter into one parameter and fails; the export would also need the full parameters
-        raise ConfigError(f"trainer.strategy: {strategy!r} is not supported yet (the frozen bf16 target and the "
-                          "float32 drafter cannot share FSDP's flat parameters); use ddp")
+        # train/fsdp.py shards the drafter alone (FSDP2); Lightning's own FSDP variants flatten
+        # the bf16 target and the float32 drafter together and fail (session 7)
+        if strategy != "fsdp":
+            raise ConfigError(f"trainer.strategy: {strategy!r} is not supported (use fsdp, which shards the drafter only, or ddp)")
+        if cfg.objective.joint:
+            raise ConfigError("trainer.strategy: fsdp shards the drafter only, and objective.joint trains the target too; use ddp")
     if not zoo.target_exists(cfg.target):
         raise ConfigError(f"target: {cfg.target!r} is not a zoo target, an existing folder with config.json, a .gguf file or a hub id")
     named = [("data.dataset", cfg.data.dataset)] + [(f"eval.datasets[{i}]", d) for i, d in enumerate(cfg.eval.datasets or [])]

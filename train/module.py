@@ -79,6 +79,14 @@ class DrafterModule(L.LightningModule):
         return self.drafter.load_state_dict({k[len("drafter."):]: v for k, v in state_dict.items() if k.startswith("drafter.")},
                                             strict=True, assign=assign)
 
+    def configure_model(self):
+        # trainer.strategy=fsdp (train/fsdp.py) sets a device mesh: shard the drafter's modules
+        # over it; the target stays whole. No mesh (ddp, one device): nothing to do.
+        if self.device_mesh is not None:
+            from train.fsdp import shard_drafter
+
+            shard_drafter(self.drafter, self.device_mesh["data_parallel"])
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.target.eval()  # no dropout-style behaviour in the target, even when it trains

@@ -68,6 +68,10 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         gradient_clip_val=1.0,
     )
     kwargs.update(cfg.trainer)
+    if kwargs.get("strategy") == "fsdp":  # the drafter alone, sharded (train/fsdp.py)
+        from train.fsdp import fsdp_strategy
+
+        kwargs["strategy"] = fsdp_strategy()
     kwargs["precision"] = resolve_precision(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
     try:
         return L.Trainer(**kwargs)
@@ -240,6 +244,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     }
     if perplexity:
         summary["target_perplexity"] = perplexity
+    from train.fsdp import gathered_drafter
+
+    export_drafter = gathered_drafter(module.drafter)  # full parameters under FSDP (every rank gathers)
     if trainer.is_global_zero:
         atomic_write_json(out_dir / "predicted.json", summary)
         export_dir = out_dir / "export"
@@ -249,7 +256,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
         fmt = default_layout(cfg.drafter.method) if cfg.export_format == "auto" else cfg.export_format
-        write_export(module.drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
+        write_export(export_drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
                      hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
                      provenance=provenance, runtime_only=True)
         for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
