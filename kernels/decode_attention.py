@@ -67,20 +67,22 @@ def decode_attention_reference(q, k_cache, v_cache, positions, bias=None):
 
 if triton is not None:
 
-    @triton.jit
+    # n (queries per row) varies with every prompt: not specialised on, so no prompt length compiles anew
+    @triton.jit(do_not_specialize=["n"])
     def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, n, G, nh, scale,
                                   stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
                                   BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr):
-        """One (row, KV head, chunk of CHUNK cache positions), for all the row's n queries and
-        the G query heads sharing that KV head at once (BLOCK_Q >= n*G score rows, query-major:
-        r = t*G + j): the chunk's keys and values are read once, scored by two small matrix
-        products, and each (query, head) gets the softmax statistics of its visible keys.
-        Chunks beyond every query's position do nothing."""
+        """One (row, KV head and tile of BLOCK_Q score rows, chunk of CHUNK cache positions):
+        the row's n queries times the G query heads sharing that KV head are n*G score rows
+        (query-major: r = t*G + j), cut in tiles of BLOCK_Q; a tile reads the chunk's keys and
+        values once, scores them by two small matrix products, and each (query, head) gets the
+        softmax statistics of its visible keys. Chunks beyond every query's position do nothing."""
         b = tl.program_id(0).to(tl.int64)
-        kv = tl.program_id(1)
+        tiles = tl.cdiv(n * G, BLOCK_Q)
+        kv = tl.program_id(1) // tiles
+        r = (tl.program_id(1) % tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
         split = tl.program_id(2)
-        r = tl.arange(0, BLOCK_Q)
         real = r < n * G
         t = r // G
         head = kv * G + r % G
@@ -157,11 +159,13 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None):
     l = torch.empty_like(m)
     acc = torch.empty(B * n * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
     G = nh // nkv
-    _partial_attention_kernel[(B, nkv, splits)](
+    # score rows per program: up to 64 (a verify step's k+1 queries times G heads fit one tile;
+    # a long chunk, a drafter's prompt, takes several), so only three variants ever compile
+    block_q = min(64, max(16, triton.next_power_of_2(n * G)))
+    _partial_attention_kernel[(B, nkv * triton.cdiv(n * G, block_q), splits)](
         q, k_cache, v_cache, positions, m, l, acc, n, G, nh, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits, BLOCK_Q=max(16, triton.next_power_of_2(n * G)),
-        IEEE=q.dtype == torch.float32)
+        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q, IEEE=q.dtype == torch.float32)
     _combine_kernel[(B * n, nh)](positions, m, l, acc, out, out.stride(1),
                                  D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
     return out

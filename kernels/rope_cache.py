@@ -41,7 +41,8 @@ def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: 
 
 if triton is not None:
 
-    @triton.jit
+    # n (queries per row) varies with every prompt: not specialised on, so no prompt length compiles anew
+    @triton.jit(do_not_specialize=["n"])
     def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, n, NH, NKV,
                            stride_row, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                            HALF: tl.constexpr, BLOCK: tl.constexpr):

@@ -44,7 +44,11 @@ start_runs() {  # RUNS-style specs, minutes each
   for spec in $1; do
     IFS=: read recipe name data gpu extra <<< "$spec"
     pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
-    if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN, sharegpt]"); else ds=("eval.datasets=[sharegpt, $REGEN]"); fi
+    # one held-out set, EVAL_SEQS conversations of it: in session 10 the final walk (greedy,
+    # then T = 1 standard and block, over two held-out sets of 32) ran past 6 minutes for
+    # EAGLE-3 and DFlash sharing the GPU, and their trainings were stopped before their exports
+    if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN]"); else ds=("eval.datasets=[sharegpt]"); fi
+    ds+=(eval.num_sequences=${EVAL_SEQS:-16})
     CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
       "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
       data.num_workers=1 eval.every_n_steps=${EVAL_EVERY:-1000000} "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
@@ -149,6 +153,12 @@ bench)
   # every trained export side by side with plain, n-gram and suffix (BENCH_K draft lengths), and
   # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts;
   # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
+  # a training still running (its final walk) is stopped; a run with no export yet is exported
+  # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
+  pkill -f "^python3 -m train " && sleep 3
+  for d in /tmp/run-*; do
+    [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
+  done
   drafters=$(ls -d /tmp/run-*/export 2> /dev/null | tr '\n' ' ')
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
     --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in ${BENCH_TREES-4,4,24}; do echo --tree $t; done) \
