@@ -25,7 +25,8 @@ L is the largest kept prefix. Given the drawn chain (from q, exactly as the runt
 exactly; the chain itself is the one drawn part.
 
 Where the chain leaves the text, p_{i+1} needs the target after d_1..d_i: one forward over the
-text with all of a window's chains grafted on (Target.hidden_after_chains), per draft position.
+text with all of a window's chains grafted on (Target.chain_steps: the text's keys and values
+computed once per row, each chain's tokens added as drafted), per draft position.
 Each chain adds its expected histogram (a row summing to 1) to the promise; the walk to the
 next anchor draws L from that row (serving starts the next chain L + 1 tokens on). The
 standard error `tau_se` is what tau would have from as many independent chains drawn from the
@@ -99,10 +100,13 @@ def acceptance_with_error(hist) -> dict:
 # ----------------------------------------------------------------------------- chains at anchors
 @torch.no_grad()
 def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchors, k: int, temperature: float,
-                             verification: str, generator=None, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+                             verification: str, generator=None, top_k: int = 0, top_p: float = 1.0,
+                             steps=None) -> torch.Tensor:
     """Expected accepted-length histograms [m,k+1] (float64, rows sum to 1) of one drawn chain per
     anchor. ids [T], features [T,...] (what the drafter reads), last_hidden [T,H] (the target's
-    final hidden state on ids), anchors [m]: chain i continues x_0..x_{a_i+1}."""
+    final hidden state on ids), anchors [m]: chain i continues x_0..x_{a_i+1}. steps: the
+    sequence's `Target.chain_steps` when the caller walks several windows of it (its keys and
+    values computed once); made here otherwise."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification {verification!r} is not one of {', '.join(VERIFICATIONS)}")
     head = target.head_weight
@@ -115,8 +119,7 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
     def step(logits):  # logits [m,Vd] of draft i = len(chain) + 1 → d_i [m]
         nonlocal w
         q = torch.zeros(m, V, device=ids.device).index_copy_(1, draft_ids, torch.softmax(logits.float() / temperature, -1))
-        hidden = last_hidden[anchors + 1] if not chain else \
-            target.hidden_after_chains(ids, anchors, torch.stack(chain, 1))[:, -1]  # [m,H]: context + d_1..d_{i-1}
+        hidden = last_hidden[anchors + 1] if not chain else steps.step(chain[-1])  # [m,H]: context + d_1..d_{i-1}
         p = sampling_probs(F.linear(hidden, head), temperature, top_k, top_p)  # [m,V]
         if verification == "standard":
             alpha, token = standard_step(p, q, generator)
@@ -130,6 +133,9 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
         chain.append(token)
         return token
 
+    if k > 1:
+        steps = steps if steps is not None else target.chain_steps(ids)
+        steps.start(anchors)
     drive_drafter(drafter, ids, features, anchors, k, step)
     if verification == "standard":
         return standard_histogram(torch.stack(alphas, 1).double())
@@ -182,11 +188,12 @@ def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_
         n = int(lengths[b])
         answer = loss_mask[b, :n].bool().tolist()
         expected_at = {}  # anchor → expected histogram row [k+1]; the walk moves on by a drawn length
+        steps = target.chain_steps(ids[b, :n]) if k > 1 else None  # the row's keys and values, once
 
         def measure(window_anchors):
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             rows = sampled_chain_histograms(target, drafter, ids[b, :n], features[b, :n], last_hidden[b, :n], anchors, k,
-                                            temperature, verification, generator, top_k, top_p)
+                                            temperature, verification, generator, top_k, top_p, steps)
             expected_at.update(zip(window_anchors, rows.cpu()))
             return torch.multinomial(rows.float().clamp_min(0), 1, generator=generator)[:, 0].tolist()
 

@@ -109,6 +109,11 @@ class Target(nn.Module):
         return greedy.view(m, c)
 
     @torch.no_grad()
+    def chain_steps(self, input_ids) -> "ChainSteps":
+        """An incremental `hidden_after_chains` over one sequence [T] (see ChainSteps)."""
+        return ChainSteps(self, input_ids)
+
+    @torch.no_grad()
     def hidden_after_chains(self, input_ids, anchors, chains):
         """The target's last hidden state [m, c, H] after each chain token (same arguments and
         forward as `greedy_after_chains`; sampled acceptance needs the whole distribution)."""
@@ -129,3 +134,46 @@ class Target(nn.Module):
         out = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=False)
         self._captured.clear()
         return out.last_hidden_state[0, T:].view(m, c, -1)
+
+
+class ChainSteps:
+    """The target's last hidden state after each new token of m chains grafted onto one
+    sequence, one token per chain per `step`: what `hidden_after_chains(ids, anchors,
+    chain)[:, -1]` gives for the chain so far, for m tokens of work per step instead of the whole
+    sequence again. The sequence's keys and values are computed once (a cache); each chain's
+    tokens join it as they come, and `start` drops them for the next window's chains.
+
+    Cache layout after s steps: [sequence (T); step 0's m tokens; ...; step s-1's m tokens];
+    the query of chain j at step s sees the sequence up to x_{a_j+1}, its own earlier tokens
+    (T + s'*m + j) and itself, at position a_j + 2 + s."""
+
+    def __init__(self, target: Target, input_ids: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.target, self.T = target, input_ids.shape[0]
+        self.cache = DynamicCache(config=target.config)
+        target.decoder(input_ids=input_ids[None], past_key_values=self.cache, use_cache=True)
+        target._captured.clear()
+        self.anchors, self.steps = None, 0
+
+    def start(self, anchors: torch.Tensor):
+        """New chains at anchors [m]: the cache back to the sequence alone."""
+        extra = self.cache.get_seq_length() - self.T
+        if extra:
+            self.cache.crop(-extra)  # a negative count removes that many (the form every version reads)
+        self.anchors, self.steps = anchors, 0
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [m]: each chain's next token → the hidden state after it [m, H]."""
+        m, T, s, dev = tokens.numel(), self.T, self.steps, tokens.device
+        mask = torch.zeros(m, T + (s + 1) * m, dtype=torch.bool, device=dev)
+        mask[:, :T] = torch.arange(T, device=dev)[None, :] <= (self.anchors[:, None] + 1)
+        own = T + torch.arange(s + 1, device=dev)[None, :] * m + torch.arange(m, device=dev)[:, None]  # [m, s+1]
+        mask.scatter_(1, own, True)
+        positions = (self.anchors + 2 + s)[None]
+        out = self.target.decoder(input_ids=tokens[None], attention_mask=mask[None, None], position_ids=positions,
+                                  past_key_values=self.cache, use_cache=True)
+        self.target._captured.clear()
+        self.steps += 1
+        return out.last_hidden_state[0]

@@ -58,3 +58,21 @@ def test_greedy_after_chains_equals_one_forward_per_chain(tiny_target):
         with torch.no_grad():
             logits = target.model(seq).logits[0]
         assert torch.equal(got[i], logits[a + 2 :].argmax(-1)), f"anchor {a}"
+
+
+def test_chain_steps_equal_the_whole_forward_and_restart_per_window(tiny_target):
+    """The incremental form (the text's keys and values once, a token per chain per step)
+    computes what one forward over the text with all chains grafted on computes; `start`
+    forgets the previous window's chains."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    target = Target(model, [0])
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (40,))
+    steps = target.chain_steps(ids)
+    for anchors, c in ((torch.tensor([3, 10, 17, 30]), 3), (torch.tensor([0, 5, 36]), 2)):
+        chains = torch.randint(0, model.config.vocab_size, (anchors.numel(), c))
+        want = target.hidden_after_chains(ids, anchors, chains)
+        steps.start(anchors)
+        got = torch.stack([steps.step(chains[:, i]) for i in range(c)], 1)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert steps.cache.get_seq_length() == ids.numel() + anchors.numel() * c
