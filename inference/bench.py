@@ -125,7 +125,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from data.chat import encode_prompt
     from data.sources import load_prompts
     from inference.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
-    from inference.model import load_runtime
+    from inference.fallback import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import resolve_target
 

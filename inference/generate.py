@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     from data.chat import encode_prompt
     from inference.engine import cache_size, generate
-    from inference.model import load_runtime
+    from inference.fallback import load_runtime
     from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 

@@ -163,7 +163,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     from transformers import AutoTokenizer
 
     from data.sources import load_conversations
-    from inference.model import load_runtime
+    from inference.fallback import load_runtime
     from models.zoo import resolve_target
 
     out = Path(out)

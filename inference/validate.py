@@ -137,7 +137,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
 
     from export.load import load_export
     from inference.acceptance import acceptance_from_histogram
-    from inference.model import load_runtime
+    from inference.fallback import load_runtime
     from inference.sampled_acceptance import acceptance_with_error, promise_at
     from models.target import Target
     from models.zoo import resolve_target

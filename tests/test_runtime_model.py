@@ -139,7 +139,7 @@ def test_unsupported_architecture_runs_on_the_transformers_slow_path(tmp_path, c
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from inference.engine import generate
-    from inference.model import TransformersFallback, load_runtime
+    from inference.fallback import TransformersFallback, load_runtime
     from inference.proposers import NgramProposer
 
     torch.manual_seed(0)
