@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
@@ -39,24 +39,11 @@ def default_target_layer_ids(num_layers: int, n: int = 5) -> list[int]:
 
 
 @dataclass
-class DFlashConfig(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
+class DFlashConfig(DecoderShape):
     mask_token_id: int
-    target_layer_ids: list[int] = field(default_factory=list)
+    target_layer_ids: list[int] = field(default_factory=list)  # n ids; empty: default_target_layer_ids
     num_layers: int = 5
-    block_size: int = 8
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    layer_id_convention: str = "output_of_layer"
+    block_size: int = 8  # B
 
     def __post_init__(self):
         if not 2 <= self.block_size <= 16:
@@ -66,8 +53,7 @@ class DFlashConfig(DictConfig):
         check_layer_ids(self.target_layer_ids, self.target_num_layers, "target layer id")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's embedding (0..{self.vocab_size - 1})")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
 
     @property
     def gamma(self) -> float:
@@ -76,8 +62,8 @@ class DFlashConfig(DictConfig):
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, mask_token_id: int, num_layers: int = 5, block_size: int = 8,
                     target_layer_ids: list[int] | None = None) -> "DFlashConfig":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id,
-                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
+        return super().from_target(hf_config, draft_vocab_size, mask_token_id=mask_token_id,
+                                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
 
 
 class DFlashAttention(nn.Module):

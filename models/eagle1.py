@@ -22,34 +22,13 @@ import torch
 from torch import nn
 
 from models.eagle3 import shift_left, ttt_attend
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderShape, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class Eagle1Config(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
+class Eagle1Config(DecoderShape):
     # fc with a bias (SGLang's and the EAGLE reference's EAGLE-1); vLLM's `eagle` fc has none
     fc_bias: bool = True
-    layer_id_convention: str = "output_of_layer"
-
-    def __post_init__(self):
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
-
-    @classmethod
-    def from_target(cls, hf_config, draft_vocab_size: int, fc_bias: bool = True) -> "Eagle1Config":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, fc_bias=fc_bias)
 
 
 class Eagle1Attention(nn.Module):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
@@ -30,41 +30,26 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config(DictConfig):
-    vocab_size: int  # V: the target's vocabulary
-    draft_vocab_size: int  # Vd: rows of the draft head
-    hidden_size: int  # H
+class Eagle3Config(DecoderShape):
     target_hidden_size: int  # Ht
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     aux_layer_ids: list[int]  # output-of-layer ids (hidden_states[i + 1] in transformers)
-    target_num_layers: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
     # True: the residual around attention is the normed feature; False (EAGLE's original and
     # the only form SGLang's layout can carry): the residual is the pre-norm feature.
     norm_before_residual: bool = False
     # RMSNorm over the concatenated aux features before fc (speculators `input_norm`).
     norm_before_fc: bool = False
-    layer_id_convention: str = "output_of_layer"
 
     def __post_init__(self):
         check_layer_ids(self.aux_layer_ids, self.target_num_layers)
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
         if self.hidden_size != self.target_hidden_size:
             raise ValueError("EAGLE-3 here shares the target's embedding and head rows, so hidden_size must equal the target's")
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int] | None = None, **options) -> "Eagle3Config":
-        shape = decoder_shape(hf_config)
-        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(shape["target_num_layers"])
-        return cls(**shape, draft_vocab_size=draft_vocab_size, target_hidden_size=shape["hidden_size"], aux_layer_ids=ids,
-                   **options)
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(hf_config.num_hidden_layers)
+        return super().from_target(hf_config, draft_vocab_size, target_hidden_size=hf_config.hidden_size, aux_layer_ids=ids,
+                                   **options)
 
 
 class Eagle3Attention(nn.Module):

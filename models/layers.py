@@ -109,6 +109,41 @@ def decoder_shape(hf_config) -> dict:
                 rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
 
 
+def check_draft_vocab(draft_vocab_size: int, vocab_size: int) -> None:
+    """The draft head's Vd rows are a subset of the target's V tokens (d2t maps each to one)."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DecoderShape(DictConfig):
+    """The fields every drafter built from the target's decoder layer shares (what
+    `decoder_shape` copies, plus the draft vocabulary); a method's config extends it with its
+    own fields. Keyword-only, so a method's required fields may follow these defaults."""
+
+    vocab_size: int  # V: the target's vocabulary
+    draft_vocab_size: int  # Vd: rows of the draft head
+    hidden_size: int  # H (the target's)
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        check_draft_vocab(self.draft_vocab_size, self.vocab_size)
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, **fields):
+        """The target's decoder shape with this method's own `fields`."""
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, **fields)
+
+
 def check_layer_ids(ids: list[int], num_layers: int, what: str = "aux layer id") -> None:
     """Layer ids must be in range and strictly increasing: vLLM sorts and de-duplicates them
     and SGLang captures in layer order, so any other list trains on one feature order and is

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DictConfig
+from models.layers import DictConfig, check_draft_vocab
 
 
 @dataclass
@@ -37,8 +37,7 @@ class MedusaConfig(DictConfig):
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"Medusa needs at least one head and a non-negative block count, got {self.num_heads}, {self.num_layers}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        check_draft_vocab(self.draft_vocab_size, self.vocab_size)
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_heads: int = 4, num_layers: int = 1) -> "MedusaConfig":

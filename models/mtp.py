@@ -24,35 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.eagle3 import shift_left
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderShape, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class MTPConfig(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
-    num_modules: int = 3
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    layer_id_convention: str = "output_of_layer"
+class MTPConfig(DecoderShape):
+    num_modules: int = 3  # D
 
     def __post_init__(self):
         if self.num_modules < 1:
             raise ValueError(f"MTP needs at least one module, got {self.num_modules}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_modules: int = 3) -> "MTPConfig":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, num_modules=num_modules)
+        return super().from_target(hf_config, draft_vocab_size, num_modules=num_modules)
 
 
 class MTPAttention(nn.Module):
