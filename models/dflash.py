@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
@@ -66,14 +66,12 @@ class DFlashConfig(DecoderShape):
                                    target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(DecoderAttention):
+    """The decoder attention's projections plus per-head q/k norms; keys and values also come
+    from the context, so its own forward."""
+
     def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+        super().__init__(cfg)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 

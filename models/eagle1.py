@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from models.eagle3 import shift_left, ttt_attend
-from models.layers import DecoderShape, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -31,33 +31,12 @@ class Eagle1Config(DecoderShape):
     fc_bias: bool = True
 
 
-class Eagle1Attention(nn.Module):
-    def __init__(self, cfg: Eagle1Config):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, attend):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, self.nh * self.d))
-
-
 class Eagle1Layer(nn.Module):
     """A Llama decoder layer without the input norm (EAGLE-1 feeds fc's output straight in)."""
 
     def __init__(self, cfg: Eagle1Config):
         super().__init__()
-        self.self_attn = Eagle1Attention(cfg)
+        self.self_attn = DecoderAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
@@ -52,31 +52,6 @@ class Eagle3Config(DecoderShape):
                                    **options)
 
 
-class Eagle3Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        width = 2 * cfg.hidden_size  # [embedding; feature]
-        self.q_proj = nn.Linear(width, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, attend):
-        """x [B,T,2H] → [B,T,H]. `attend(q, k, v)` ([B,nh,T,d] each, KV heads already
-        expanded) decides what each query sees: the TTT unroll or a runtime KV cache."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:  # expand KV heads here: the fused attention kernels want equal heads
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = attend(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
-
-
 def ttt_attend(kv_steps: list):
     """Attention of one TTT step: step-0 keys causally, later steps' keys at the same index."""
     def attend(q, k, v):
@@ -92,7 +67,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = DecoderAttention(cfg, 2 * cfg.hidden_size)  # over [embedding; feature]
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds, hidden, cos, sin, attend):

@@ -36,6 +36,34 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DecoderAttention(nn.Module):
+    """A Llama attention over an input of `width` features (H; EAGLE-3's [embedding; feature]
+    is 2H) with transformers' projection names, so a target layer's weights load as they are.
+    What each query sees is the caller's `attend(q, k, v)` ([B,nh,T,d] each → [B,nh,T,d]):
+    a TTT unroll, an MTP stream, a runtime KV cache."""
+
+    def __init__(self, cfg, width: int | None = None):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = width or cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        """x [B,T,width] → [B,T,H]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:  # expand KV heads here: the fused attention kernels want equal heads
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, self.nh * self.d))
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2]; supports no scaling, `linear` and `llama3` scaling."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.eagle3 import shift_left
-from models.layers import DecoderShape, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -41,35 +41,20 @@ class MTPConfig(DecoderShape):
         return super().from_target(hf_config, draft_vocab_size, num_modules=num_modules)
 
 
-class MTPAttention(nn.Module):
-    def __init__(self, cfg: MTPConfig):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, context=None, lag: int = 1):
-        """x [B,T,H]. context None: causal attention over x's own keys. context (k, v) of the
-        teacher-forced stream [B,nh,T,d]: query t sees those keys at positions <= t - lag and
-        its own key at t. Returns (output [B,T,H], (k, v) of x)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+def stream_attend(kv: list, context=None, lag: int = 1):
+    """Attention of one module's stream; appends the stream's own (k, v) [B,nh,T,d] to `kv`
+    (the greedy stream reads the teacher-forced one's). context None: causal over the stream's
+    own keys. context (k, v) of the teacher-forced stream: query t sees those keys at
+    positions <= t - lag and its own key at t."""
+    def attend(q, k, v):
+        kv.append((k, v))
         if context is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            k_ctx, v_ctx = context
-            before = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-lag)
-            mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=x.device)], dim=1)  # [T, 2T]
-            out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), (k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        T, dev = q.shape[2], q.device
+        before = torch.ones(T, T, dtype=torch.bool, device=dev).tril(-lag)
+        mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=dev)], dim=1)  # [T, 2T]
+        return F.scaled_dot_product_attention(q, torch.cat([context[0], k], 2), torch.cat([context[1], v], 2), attn_mask=mask)
+    return attend
 
 
 class MTPModule(nn.Module):
@@ -80,7 +65,7 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = MTPAttention(cfg)
+        self.self_attn = DecoderAttention(cfg)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = GatedMLP(H, cfg.intermediate_size)
         self.shared_head_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -88,9 +73,9 @@ class MTPModule(nn.Module):
     def forward(self, embeds, hidden, cos, sin, context=None, lag: int = 1):
         """embeds, hidden [B,T,H] → (h^d [B,T,H], (k, v) of this stream)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # embedding first
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, context, lag)
-        h = x + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        kv = []
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, stream_attend(kv, context, lag))
+        return h + self.mlp(self.post_attention_layernorm(h)), kv[0]
 
 
 class MTPDrafter(nn.Module):
