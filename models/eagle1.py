@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.draft_vocab import draft_ids, register_maps
 from models.eagle3 import shift_left, ttt_attend
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -57,8 +58,7 @@ class Eagle1Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle1Layer(cfg)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows, frozen
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     @torch.no_grad()
@@ -69,7 +69,7 @@ class Eagle1Drafter(nn.Module):
         self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         """The target's final normed hidden state [B,T,H] (its head's input)."""

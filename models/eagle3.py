@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.draft_vocab import draft_ids, register_maps
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
@@ -99,8 +100,7 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     # ------------------------------------------------------------------ initialisation
@@ -116,7 +116,7 @@ class Eagle3Drafter(nn.Module):
 
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft-vocab row."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     # ------------------------------------------------------------------ drafter interface
     @property

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_vocab import check_draft_vocab
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -135,12 +137,6 @@ def decoder_shape(hf_config) -> dict:
                 head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
                 target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
                 rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
-
-
-def check_draft_vocab(draft_vocab_size: int, vocab_size: int) -> None:
-    """The draft head's Vd rows are a subset of the target's V tokens (d2t maps each to one)."""
-    if not 0 < draft_vocab_size <= vocab_size:
-        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{vocab_size}")
 
 
 @dataclasses.dataclass(kw_only=True)

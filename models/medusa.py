@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DictConfig, check_draft_vocab
+from models.draft_vocab import check_draft_vocab, draft_ids, register_maps
+from models.layers import DictConfig
 
 
 @dataclass
@@ -69,8 +70,7 @@ class MedusaDrafter(nn.Module):
         self.config = cfg
         self.blocks = nn.ModuleList([ResidualBlocks(cfg.hidden_size, cfg.num_layers) for _ in range(cfg.num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False) for _ in range(cfg.num_heads)])
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
 
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
@@ -83,7 +83,7 @@ class MedusaDrafter(nn.Module):
 
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft-vocab row."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         """What the heads read from a target pass: its final normed hidden state [B,T,H]."""

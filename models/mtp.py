@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_vocab import draft_ids, register_maps
 from models.eagle3 import shift_left
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -89,8 +90,7 @@ class MTPDrafter(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.num_modules)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows, shared by every module
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     @torch.no_grad()
@@ -110,7 +110,7 @@ class MTPDrafter(nn.Module):
                 getattr(module.self_attn, name).load_state_dict(getattr(last.self_attn, name).state_dict())
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         return target_out.last_hidden
