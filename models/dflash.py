@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.draft_vocab import draft_ids, register_maps
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
@@ -129,10 +129,7 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding and head (frozen) from the target; the final norm from its final norm."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         self.norm.weight.copy_(target_model.model.norm.weight)
 
     def draft_ids(self) -> torch.Tensor:

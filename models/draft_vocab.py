@@ -51,6 +51,16 @@ def draft_ids(d2t: torch.Tensor) -> torch.Tensor:
     return torch.arange(d2t.numel(), device=d2t.device) + d2t
 
 
+@torch.no_grad()
+def copy_from_target(drafter: torch.nn.Module, target_model, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """The start every drafter with a token embedding and one head shares: the built maps, the
+    target's embedding [V, H] and its head rows of the draft vocabulary [Vd, H]."""
+    drafter.d2t.copy_(d2t)
+    drafter.t2d.copy_(t2d)
+    drafter.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
+    drafter.lm_head.weight.copy_(target_model.get_output_embeddings().weight[drafter.draft_ids()])
+
+
 def coverage(counts, t2d: torch.Tensor) -> float:
     """Fraction of loss-masked training tokens inside the draft vocabulary."""
     counts = torch.as_tensor(counts, dtype=torch.long)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.draft_vocab import draft_ids, register_maps
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left, ttt_attend
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -63,10 +63,7 @@ class Eagle1Drafter(nn.Module):
 
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
 
     def draft_ids(self) -> torch.Tensor:
         return draft_ids(self.d2t)

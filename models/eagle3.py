@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.draft_vocab import draft_ids, register_maps
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
@@ -107,11 +107,7 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding (frozen) and head rows from the target; draft vocab maps installed."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        head = target_model.get_output_embeddings().weight  # [V, H]
-        self.lm_head.weight.copy_(head[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         self.norm.weight.copy_(target_model.model.norm.weight)
 
     def draft_ids(self) -> torch.Tensor:

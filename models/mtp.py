@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.draft_vocab import draft_ids, register_maps
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
@@ -97,10 +97,7 @@ class MTPDrafter(nn.Module):
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding and head from the target; each module's decoder layer from the target's
         last layer and its head norm from the target's final norm (a warm start)."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         last = target_model.model.layers[-1]
         for module in self.mtp:
             module.shared_head_norm.weight.copy_(target_model.model.norm.weight)
