@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
@@ -39,24 +40,11 @@ def default_target_layer_ids(num_layers: int, n: int = 5) -> list[int]:
 
 
 @dataclass
-class DFlashConfig(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
+class DFlashConfig(DecoderShape):
     mask_token_id: int
-    target_layer_ids: list[int] = field(default_factory=list)
+    target_layer_ids: list[int] = field(default_factory=list)  # n ids; empty: default_target_layer_ids
     num_layers: int = 5
-    block_size: int = 8
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    layer_id_convention: str = "output_of_layer"
+    block_size: int = 8  # B
 
     def __post_init__(self):
         if not 2 <= self.block_size <= 16:
@@ -66,8 +54,7 @@ class DFlashConfig(DictConfig):
         check_layer_ids(self.target_layer_ids, self.target_num_layers, "target layer id")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is not a row of the target's embedding (0..{self.vocab_size - 1})")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
 
     @property
     def gamma(self) -> float:
@@ -76,18 +63,16 @@ class DFlashConfig(DictConfig):
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, mask_token_id: int, num_layers: int = 5, block_size: int = 8,
                     target_layer_ids: list[int] | None = None) -> "DFlashConfig":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, mask_token_id=mask_token_id,
-                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
+        return super().from_target(hf_config, draft_vocab_size, mask_token_id=mask_token_id,
+                                   target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
 
 
-class DFlashAttention(nn.Module):
+class DFlashAttention(DecoderAttention):
+    """The decoder attention's projections plus per-head q/k norms; keys and values also come
+    from the context, so its own forward."""
+
     def __init__(self, cfg: DFlashConfig):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+        super().__init__(cfg)
         self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
@@ -133,8 +118,7 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     # ------------------------------------------------------------------ drafter interface
@@ -145,14 +129,11 @@ class DFlashDrafter(nn.Module):
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding and head (frozen) from the target; the final norm from its final norm."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         self.norm.weight.copy_(target_model.model.norm.weight)
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         return target_out.aux  # [B,T,n*H]

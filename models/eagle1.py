@@ -21,56 +21,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left, ttt_attend
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class Eagle1Config(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
+class Eagle1Config(DecoderShape):
     # fc with a bias (SGLang's and the EAGLE reference's EAGLE-1); vLLM's `eagle` fc has none
     fc_bias: bool = True
-    layer_id_convention: str = "output_of_layer"
-
-    def __post_init__(self):
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
-
-    @classmethod
-    def from_target(cls, hf_config, draft_vocab_size: int, fc_bias: bool = True) -> "Eagle1Config":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, fc_bias=fc_bias)
-
-
-class Eagle1Attention(nn.Module):
-    def __init__(self, cfg: Eagle1Config):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, attend):
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
 class Eagle1Layer(nn.Module):
@@ -78,7 +37,7 @@ class Eagle1Layer(nn.Module):
 
     def __init__(self, cfg: Eagle1Config):
         super().__init__()
-        self.self_attn = Eagle1Attention(cfg)
+        self.self_attn = DecoderAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -99,19 +58,15 @@ class Eagle1Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle1Layer(cfg)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows, frozen
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         """The target's final normed hidden state [B,T,H] (its head's input)."""

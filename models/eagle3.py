@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.layers import DictConfig, check_layer_ids, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
@@ -30,66 +31,26 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config(DictConfig):
-    vocab_size: int  # V: the target's vocabulary
-    draft_vocab_size: int  # Vd: rows of the draft head
-    hidden_size: int  # H
+class Eagle3Config(DecoderShape):
     target_hidden_size: int  # Ht
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
     aux_layer_ids: list[int]  # output-of-layer ids (hidden_states[i + 1] in transformers)
-    target_num_layers: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
     # True: the residual around attention is the normed feature; False (EAGLE's original and
     # the only form SGLang's layout can carry): the residual is the pre-norm feature.
     norm_before_residual: bool = False
     # RMSNorm over the concatenated aux features before fc (speculators `input_norm`).
     norm_before_fc: bool = False
-    layer_id_convention: str = "output_of_layer"
 
     def __post_init__(self):
         check_layer_ids(self.aux_layer_ids, self.target_num_layers)
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
         if self.hidden_size != self.target_hidden_size:
             raise ValueError("EAGLE-3 here shares the target's embedding and head rows, so hidden_size must equal the target's")
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, aux_layer_ids: list[int] | None = None, **options) -> "Eagle3Config":
-        shape = decoder_shape(hf_config)
-        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(shape["target_num_layers"])
-        return cls(**shape, draft_vocab_size=draft_vocab_size, target_hidden_size=shape["hidden_size"], aux_layer_ids=ids,
-                   **options)
-
-
-class Eagle3Attention(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        width = 2 * cfg.hidden_size  # [embedding; feature]
-        self.q_proj = nn.Linear(width, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, attend):
-        """x [B,T,2H] → [B,T,H]. `attend(q, k, v)` ([B,nh,T,d] each, KV heads already
-        expanded) decides what each query sees: the TTT unroll or a runtime KV cache."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:  # expand KV heads here: the fused attention kernels want equal heads
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
-        out = attend(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d))
+        ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(hf_config.num_hidden_layers)
+        return super().from_target(hf_config, draft_vocab_size, target_hidden_size=hf_config.hidden_size, aux_layer_ids=ids,
+                                   **options)
 
 
 def ttt_attend(kv_steps: list):
@@ -107,7 +68,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Eagle3Attention(cfg)
+        self.self_attn = DecoderAttention(cfg, 2 * cfg.hidden_size)  # over [embedding; feature]
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds, hidden, cos, sin, attend):
@@ -139,24 +100,19 @@ class Eagle3Drafter(nn.Module):
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     # ------------------------------------------------------------------ initialisation
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding (frozen) and head rows from the target; draft vocab maps installed."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        head = target_model.get_output_embeddings().weight  # [V, H]
-        self.lm_head.weight.copy_(head[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         self.norm.weight.copy_(target_model.model.norm.weight)
 
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft-vocab row."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     # ------------------------------------------------------------------ drafter interface
     @property

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_vocab import check_draft_vocab
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -34,6 +36,34 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderAttention(nn.Module):
+    """A Llama attention over an input of `width` features (H; EAGLE-3's [embedding; feature]
+    is 2H) with transformers' projection names, so a target layer's weights load as they are.
+    What each query sees is the caller's `attend(q, k, v)` ([B,nh,T,d] each → [B,nh,T,d]):
+    a TTT unroll, an MTP stream, a runtime KV cache."""
+
+    def __init__(self, cfg, width: int | None = None):
+        super().__init__()
+        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        width = width or cfg.hidden_size
+        self.q_proj = nn.Linear(width, self.nh * self.d, bias=False)
+        self.k_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.v_proj = nn.Linear(width, self.nkv * self.d, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, attend):
+        """x [B,T,width] → [B,T,H]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.nkv != self.nh:  # expand KV heads here: the fused attention kernels want equal heads
+            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
+            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+        return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(B, T, self.nh * self.d))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -107,6 +137,35 @@ def decoder_shape(hf_config) -> dict:
                 head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
                 target_num_layers=hf_config.num_hidden_layers, rms_norm_eps=hf_config.rms_norm_eps,
                 rope_theta=theta, rope_scaling=scaling, max_position_embeddings=hf_config.max_position_embeddings)
+
+
+@dataclasses.dataclass(kw_only=True)
+class DecoderShape(DictConfig):
+    """The fields every drafter built from the target's decoder layer shares (what
+    `decoder_shape` copies, plus the draft vocabulary); a method's config extends it with its
+    own fields. Keyword-only, so a method's required fields may follow these defaults."""
+
+    vocab_size: int  # V: the target's vocabulary
+    draft_vocab_size: int  # Vd: rows of the draft head
+    hidden_size: int  # H (the target's)
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    target_num_layers: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 8192
+    layer_id_convention: str = "output_of_layer"
+
+    def __post_init__(self):
+        check_draft_vocab(self.draft_vocab_size, self.vocab_size)
+
+    @classmethod
+    def from_target(cls, hf_config, draft_vocab_size: int, **fields):
+        """The target's decoder shape with this method's own `fields`."""
+        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, **fields)
 
 
 def check_layer_ids(ids: list[int], num_layers: int, what: str = "aux layer id") -> None:

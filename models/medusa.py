@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_vocab import check_draft_vocab, draft_ids, register_maps
 from models.layers import DictConfig
 
 
@@ -37,8 +38,7 @@ class MedusaConfig(DictConfig):
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"Medusa needs at least one head and a non-negative block count, got {self.num_heads}, {self.num_layers}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        check_draft_vocab(self.draft_vocab_size, self.vocab_size)
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_heads: int = 4, num_layers: int = 1) -> "MedusaConfig":
@@ -70,8 +70,7 @@ class MedusaDrafter(nn.Module):
         self.config = cfg
         self.blocks = nn.ModuleList([ResidualBlocks(cfg.hidden_size, cfg.num_layers) for _ in range(cfg.num_heads)])
         self.lm_heads = nn.ModuleList([nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False) for _ in range(cfg.num_heads)])
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
 
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
@@ -84,7 +83,7 @@ class MedusaDrafter(nn.Module):
 
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft-vocab row."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         """What the heads read from a target pass: its final normed hidden state [B,T,H]."""

@@ -23,67 +23,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left
-from models.layers import DictConfig, GatedMLP, RMSNorm, apply_rope, decoder_shape, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
-class MTPConfig(DictConfig):
-    vocab_size: int
-    draft_vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    target_num_layers: int
-    num_modules: int = 3
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 8192
-    layer_id_convention: str = "output_of_layer"
+class MTPConfig(DecoderShape):
+    num_modules: int = 3  # D
 
     def __post_init__(self):
         if self.num_modules < 1:
             raise ValueError(f"MTP needs at least one module, got {self.num_modules}")
-        if not 0 < self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..{self.vocab_size}")
+        super().__post_init__()
 
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_modules: int = 3) -> "MTPConfig":
-        return cls(**decoder_shape(hf_config), draft_vocab_size=draft_vocab_size, num_modules=num_modules)
+        return super().from_target(hf_config, draft_vocab_size, num_modules=num_modules)
 
 
-class MTPAttention(nn.Module):
-    def __init__(self, cfg: MTPConfig):
-        super().__init__()
-        self.nh, self.nkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=False)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=False)
-
-    def forward(self, x, cos, sin, context=None, lag: int = 1):
-        """x [B,T,H]. context None: causal attention over x's own keys. context (k, v) of the
-        teacher-forced stream [B,nh,T,d]: query t sees those keys at positions <= t - lag and
-        its own key at t. Returns (output [B,T,H], (k, v) of x)."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.d).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.d).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.nkv != self.nh:
-            k = k.repeat_interleave(self.nh // self.nkv, dim=1)
-            v = v.repeat_interleave(self.nh // self.nkv, dim=1)
+def stream_attend(kv: list, context=None, lag: int = 1):
+    """Attention of one module's stream; appends the stream's own (k, v) [B,nh,T,d] to `kv`
+    (the greedy stream reads the teacher-forced one's). context None: causal over the stream's
+    own keys. context (k, v) of the teacher-forced stream: query t sees those keys at
+    positions <= t - lag and its own key at t."""
+    def attend(q, k, v):
+        kv.append((k, v))
         if context is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            k_ctx, v_ctx = context
-            before = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(-lag)
-            mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=x.device)], dim=1)  # [T, 2T]
-            out = F.scaled_dot_product_attention(q, torch.cat([k_ctx, k], 2), torch.cat([v_ctx, v], 2), attn_mask=mask)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.d)), (k, v)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        T, dev = q.shape[2], q.device
+        before = torch.ones(T, T, dtype=torch.bool, device=dev).tril(-lag)
+        mask = torch.cat([before, torch.eye(T, dtype=torch.bool, device=dev)], dim=1)  # [T, 2T]
+        return F.scaled_dot_product_attention(q, torch.cat([context[0], k], 2), torch.cat([context[1], v], 2), attn_mask=mask)
+    return attend
 
 
 class MTPModule(nn.Module):
@@ -94,7 +66,7 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(H, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * H, H, bias=False)
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = MTPAttention(cfg)
+        self.self_attn = DecoderAttention(cfg)
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         self.mlp = GatedMLP(H, cfg.intermediate_size)
         self.shared_head_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -102,9 +74,9 @@ class MTPModule(nn.Module):
     def forward(self, embeds, hidden, cos, sin, context=None, lag: int = 1):
         """embeds, hidden [B,T,H] → (h^d [B,T,H], (k, v) of this stream)."""
         x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))  # embedding first
-        attn, kv = self.self_attn(self.input_layernorm(x), cos, sin, context, lag)
-        h = x + attn
-        return h + self.mlp(self.post_attention_layernorm(h)), kv
+        kv = []
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, stream_attend(kv, context, lag))
+        return h + self.mlp(self.post_attention_layernorm(h)), kv[0]
 
 
 class MTPDrafter(nn.Module):
@@ -118,18 +90,14 @@ class MTPDrafter(nn.Module):
         self.mtp = nn.ModuleList([MTPModule(cfg) for _ in range(cfg.num_modules)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.lm_head.weight.requires_grad_(False)  # the target's head rows, shared by every module
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        register_maps(self, cfg)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
 
     @torch.no_grad()
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding and head from the target; each module's decoder layer from the target's
         last layer and its head norm from the target's final norm (a warm start)."""
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-        self.embed_tokens.weight.copy_(target_model.get_input_embeddings().weight)
-        self.lm_head.weight.copy_(target_model.get_output_embeddings().weight[self.draft_ids()])
+        copy_from_target(self, target_model, d2t, t2d)
         last = target_model.model.layers[-1]
         for module in self.mtp:
             module.shared_head_norm.weight.copy_(target_model.model.norm.weight)
@@ -139,7 +107,7 @@ class MTPDrafter(nn.Module):
                 getattr(module.self_attn, name).load_state_dict(getattr(last.self_attn, name).state_dict())
 
     def draft_ids(self) -> torch.Tensor:
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        return draft_ids(self.d2t)
 
     def features(self, target_out) -> torch.Tensor:
         return target_out.last_hidden
