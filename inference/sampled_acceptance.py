@@ -37,8 +37,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.acceptance import acceptance_from_histogram, walk_answer
+from inference.acceptance import walk_answer
 from inference.verify import sampling_probs
+from models.acceptance import Acceptance
 
 VERIFICATIONS = ("standard", "block")
 
@@ -82,18 +83,9 @@ def block_histogram(w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 
 
 def acceptance_with_error(hist) -> dict:
-    """acceptance_from_histogram plus tau_se: sqrt(Var(L) / chains) under the histogram."""
-    stats = acceptance_from_histogram(hist)
-    h = torch.as_tensor(hist, dtype=torch.float64)
-    n = h.sum()
-    if n > 0:
-        lengths = torch.arange(h.numel(), dtype=torch.float64)
-        mean = (h * lengths).sum() / n
-        var = (h * (lengths - mean) ** 2).sum() / n
-        stats["tau_se"] = float((var / n).sqrt())
-    else:
-        stats["tau_se"] = 0.0
-    return stats
+    """acceptance_from_histogram plus tau_se: sqrt(Var(L) / chains) under the histogram (the JSON
+    view of models.acceptance.Acceptance.from_histogram(hist, with_error=True))."""
+    return Acceptance.from_histogram(hist, with_error=True).to_dict()
 
 
 # ----------------------------------------------------------------------------- chains at anchors
