@@ -195,7 +195,9 @@ def setting_key(temperature: float, verification: str) -> str:
 def promise_at(predicted: dict | None, temperature: float, verification: str) -> dict | None:
     """The promise for serving at this temperature and verification: the greedy one (the top
     level of predicted_acceptance) at T = 0, else the matching `sampled` entry; None where the
-    promise file has none (files written before sampled promises hold the greedy one alone)."""
+    promise file has none (files written before sampled promises hold the greedy one alone).
+    This reads the JSON as a file holds it, unchecked; validate reads the typed
+    models.acceptance.Prediction, whose promise_at makes the same choice."""
     if not predicted or "a" not in predicted:
         return None
     if temperature == 0:

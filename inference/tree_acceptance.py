@@ -21,7 +21,7 @@ import torch
 from inference.acceptance import anchorable_from, walk_answer
 from inference.tree import greedy_tree_verify
 from inference.tree_decoding import draft_eagle_tree, tree_candidate_count
-from models.acceptance import Acceptance, TreePromise
+from models.acceptance import Acceptance, Prediction, TreePromise
 
 UNKNOWN = -2  # a target choice the text cannot tell: equals no token and no empty slot (-1)
 
@@ -155,27 +155,17 @@ def tree_promises(hists: dict) -> tuple[TreePromise, ...]:
     return tuple(TreePromise(d, k, n, Acceptance.by_turn(h)) for (d, k, n), h in hists.items())
 
 
-def tree_promise(predicted: dict | None, tree) -> dict:
-    """The promise for this tree in an export's predicted_acceptance; a one-line error if none."""
+def tree_promise(predicted: Prediction | None, tree) -> TreePromise:
+    """The promise for this tree in an export's predicted acceptance; a one-line error if none."""
     depth, top_k, total = tree
-    entries = (predicted or {}).get("trees") or []
+    entries = predicted.heldout.trees if predicted else ()
     for entry in entries:
-        if (entry["depth"], entry["top_k"], entry["total_tokens"]) == (depth, top_k, total):
+        if (entry.depth, entry.top_k, entry.total_tokens) == (depth, top_k, total):
             return entry
-    held = "; ".join(tree_label((e["depth"], e["top_k"], e["total_tokens"])) for e in entries)
+    held = "; ".join(tree_label((e.depth, e.top_k, e.total_tokens)) for e in entries)
     raise ValueError(f"--tree {tree_label(tree)}: the export promises no such tree "
                      + (f"(it promises {held})" if held else
                         f"(it promises no trees: train with eval.trees=[[{depth}, {top_k}, {total}]])"))
-
-
-def tree_prediction(promise: dict, dataset: str) -> dict:
-    """An export's tree promise as validate's `predicted` (the chain promise's fields)."""
-    label = f"tree depth {promise['depth']}, top-k {promise['top_k']}, {promise['total_tokens']} nodes"
-    pred = {"a": promise["a"], "tau": promise["tau"], "histogram": promise.get("histogram"), "temperature": 0.0,
-            "verification": "greedy", "source": f"held-out {dataset}, greedy (T = 0), {label}"}
-    if promise.get("per_turn"):
-        pred["per_turn"] = {part: {"tau": t["tau"], "num_chains": t["num_chains"]} for part, t in promise["per_turn"].items()}
-    return pred
 
 
 def tree_proposers(drafter, tree, target_config):

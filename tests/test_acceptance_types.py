@@ -1,5 +1,6 @@
-"""The typed acceptance results (models/acceptance.py): they write the JSON files have always
-held, read it back unchanged, and name the key a file lacks."""
+"""The typed acceptance results (models/acceptance.py) and the validation report
+(inference/report.py): they write the JSON files have always held, read it back unchanged, and
+name the key a file lacks."""
 import json
 
 import pytest
@@ -58,3 +59,24 @@ def test_a_missing_key_is_named(path, key):
     del node[key]
     with pytest.raises(ValueError, match=f"missing key '{key}'"):
         Prediction.from_dict(d, "draftsmith.json: predicted_acceptance")
+
+
+def test_the_validation_report_reads_back_from_its_json():
+    from inference.report import Measured, Promised, ValidationReport
+
+    acc = Acceptance.from_histogram([3, 1, 2])
+    report = ValidationReport(
+        drafter="x", target="t", dataset="mt-bench", k=2, temperature=0.0, verification="standard", device="cpu",
+        num_questions=1, questions_planned=2, num_answers=2, batch_size=1, max_new_tokens=8,
+        predicted=Promised(acc.a, acc.tau, acc.histogram, "held-out d, greedy (T = 0)", 0.0, "greedy",
+                           per_turn={"1": {"tau": 1.5, "num_chains": 4}}),
+        measured=Measured(acc, 12.5), replay_answers=acc, replay_prompts=acc, per_category={"writing": acc},
+        per_turn={1: acc, 2: acc}, turns=None, relative_gap=0.0, tolerance=0.1, passed=True,
+        references={"ngram": Measured(acc, 20.0)}, tree=None, diagnosis=("No runtime gap.",))
+    d = report.to_dict()
+    assert d["pass"] is True and d["measured"]["tokens_per_s"] == 12.5 and set(d["per_turn"]) == {1, 2}
+    assert list(d["predicted"]) == ["a", "tau", "histogram", "temperature", "verification", "source", "per_turn"]
+    assert ValidationReport.from_dict(json.loads(json.dumps(d))) == report
+    del d["predicted"]["source"]
+    with pytest.raises(ValueError, match="report.json: predicted: missing key 'source'"):
+        ValidationReport.from_dict(d)
