@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 from export.formats import FORMATS, layout_module, write_export
+from models.acceptance import Prediction
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,16 +40,18 @@ def _checkpoint_file(spec: str) -> Path:
     return ckpt
 
 
-def _predicted(section: dict, ckpt: Path, step) -> dict | None:
-    """The held-out acceptance of exactly this checkpoint: the one it stored, else its run's
-    predicted.json when that was measured at the same step (the file may sit alone)."""
+def _predicted(section: dict, ckpt: Path, step) -> Prediction | None:
+    """The held-out acceptance of exactly this checkpoint (models.acceptance.Prediction): the
+    one it stored, else its run's predicted.json when that was measured at the same step (the
+    file may sit alone); None when neither holds it. A stored one that lacks a key is an error
+    naming it: the export would carry a promise validate cannot read."""
     if section.get("predicted") is not None:
-        return section["predicted"]
+        return Prediction.from_dict(section["predicted"], f"{ckpt}: its predicted acceptance")
     summary = ckpt.parent.parent / "predicted.json"
     if summary.is_file():
         predicted = json.loads(summary.read_text()).get("predicted")
         if isinstance(predicted, dict) and predicted.get("step") == step:
-            return predicted
+            return Prediction.from_dict(predicted, f"{summary}: predicted")
     return None
 
 
@@ -105,9 +108,10 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     else:  # what the other layouts read of the target (its architectures) is in the checkpoint
         hf_config = AutoConfig.for_model(**section["target"]["config"])
     run_config = section["run_config"]
+    predicted = _predicted(section, ckpt, checkpoint.get("global_step"))
     provenance = {"target": section["target"]["name"], "target_weights_sha256": section["target"]["weights_sha256"],
                   "training_config": run_config,
-                  "predicted_acceptance": _predicted(section, ckpt, checkpoint.get("global_step")),
+                  "predicted_acceptance": predicted.to_dict() if predicted else None,
                   "checkpoint": str(ckpt.resolve())}
     if action == "replace":
         print(f"replacing the draftsmith export at {out} (--force)", file=sys.stderr)

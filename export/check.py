@@ -7,7 +7,9 @@ would load silently wrong. Four levels, each reported; exit 0 only when all hold
       defaults for absent keys: vocab sizes, widths, eps, RoPE, layer ids as the server
       captures them, norm flags) equals the trained drafter's config field by field; causal
       flags, speculative token count and bias flags are what draftsmith computes; layer ids
-      and shapes agree with the target (depth, hidden size, vocabulary, RoPE base);
+      and shapes agree with the target (depth, hidden size, vocabulary, RoPE base). Each
+      layout module states what its config.json must say (export/formats.py: served_facts,
+      expected_facts), so this file holds no branch per method;
   (c) parity: the drafter built from config.json and the exported weights computes what the
       training checkpoint computes on the same inputs (float32, the checkpoint's weights
       rounded to the export's dtype; max abs diff reported, must be <= 1e-5);
@@ -97,135 +99,88 @@ def check_keys(folder: Path, meta: dict):
 NOT_SERVED = {"target_num_layers", "layer_id_convention"}
 
 
-def served_problems(folder: Path, meta: dict, config: dict) -> list[str]:
+def _layout(meta: dict):
+    """The export's layout module (export/formats.py): it states what its config.json must say."""
+    from export.formats import layout_module
+
+    try:
+        return layout_module(meta.get("method"), meta.get("format"))
+    except ValueError as e:
+        raise ValueError(f"draftsmith.json: {e}") from None
+
+
+def _shape_facts(config: dict) -> dict:
+    """The served facts of a layout that states none of its own: the target's shape, at the top level."""
+    return {key: config.get(key) for key in ("vocab_size", "hidden_size")}
+
+
+def _served_facts(layout, config: dict) -> dict:
+    return getattr(layout, "served_facts", _shape_facts)(config)
+
+
+def _same(found, want) -> bool:
+    # a flag is the boolean itself: an absent one (None) is no false one
+    return found is want if isinstance(want, bool) else found == want
+
+
+def served_problems(folder: Path, layout, meta: dict, config: dict) -> list[str]:
     """Every field of the drafter a server builds from config.json that differs from the trained
-    one, plus what the config module does not hold: causal flags, token count, bias flags."""
+    one, then every fact the layout's contract expects (expected_facts) that config.json serves
+    otherwise: causal flags, draft count, layer ids as written, bias flags."""
     from export.load import served_config
 
     trained = meta["drafter_config"]
     try:
         served = served_config(folder).to_dict()
+        problems = [f"{key}: config.json serves {served[key]}, the trained drafter has {trained[key]}"
+                    for key in trained if key in served and key not in NOT_SERVED and served[key] != trained[key]]
     except (KeyError, ValueError, TypeError) as e:
-        return [f"config.json does not build a drafter: {str(e).strip(chr(39))}"]
-    problems = [f"{key}: config.json serves {served[key]}, the trained drafter has {trained[key]}"
-                for key in trained if key in served and key not in NOT_SERVED and served[key] != trained[key]]
-    method, fmt = meta["method"], meta.get("format")
-    proposal = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
-    k = ((meta.get("training_config") or {}).get("eval") or {}).get("k")
-    if fmt == "speculators" and method == "dflash":
-        layer = config.get("transformer_layer_config") or {}
-        causal = layer["is_causal"] if layer.get("is_causal") is not None else not config.get("sliding_window_non_causal", True)
-        if causal:  # vLLM 0.33 qwen3_dflash.py: is_causal first, then not sliding_window_non_causal
-            problems.append("is_causal / sliding_window_non_causal: vLLM 0.33 would build the draft layers causal; "
-                            "draftsmith's blocks attend bidirectionally")
-        if proposal.get("speculative_tokens") != trained["block_size"] - 1:
-            problems.append(f"speculative_tokens: config.json says {proposal.get('speculative_tokens')}, a block of "
-                            f"{trained['block_size']} drafts {trained['block_size'] - 1} (vLLM ignores block_size)")
-    elif fmt == "speculators" and k is not None and proposal.get("speculative_tokens") != k:
-        problems.append(f"speculative_tokens: config.json says {proposal.get('speculative_tokens')}, trained and "
-                        f"predicted for k = {k}")
-    if method == "eagle1" and (config.get("bias") or config.get("attention_bias")):
-        problems.append("bias / attention_bias: servers would create attention biases the file does not hold")
-    if fmt == "sglang" and config.get("norm_before_residual"):
-        problems.append("norm_before_residual: SGLang 0.5.23 has no such option (the residual is pre-norm)")
+        problems = [f"config.json does not build a drafter: {str(e).strip(chr(39))}"]
+    facts = _served_facts(layout, config)
+    for name, (want, why) in _expected_facts(layout, meta).items():
+        if not _same(facts.get(name), want):
+            problems.append(f"{name}: config.json says {facts.get(name)}, expected {want} ({why})")
     return problems
+
+
+def _expected_facts(layout, meta: dict) -> dict:
+    """name -> (value, why) the layout expects of config.json for the trained drafter (none when
+    it states nothing beyond the drafter config)."""
+    if not hasattr(layout, "expected_facts"):
+        return {}
+    k = ((meta.get("training_config") or {}).get("eval") or {}).get("k")
+    return layout.expected_facts(meta["method"], meta["drafter_config"], k)
+
+
+def target_shape(target_config) -> dict:
+    """The target's shape, as the layouts' served facts name it."""
+    from models.layers import rope_config
+
+    return {"vocab_size": target_config.vocab_size, "hidden_size": target_config.hidden_size,
+            "target_num_layers": target_config.num_hidden_layers, "rope_theta": rope_config(target_config)[0]}
 
 
 def check_semantics(folder: Path, meta: dict, drafter, target_config) -> Check:
     """(b) The drafter config.json serves against the trained drafter's config and the target."""
     c = Check("b", "flags and layer ids consistent with the target")
     config = json.loads((folder / "config.json").read_text())
-    cfg = meta["drafter_config"]
-    method = meta["method"]
+    layout = _layout(meta)
+    c.problems.extend(served_problems(folder, layout, meta, config))
+    facts = _served_facts(layout, config)
+    for name, want in target_shape(target_config).items():
+        found = facts.get(name)
+        if name not in facts or (name == "rope_theta" and found is None):
+            continue  # not stated: a layout without RoPE (Medusa); an absent RoPE base is (d)'s to name
+        differs = float(found) != float(want) if name == "rope_theta" else found != want
+        if differs:
+            c.problems.append(f"{name}: config.json says {found}, the target {want}")
     L = target_config.num_hidden_layers
-    expect = {"vocab_size": target_config.vocab_size}
-    c.problems.extend(served_problems(folder, meta, config))
-    if method == "eagle3" and meta.get("format") == "sglang":
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if ids != cfg["aux_layer_ids"] or max(ids or [L]) >= L:
-            c.problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids {ids} != trained {cfg['aux_layer_ids']} (< {L})")
-        if cfg["norm_before_residual"]:
-            c.problems.append("a norm_before_residual drafter in the SGLang layout, which SGLang 0.5.23 cannot compute")
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = config.get("rope_theta")
-    elif method == "eagle3":
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-        if ids != [i + 1 for i in cfg["aux_layer_ids"]]:
-            c.problems.append(f"eagle_aux_hidden_state_layer_ids {ids} != output-of-layer ids {cfg['aux_layer_ids']} + 1")
-        if ids and max(ids) > L:
-            c.problems.append(f"aux hidden-state index {max(ids)} beyond the {L}-layer target")
-        for flag in ("norm_before_residual", "norm_before_fc"):
-            if config.get(flag) != cfg[flag]:
-                c.problems.append(f"{flag}: config.json says {config.get(flag)}, the trained drafter {cfg[flag]}")
-        for flag in ("norm_output", "fc_norm"):  # draftsmith feeds the pre-norm output on, one norm before fc at most
-            if config.get(flag) is not False:
-                c.problems.append(f"{flag}: config.json says {config.get(flag)}, draftsmith's EAGLE-3 computes it as false")
-        layer = config.get("transformer_layer_config", {})
-        expect.update(target_hidden_size=target_config.hidden_size)
-        theta = layer.get("rope_theta")
-    elif method == "medusa":
-        for key, ours in (("num_heads", "num_heads"), ("num_hidden_layers", "num_layers"), ("truncated_vocab_size", "draft_vocab_size")):
-            if config.get(key) != cfg[ours]:
-                c.problems.append(f"{key}: config.json says {config.get(key)}, the trained drafter {cfg[ours]}")
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = None
-    elif method == "mtp":
-        if config.get("num_nextn_predict_layers") != cfg["num_modules"]:
-            c.problems.append(f"num_nextn_predict_layers {config.get('num_nextn_predict_layers')} != {cfg['num_modules']} modules")
-        if config.get("num_hidden_layers") != L or cfg["target_num_layers"] != L:
-            c.problems.append(f"modules stored after layer {config.get('num_hidden_layers')}, the target has {L} layers")
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = _theta(config)
-    elif method == "dflash" and meta.get("format") == "speculators":
-        ids = config.get("aux_hidden_state_layer_ids")
-        if ids != [i + 1 for i in cfg["target_layer_ids"]] or max(ids or [0]) > L:
-            c.problems.append(f"aux_hidden_state_layer_ids {ids} != output-of-layer ids {cfg['target_layer_ids']} + 1 (<= {L})")
-        for key in ("mask_token_id", "block_size", "draft_vocab_size"):
-            if config.get(key) != cfg[key]:
-                c.problems.append(f"{key} {config.get(key)} != trained {cfg[key]}")
-        layer = config.get("transformer_layer_config") or {}
-        if layer.get("num_hidden_layers") != cfg["num_layers"]:
-            c.problems.append(f"transformer_layer_config.num_hidden_layers {layer.get('num_hidden_layers')} != {cfg['num_layers']} draft layers")
-        if config.get("sample_from_anchor") is not False:
-            c.problems.append("sample_from_anchor must be false: the anchor is the verified token, B-1 drafts")
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = layer.get("rope_theta")
-    elif method == "dflash":
-        if config.get("num_target_layers") != L:
-            c.problems.append(f"num_target_layers {config.get('num_target_layers')} != the target's {L}")
-        d = config.get("dflash_config") or {}
-        if d.get("target_layer_ids") != cfg["target_layer_ids"] or max(d.get("target_layer_ids") or [0]) >= L:
-            c.problems.append(f"dflash_config.target_layer_ids {d.get('target_layer_ids')} != trained {cfg['target_layer_ids']} "
-                              f"(output-of-layer ids < {L})")
-        if d.get("mask_token_id") != cfg["mask_token_id"]:
-            c.problems.append(f"mask_token_id {d.get('mask_token_id')} != trained {cfg['mask_token_id']}")
-        if config.get("block_size") != cfg["block_size"]:
-            c.problems.append(f"block_size {config.get('block_size')} != trained {cfg['block_size']}")
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = config.get("rope_theta")
-    else:  # eagle1
-        expect.update(hidden_size=target_config.hidden_size)
-        theta = config.get("rope_theta")
-    for key, value in expect.items():
-        if config.get(key, (config.get("transformer_layer_config") or {}).get(key)) != value:
-            c.problems.append(f"{key}: config.json says {config.get(key)}, the target {value}")
-    if theta is not None:
-        from models.layers import rope_config
-
-        target_theta, _ = rope_config(target_config)
-        if float(theta) != float(target_theta):
-            c.problems.append(f"rope_theta {theta} != the target's {target_theta}")
+    beyond = [i for i in drafter.aux_layer_ids if not 0 <= i < L]  # the served drafter's, output-of-layer ids
+    if beyond:
+        c.problems.append(f"layer ids {list(drafter.aux_layer_ids)}: {beyond} beyond the {L}-layer target")
     if not c.problems:
-        c.notes.append(f"{method} against a {L}-layer target")
+        c.notes.append(f"{meta['method']} against a {L}-layer target")
     return c
-
-
-def _theta(config: dict):
-    """RoPE base of a config.json, in transformers 4 (rope_theta) or 5 (rope_parameters) form."""
-    params = config.get("rope_parameters")
-    if isinstance(params, dict) and "rope_theta" in params:
-        return params["rope_theta"]
-    return config.get("rope_theta")
 
 
 def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> Check:
@@ -247,10 +202,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
         names = [n for n in f.keys() if n not in ("d2t", "t2d", "token_map")]
         export_dtype = f.get_slice(names[0]).get_dtype() if names else "F32"
     dtype = {"BF16": torch.bfloat16, "F16": torch.float16}.get(export_dtype, torch.float32)
-    # the export's tensors went through its dtype; EAGLE-1's head is not stored (the reader
-    # takes the target's at full precision)
-    kept = {"eagle1": {"lm_head.weight"},
-            "dflash": {"embed_tokens.weight"} | ({"lm_head.weight"} - set(names))}.get(meta["method"], set())
+    # the export's tensors went through its dtype, but for those the layout does not store: the
+    # reader takes them from the target at full precision
+    taken_from_target = getattr(_layout(meta), "taken_from_target", lambda method, stored: set())
+    kept = taken_from_target(meta["method"], set(names))
     state = {k: (v.to(dtype).float() if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
     reference.load_state_dict(state, strict=True)
     reference.eval()
@@ -296,27 +251,20 @@ def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> 
             ours, theirs = drafter.embed_tokens.weight, embed.to(drafter.embed_tokens.weight.dtype)
             if ours.shape != theirs.shape or (ours - theirs.to(ours.dtype)).abs().max().item() > 1e-2 * max(1.0, theirs.abs().max().item()):
                 c.problems.append("embed_tokens differs from the target's embedding (random or another target's)")
-        if meta["method"] in ("eagle1", "mtp", "dflash") and head is not None:
-            rows = head[draft_ids].to(drafter.lm_head.weight.dtype)
-            if (drafter.lm_head.weight - rows).abs().max().item() > 1e-2 * max(1.0, rows.abs().max().item()):
+        lm_head = getattr(drafter, "lm_head", None)
+        if lm_head is not None and not lm_head.weight.requires_grad and head is not None:  # a frozen copy
+            rows = head[draft_ids].to(lm_head.weight.dtype)
+            if (lm_head.weight - rows).abs().max().item() > 1e-2 * max(1.0, rows.abs().max().item()):
                 c.problems.append("the frozen head differs from the target's head rows")
     config = json.loads((folder / "config.json").read_text())
-    sglang = meta.get("format") == "sglang"
-    required = {"eagle3": ["draft_vocab_size", "eagle_config", "rope_theta", "rms_norm_eps", "max_position_embeddings",
-                           "hidden_act", "num_key_value_heads"] if sglang else
-                ["norm_before_residual", "norm_before_fc", "norm_output", "fc_norm", "eagle_aux_hidden_state_layer_ids",
-                 "draft_vocab_size"],
-                "medusa": ["medusa_fc_bias", "truncated_vocab_size"], "eagle1": ["rope_theta"],
-                "mtp": ["num_nextn_predict_layers"],
-                "dflash": ["block_size", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size", "sample_from_anchor"]
-                if meta.get("format") == "speculators" else ["block_size", "num_target_layers", "dflash_config"]}.get(meta["method"])
-    if required is None:  # a method whose layout states its own (export/formats.py)
-        from export.formats import layout_module
-
-        required = list(layout_module(meta["method"], meta.get("format")).REQUIRED_KEYS)
+    layout = _layout(meta)
+    required = getattr(layout, "REQUIRED_KEYS", ())
+    if isinstance(required, dict):  # one layout, several methods (speculators: EAGLE-3 and DFlash)
+        required = required[meta["method"]]
     absent = [k for k in required if k not in config]
-    if meta["method"] == "mtp" and _theta(config) is None:
-        absent.append("rope_theta / rope_parameters")
+    facts = _served_facts(layout, config)
+    if "rope_theta" in facts and facts["rope_theta"] is None:  # a layout with RoPE whose config.json leaves it out
+        absent.append("rope_theta")
     if absent:
         c.problems.append(f"config.json leaves {absent} to a reader's default")
     return c
@@ -333,7 +281,8 @@ def run_checks(folder: str | Path, target: str | None = None, checkpoint: str | 
     checks = [keys]
     if drafter is None:  # (b) still names the served fields that disagree with the trained drafter
         semantics = Check("b", "flags and layer ids consistent with the target")
-        semantics.problems.extend(served_problems(folder, meta, json.loads((folder / "config.json").read_text()))
+        config = json.loads((folder / "config.json").read_text())
+        semantics.problems.extend(served_problems(folder, _layout(meta), meta, config)
                                   or ["not checked: the export does not load"])
         checks.append(semantics)
         for level, name in (("c", "forward parity with the training checkpoint"), ("d", "nothing random-initialised or defaulted")):

@@ -107,3 +107,25 @@ def reads(config: dict) -> bool:
 
 def read(folder, dtype=torch.float32, served: bool = False):
     return load_dflash(folder, dtype=dtype, served=served)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = ("block_size", "num_target_layers", "dflash_config")
+
+
+def served_facts(config: dict) -> dict:
+    """What z-lab's DFlashDraftModel reads from config.json beside the drafter config (served_config)."""
+    d = config.get("dflash_config") or {}
+    return {"target_num_layers": config.get("num_target_layers"), "dflash_config.target_layer_ids": d.get("target_layer_ids"),
+            "dflash_config.mask_token_id": d.get("mask_token_id"),
+            **{key: config.get(key) for key in ("block_size", "vocab_size", "hidden_size", "rope_theta")}}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    return {"dflash_config.target_layer_ids": (trained["target_layer_ids"], "the trained output-of-layer ids"),
+            "dflash_config.mask_token_id": (trained["mask_token_id"], "trained"), "block_size": (trained["block_size"], "trained")}
+
+
+def taken_from_target(method: str, stored: set) -> set:
+    # the embedding is never stored; the head is, as draft rows, only by speculators' layout when Vd < V
+    return {"embed_tokens.weight"} | ({"lm_head.weight"} - stored)

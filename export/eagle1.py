@@ -120,3 +120,22 @@ def reads(config: dict) -> bool:
 
 def read(folder, dtype=torch.float32, served: bool = False):
     return load_eagle1(folder, dtype=dtype, served=served)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = ()  # rope_theta, the one a reader would default, export.check requires as a stated RoPE base
+
+
+def served_facts(config: dict) -> dict:
+    """What servers read from config.json beside the drafter config (served_config)."""
+    return {"bias": bool(config.get("bias")), "attention_bias": bool(config.get("attention_bias")),
+            **{key: config.get(key) for key in ("vocab_size", "hidden_size", "rope_theta")}}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    why = "servers would create attention biases the file does not hold"
+    return {"bias": (False, why), "attention_bias": (False, why)}
+
+
+def taken_from_target(method: str, stored: set) -> set:
+    return {"lm_head.weight"}  # never stored: the server uses the target's head

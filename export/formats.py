@@ -2,15 +2,34 @@
 the training run (its final export) and by `python -m export`.
 
 Each method's row of models/methods.py names its layouts and the module of each. A layout
-module provides:
+module provides what it writes and reads:
 
     write(drafter, out, ctx: ExportContext) -> Path   the folder, written atomically
     reads(config: dict) -> bool                        whether a config.json is of this layout
     read(folder, dtype, served) -> drafter             strict reader (export/load.py)
     served_config(config, folder) -> drafter config    what a server builds from config.json
     COPIES_TARGET (optional, default False)            the layout stores the target's tensors
-    REQUIRED_KEYS                                      config.json keys export.check requires
-                                                       (the shipped layouts' are listed in export/check.py)
+
+and what export.check holds an export of it to (its contract, so the checker needs no branch
+per method or layout):
+
+    served_facts(config) -> dict                       what a server reads from config.json
+                                                       beyond the drafter config: draft count,
+                                                       causal and bias flags, layer ids as
+                                                       written, and the target's shape as stated
+                                                       (vocab_size, hidden_size, target_num_layers,
+                                                       rope_theta; None where config.json leaves
+                                                       it out). Default: vocab_size, hidden_size
+    expected_facts(method, trained, k) -> dict         name -> (what served_facts must say, why),
+                                                       for the trained drafter config (a dict)
+                                                       and the draft length k it was trained for
+    REQUIRED_KEYS                                      config.json keys a reader would otherwise
+                                                       default (a dict by method where one
+                                                       layout carries several)
+    taken_from_target(method, stored) -> set           drafter tensors not stored (of the names
+                                                       `stored` in model.safetensors) that the
+                                                       reader takes from the target at full
+                                                       precision (optional, default none)
 """
 from __future__ import annotations
 

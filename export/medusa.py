@@ -117,3 +117,18 @@ def reads(config: dict) -> bool:
 
 def read(folder, dtype=torch.float32, served: bool = False):
     return load_medusa(folder, dtype=dtype, served=served)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = ("medusa_fc_bias", "truncated_vocab_size")
+
+
+def served_facts(config: dict) -> dict:
+    """What vLLM reads from config.json beside the drafter config (served_config)."""
+    return {key: config.get(key) for key in ("num_heads", "num_hidden_layers", "truncated_vocab_size", "vocab_size",
+                                             "hidden_size")}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    return {"num_heads": (trained["num_heads"], "trained"), "num_hidden_layers": (trained["num_layers"], "the trained block layers"),
+            "truncated_vocab_size": (trained["draft_vocab_size"], "the trained draft vocabulary")}

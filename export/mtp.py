@@ -119,6 +119,14 @@ class _Namespace:
         self.__dict__.update(d)
 
 
+def rope_theta(config: dict):
+    """RoPE base of a config.json, in transformers 4 (rope_theta) or 5 (rope_parameters) form."""
+    params = config.get("rope_parameters")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return params["rope_theta"]
+    return config.get("rope_theta")
+
+
 # ---------------------------------------------------------------- the layout's entry points
 COPIES_TARGET = True  # the target's embedding and head sit beside every module
 
@@ -142,3 +150,19 @@ def reads(config: dict) -> bool:
 
 def read(folder, dtype=torch.float32, served: bool = False):
     return load_mtp(folder, dtype=dtype, served=served)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = ("num_nextn_predict_layers",)
+
+
+def served_facts(config: dict) -> dict:
+    """What a server reads from config.json (the target's own, with its MTP layers) beside the
+    drafter config: the modules are layers L + d of a target of config.json's depth L."""
+    return {"num_nextn_predict_layers": config.get("num_nextn_predict_layers"), "target_num_layers": config.get("num_hidden_layers"),
+            "vocab_size": config.get("vocab_size"), "hidden_size": config.get("hidden_size"), "rope_theta": rope_theta(config)}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    return {"num_nextn_predict_layers": (trained["num_modules"], "the trained modules"),
+            "target_num_layers": (trained["target_num_layers"], "the depth the modules were trained after")}

@@ -136,3 +136,23 @@ def reads(config: dict) -> bool:
 
 def read(folder, dtype=torch.float32, served: bool = False):
     return load_sglang(folder, dtype=dtype, served=served)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = ("draft_vocab_size", "eagle_config", "rms_norm_eps", "max_position_embeddings", "hidden_act",
+                 "num_key_value_heads")  # rope_theta too: export.check requires every stated RoPE base
+
+
+def served_facts(config: dict) -> dict:
+    """What SGLang reads from config.json beside the drafter config (served_config)."""
+    return {"eagle_config.eagle_aux_hidden_state_layer_ids": (config.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids"),
+            "norm_before_residual": bool(config.get("norm_before_residual")),
+            **{key: config.get(key) for key in ("vocab_size", "hidden_size", "rope_theta")}}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    """What served_facts must say for the trained drafter: name -> (value, why). A trained
+    norm_before_residual is named by the served config already (SGLang serves it false)."""
+    return {"eagle_config.eagle_aux_hidden_state_layer_ids": (trained["aux_layer_ids"], "the trained output-of-layer ids"),
+            "norm_before_residual": (False, "SGLang 0.5.23 has no such option (the residual is pre-norm)")}

@@ -254,3 +254,58 @@ def read(folder, dtype=torch.float32, served: bool = False):
 def served_config(config: dict, folder):
     """The drafter config vLLM builds from config.json alone (its defaults for absent keys)."""
     return (_dflash_config if config.get("speculators_model_type") == "dflash" else _eagle3_config)(config, folder)
+
+
+# ---------------------------------------------------------------- what export.check holds it to
+REQUIRED_KEYS = {  # what vLLM would otherwise default
+    "eagle3": ("norm_before_residual", "norm_before_fc", "norm_output", "fc_norm", "eagle_aux_hidden_state_layer_ids",
+               "draft_vocab_size"),
+    "dflash": ("block_size", "aux_hidden_state_layer_ids", "mask_token_id", "draft_vocab_size", "sample_from_anchor"),
+}
+
+
+def served_facts(config: dict) -> dict:
+    """What vLLM reads from config.json beside the drafter config (served_config), as it reads it."""
+    layer = config.get("transformer_layer_config") or {}
+    proposal = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])[0]
+    facts = {"speculative_tokens": proposal.get("speculative_tokens"), "vocab_size": config.get("vocab_size", layer.get("vocab_size")),
+             "rope_theta": layer.get("rope_theta")}
+    if config.get("speculators_model_type") == "dflash":
+        # vLLM 0.33 qwen3_dflash.py: is_causal first, then not sliding_window_non_causal
+        causal = layer["is_causal"] if layer.get("is_causal") is not None else not config.get("sliding_window_non_causal", True)
+        return {**facts, "is_causal": bool(causal), "hidden_size": config.get("hidden_size", layer.get("hidden_size")),
+                "transformer_layer_config.num_hidden_layers": layer.get("num_hidden_layers"),
+                **{key: config.get(key) for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size",
+                                                    "draft_vocab_size", "sample_from_anchor")}}
+    return {**facts, "hidden_size": config.get("target_hidden_size", layer.get("target_hidden_size")),
+            **{key: config.get(key) for key in ("eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc",
+                                                "norm_output", "fc_norm")}}
+
+
+def expected_facts(method: str, trained: dict, k: int | None) -> dict:
+    """What served_facts must say for the trained drafter: name -> (value, why)."""
+    if method == "dflash":
+        block = trained["block_size"]
+        return {"is_causal": (False, "draftsmith's blocks attend bidirectionally"),
+                "speculative_tokens": (block - 1, f"a block of {block} drafts {block - 1}; vLLM ignores block_size"),
+                "aux_hidden_state_layer_ids": ([i + 1 for i in trained["target_layer_ids"]],
+                                               "the trained output-of-layer ids + 1"),
+                **{key: (trained[key], "trained") for key in ("mask_token_id", "block_size", "draft_vocab_size")},
+                "transformer_layer_config.num_hidden_layers": (trained["num_layers"], "the trained draft layers"),
+                "sample_from_anchor": (False, "the anchor is the verified token: B-1 drafts")}
+    facts = {"eagle_aux_hidden_state_layer_ids": ([i + 1 for i in trained["aux_layer_ids"]],
+                                                  "the trained output-of-layer ids + 1"),
+             **{flag: (trained[flag], "trained") for flag in ("norm_before_residual", "norm_before_fc")},
+             # draftsmith feeds the pre-norm output on, one norm before fc at most
+             "norm_output": (False, "draftsmith's EAGLE-3 computes it so"), "fc_norm": (False, "draftsmith's EAGLE-3 computes it so")}
+    if k is not None:
+        facts["speculative_tokens"] = (k, "trained and predicted for that k")
+    return facts
+
+
+def taken_from_target(method: str, stored: set) -> set:
+    if method == "dflash":
+        from export.dflash import taken_from_target as dflash_taken
+
+        return dflash_taken(method, stored)
+    return set()

@@ -1,9 +1,6 @@
-"""Acceptance: one definition, used by training (predicted) and the runtime (measured).
-
-For a chain of k drafts, a_i = P(draft i accepted | drafts 1..i-1 accepted) and
-tau = 1 + sum_i prod_{j<=i} a_j (accepted drafts plus the bonus token; plain decoding = 1).
-Everything is computed from the histogram of accepted lengths, so counts from many batches,
-ranks or requests simply add.
+"""Acceptance: one walk, used by training (predicted) and validation (replayed), measured the
+way the runtime drafts. The definition of a_i and tau, and the types that carry them, are
+models/acceptance.py's.
 """
 from __future__ import annotations
 
@@ -11,6 +8,7 @@ from itertools import accumulate, islice
 
 import torch
 
+from models.acceptance import Acceptance
 from models.methods import predictor_of
 
 
@@ -30,22 +28,10 @@ def length_histogram(lengths: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def acceptance_from_histogram(hist) -> dict:
-    """{'a': [a_1..a_k], 'tau': float, 'num_chains': int, 'histogram': [...]} from counts [k+1]
-    (integers, or expected counts from a sampled walk)."""
-    hist = torch.as_tensor(hist, dtype=torch.float64)
-    k = hist.numel() - 1
-    n = hist.sum().item()
-    at_least = hist.flip(0).cumsum(0).flip(0)  # at_least[i] = #chains with >= i accepted
-    a = [(at_least[i] / at_least[i - 1]).item() if at_least[i - 1] > 0 else 0.0 for i in range(1, k + 1)]
-    tau = 1.0 + (at_least[1:].sum() / n).item() if n else 1.0
-    # sampled promises (inference/sampled_acceptance.py) hold expected, fractional counts
-    counts = [int(x) if float(x).is_integer() else x for x in hist.tolist()]
-    return {"a": a, "tau": tau, "num_chains": int(round(n)), "histogram": counts}
-
-
-def acceptance_by_turn(hist) -> dict:
-    """[2, k+1] from predicted_histogram(per_turn=True) → {"1": first answers, "2+": follow-up turns}."""
-    return {"1": acceptance_from_histogram(hist[0]), "2+": acceptance_from_histogram(hist[1])}
+    """{'a': [a_1..a_k], 'tau': float, 'num_chains': int, 'histogram': [...]} from counts [k+1]:
+    the JSON view of models.acceptance.Acceptance.from_histogram (the runtime's stats and bench
+    rows print it)."""
+    return Acceptance.from_histogram(hist).to_dict()
 
 
 @torch.no_grad()

@@ -38,8 +38,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.acceptance import acceptance_from_histogram, walk_answer
+from inference.acceptance import walk_answer
 from inference.verify import sampling_probs
+from models.acceptance import Acceptance
 
 VERIFICATIONS = ("standard", "block")
 
@@ -83,18 +84,9 @@ def block_histogram(w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
 
 
 def acceptance_with_error(hist) -> dict:
-    """acceptance_from_histogram plus tau_se: sqrt(Var(L) / chains) under the histogram."""
-    stats = acceptance_from_histogram(hist)
-    h = torch.as_tensor(hist, dtype=torch.float64)
-    n = h.sum()
-    if n > 0:
-        lengths = torch.arange(h.numel(), dtype=torch.float64)
-        mean = (h * lengths).sum() / n
-        var = (h * (lengths - mean) ** 2).sum() / n
-        stats["tau_se"] = float((var / n).sqrt())
-    else:
-        stats["tau_se"] = 0.0
-    return stats
+    """acceptance_from_histogram plus tau_se: sqrt(Var(L) / chains) under the histogram (the JSON
+    view of models.acceptance.Acceptance.from_histogram(hist, with_error=True))."""
+    return Acceptance.from_histogram(hist, with_error=True).to_dict()
 
 
 # ----------------------------------------------------------------------------- chains at anchors
@@ -210,7 +202,9 @@ def setting_key(temperature: float, verification: str) -> str:
 def promise_at(predicted: dict | None, temperature: float, verification: str) -> dict | None:
     """The promise for serving at this temperature and verification: the greedy one (the top
     level of predicted_acceptance) at T = 0, else the matching `sampled` entry; None where the
-    promise file has none (files written before sampled promises hold the greedy one alone)."""
+    promise file has none (files written before sampled promises hold the greedy one alone).
+    This reads the JSON as a file holds it, unchecked; validate reads the typed
+    models.acceptance.Prediction, whose promise_at makes the same choice."""
     if not predicted or "a" not in predicted:
         return None
     if temperature == 0:

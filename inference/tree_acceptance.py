@@ -4,7 +4,7 @@ runtime's EagleTreeProposer drafts them, and judges them with the runtime's own 
 One definition on both sides: the trees come from `draft_eagle_tree` (inference/tree_decoding.py,
 the function `EagleTreeProposer.draft_tree` calls), the accepted length of each tree from
 `greedy_tree_verify` (inference/tree.py, what `TreeLoop` verifies with), tau from
-`acceptance_from_histogram` over the accepted-length histogram [depth+1] (what the runtime's
+`Acceptance.from_histogram` over the accepted-length histogram [depth+1] (what the runtime's
 stats report). Only the target's choices come from elsewhere: from the text where it can tell
 them, else from one target forward over the accepted path grafted onto the text.
 
@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, anchorable_from, walk_answer
+from inference.acceptance import anchorable_from, walk_answer
 from inference.tree import greedy_tree_verify
 from inference.tree_decoding import draft_eagle_tree, tree_candidate_count
+from models.acceptance import Acceptance, Prediction, TreePromise
 
 UNKNOWN = -2  # a target choice the text cannot tell: equals no token and no empty slot (-1)
 
@@ -147,36 +148,24 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
     return hists if per_turn else {t: h.sum(0) for t, h in hists.items()}
 
 
-def tree_promises(hists: dict) -> list[dict]:
-    """predicted_acceptance["trees"]: per tree its settings, the verify tokens per step (the root
-    and its nodes), and acceptance as for chains (a, tau, num_chains = trees drafted, histogram,
-    per_turn) from per-turn histograms {(depth, top_k, total): [2, depth+1]}."""
-    return [{"depth": d, "top_k": k, "total_tokens": n, "verify_tokens_per_step": n + 1,
-             **acceptance_from_histogram(h.sum(0)), "per_turn": acceptance_by_turn(h)}
-            for (d, k, n), h in hists.items()]
+def tree_promises(hists: dict) -> tuple[TreePromise, ...]:
+    """predicted_acceptance["trees"]: per tree its settings and acceptance as for chains (a, tau,
+    num_chains = trees drafted, histogram, per_turn) from per-turn histograms
+    {(depth, top_k, total): [2, depth+1]}."""
+    return tuple(TreePromise(d, k, n, Acceptance.by_turn(h)) for (d, k, n), h in hists.items())
 
 
-def tree_promise(predicted: dict | None, tree) -> dict:
-    """The promise for this tree in an export's predicted_acceptance; a one-line error if none."""
+def tree_promise(predicted: Prediction | None, tree) -> TreePromise:
+    """The promise for this tree in an export's predicted acceptance; a one-line error if none."""
     depth, top_k, total = tree
-    entries = (predicted or {}).get("trees") or []
+    entries = predicted.heldout.trees if predicted else ()
     for entry in entries:
-        if (entry["depth"], entry["top_k"], entry["total_tokens"]) == (depth, top_k, total):
+        if (entry.depth, entry.top_k, entry.total_tokens) == (depth, top_k, total):
             return entry
-    held = "; ".join(tree_label((e["depth"], e["top_k"], e["total_tokens"])) for e in entries)
+    held = "; ".join(tree_label((e.depth, e.top_k, e.total_tokens)) for e in entries)
     raise ValueError(f"--tree {tree_label(tree)}: the export promises no such tree "
                      + (f"(it promises {held})" if held else
                         f"(it promises no trees: train with eval.trees=[[{depth}, {top_k}, {total}]])"))
-
-
-def tree_prediction(promise: dict, dataset: str) -> dict:
-    """An export's tree promise as validate's `predicted` (the chain promise's fields)."""
-    label = f"tree depth {promise['depth']}, top-k {promise['top_k']}, {promise['total_tokens']} nodes"
-    pred = {"a": promise["a"], "tau": promise["tau"], "histogram": promise.get("histogram"), "temperature": 0.0,
-            "verification": "greedy", "source": f"held-out {dataset}, greedy (T = 0), {label}"}
-    if promise.get("per_turn"):
-        pred["per_turn"] = {part: {"tau": t["tau"], "num_chains": t["num_chains"]} for part, t in promise["per_turn"].items()}
-    return pred
 
 
 def tree_proposers(drafter, tree, target_config):

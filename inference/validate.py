@@ -28,17 +28,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from inference.report import write_report
+from inference.report import Measured, Promised, ValidationReport, write_report
 from inference.served import load_prompts_for, measure, replay  # noqa: F401  (load_prompts_for: tests)
-
-
-def tau_at(a: list[float], k: int) -> float:
-    """tau of a k-chain from per-position acceptance a_1..a_k (docs/design.md definition)."""
-    tau, run = 1.0, 1.0
-    for x in a[:k]:
-        run *= x
-        tau += run
-    return tau
+from models.acceptance import Acceptance, Prediction, TreePromise, tau_at
 
 
 def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
@@ -136,9 +128,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     from transformers import AutoTokenizer
 
     from export.load import load_export
-    from inference.acceptance import acceptance_from_histogram
     from inference.fallback import load_runtime
-    from inference.sampled_acceptance import acceptance_with_error, promise_at
     from models.target import Target
     from models.zoo import resolve_target
 
@@ -149,19 +139,20 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     from export.io import read_json
 
     provenance = read_json(prov_path) if prov_path.is_file() else {}
-    predicted = provenance.get("predicted_acceptance") or {}
+    raw = provenance.get("predicted_acceptance")
+    predicted = Prediction.from_dict(raw, f"{prov_path}: predicted_acceptance") if raw else None
     if tree is not None:  # held to its own promise, found once the drafter is known to draft trees
         if temperature > 0:
             raise ValueError(f"--tree: draft trees verify greedily for now (--temperature 0, not {temperature:g})")
         if k and k != tree[0]:
             raise ValueError(f"-k {k} and --tree {tree[0]},{tree[1]},{tree[2]}: a tree's depth is its k (leave -k out)")
         k = tree[0]
-    elif "a" in predicted:
-        k = k or predicted.get("k", len(predicted["a"]))
-        if k > len(predicted["a"]):
-            raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted['a'])}")
+    elif predicted is not None:
+        k = k or predicted.k or len(predicted.greedy.a)
+        if k > len(predicted.greedy.a):
+            raise ValueError(f"-k {k}: the export predicts chains of at most {len(predicted.greedy.a)}")
     else:  # made elsewhere: nothing promised, so the served acceptance is held against training's
-        predicted = None  # predictor replayed on the served answers (the runtime gap alone)
+        # predictor replayed on the served answers (the runtime gap alone)
         if not k:
             raise ValueError(f"-k: {folder} carries no predicted acceptance (no draftsmith.json); pass -k")
     target = target or provenance.get("target") or _target_named_in(read_json(folder / "config.json"))
@@ -200,8 +191,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         total += h
         by_cat[r["category"]] += h
         by_turn[r["turn"]] += h
-    measured = acceptance_from_histogram(total) if temperature == 0 else acceptance_with_error(total)
-    measured["tokens_per_s"] = sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+    sampled = temperature != 0  # sampled walks carry tau's standard error
+    measured = Measured(Acceptance.from_histogram(total, with_error=sampled), _tokens_per_s(records))
     references = {}
     for name in references_to_run:
         from inference.proposers import NgramProposer, SuffixProposer
@@ -213,59 +204,68 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
             make = lambda prompts, max_len: suffix  # noqa: E731
         ref = measure(rt, tokenizer, None, questions, k, max_new_tokens, temperature, max_turns=max_turns,
                       progress=progress, verification=verification, make_proposer=make, batch_size=batch_size)
-        references[name] = acceptance_from_histogram(sum((torch.as_tensor(r["histogram"]) for r in ref),
-                                                         torch.zeros(k + 1, dtype=torch.long)))
-        references[name]["tokens_per_s"] = sum(r["new_tokens"] for r in ref) / max(sum(r["seconds"] for r in ref), 1e-9)
+        hist = sum((torch.as_tensor(r["histogram"]) for r in ref), torch.zeros(k + 1, dtype=torch.long))
+        references[name] = Measured(Acceptance.from_histogram(hist), _tokens_per_s(ref))
 
     del rt
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
     # every served chain: the walk then is the runtime's own
-    summarize = acceptance_from_histogram if temperature == 0 else acceptance_with_error
-    replay_answers = summarize(replay(tgt, drafter, records, k, None, "answer", temperature, verification, tree=tree))
-    replay_prompts = summarize(replay(tgt, drafter, records, k, anchors, "prompt", temperature, verification, tree=tree))
-
-    if tree_promised is not None:
-        from inference.tree_acceptance import tree_prediction
-
-        pred = tree_prediction(tree_promised, predicted.get("dataset", "training data"))
-    elif predicted is None:
-        pred = {"a": replay_answers["a"][:k], "tau": replay_answers["tau"], "histogram": replay_answers.get("histogram"),
-                "source": "no promise in the export: training's predictor on the served answers"}
-    else:
-        # the promise at the served temperature and verification; without one, the greedy promise
-        # stands as a reference (exports from before sampled promises)
-        promise = promise_at(predicted, temperature, verification) or predicted
-        at = float(promise.get("temperature", 0.0))
-        pred = {"a": promise["a"][:k], "tau": tau_at(promise["a"], k), "histogram": promise.get("histogram")
-                if k == len(promise["a"]) else None, "temperature": at,
-                "verification": promise.get("verification", "greedy") if at else "greedy",
-                "source": f"held-out {predicted.get('dataset', 'training data')}" + (
-                    f", T = {at:g}, {promise['verification']} verification" if at else ", greedy (T = 0)")}
-        if "tau_se" in promise and k == len(promise["a"]):
-            pred["tau_se"] = promise["tau_se"]
-        if promise.get("per_turn"):  # exports since session 6: first answers and follow-up turns apart
-            pred["per_turn"] = {label: {"tau": tau_at(t["a"], k), "num_chains": t["num_chains"]}
-                                for label, t in promise["per_turn"].items()}
-    per_category = {c: acceptance_from_histogram(h) for c, h in by_cat.items()}
-    per_turn = {t: acceptance_from_histogram(h) for t, h in by_turn.items()}
-    gap = (measured["tau"] - pred["tau"]) / pred["tau"]
-    report = {
-        "drafter": str(folder), "target": target, "dataset": dataset, "k": k, "temperature": temperature, "verification": verification,
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "num_questions": len(questions), "questions_planned": planned, "num_answers": len(records), "batch_size": batch_size,
-        "max_new_tokens": max_new_tokens,
-        "predicted": pred, "measured": measured, "replay_answers": replay_answers, "replay_prompts": replay_prompts,
-        "per_category": per_category, "per_turn": per_turn,
-        "turns": turn_mix(pred.get("per_turn", {}), per_turn),
-        "relative_gap": gap, "tolerance": tolerance, "pass": abs(gap) <= tolerance,
-        "references": references,
-        "tree": None if tree is None else {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2],
-                                           "verify_tokens_per_step": tree[2] + 1},
-    }
-    report["diagnosis"] = diagnose(pred, measured, replay_answers, replay_prompts, per_category, tolerance, temperature,
-                                   report["turns"])
+    replay_answers = Acceptance.from_histogram(replay(tgt, drafter, records, k, None, "answer", temperature, verification,
+                                                      tree=tree), with_error=sampled)
+    replay_prompts = Acceptance.from_histogram(replay(tgt, drafter, records, k, anchors, "prompt", temperature, verification,
+                                                      tree=tree), with_error=sampled)
+    pred = promised(predicted, k, temperature, verification, replay_answers, tree_promised)
+    per_category = {c: Acceptance.from_histogram(h) for c, h in by_cat.items()}
+    per_turn = {t: Acceptance.from_histogram(h) for t, h in by_turn.items()}
+    turns = turn_mix(pred.per_turn or {}, {t: s.to_dict() for t, s in per_turn.items()})
+    gap = (measured.acceptance.tau - pred.tau) / pred.tau
+    report = ValidationReport(
+        drafter=str(folder), target=target, dataset=dataset, k=k, temperature=temperature, verification=verification,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        num_questions=len(questions), questions_planned=planned, num_answers=len(records), batch_size=batch_size,
+        max_new_tokens=max_new_tokens, predicted=pred, measured=measured, replay_answers=replay_answers,
+        replay_prompts=replay_prompts, per_category=per_category, per_turn=per_turn, turns=turns, relative_gap=gap,
+        tolerance=tolerance, passed=abs(gap) <= tolerance, references=references,
+        tree=None if tree is None else {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2],
+                                        "verify_tokens_per_step": tree[2] + 1},
+        diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
+                                 {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns)))
     write_report(report, Path(out))
-    return report
+    return report.to_dict()
+
+
+def _tokens_per_s(records: list[dict]) -> float:
+    return sum(r["new_tokens"] for r in records) / max(sum(r["seconds"] for r in records), 1e-9)
+
+
+def promised(predicted: Prediction | None, k: int, temperature: float, verification: str, replay_answers: Acceptance,
+             tree: TreePromise | None = None) -> Promised:
+    """What the served acceptance is held to: the tree promise when trees were served; else the
+    export's promise at the served temperature and verification, cut to k (without one at
+    T > 0, the greedy promise stands as a reference: exports from before sampled promises);
+    else, from an export that promises nothing, training's predictor on the served answers."""
+    dataset = (predicted.dataset if predicted else None) or "training data"
+    if tree is not None:
+        acc = tree.acceptance
+        label = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} nodes"
+        return Promised(acc.a, acc.tau, acc.histogram, f"held-out {dataset}, greedy (T = 0), {label}", 0.0, "greedy",
+                        per_turn=_turn_taus(acc, None))
+    if predicted is None:
+        return Promised(replay_answers.a[:k], replay_answers.tau, replay_answers.histogram,
+                        "no promise in the export: training's predictor on the served answers")
+    promise = predicted.promise_at(temperature, verification) or predicted.promise_at(0.0, verification)
+    acc, at = promise.acceptance, float(promise.temperature)
+    whole = k == len(acc.a)  # the histogram and tau_se are the promise's own k's
+    return Promised(acc.a[:k], tau_at(acc.a, k), acc.histogram if whole else None,
+                    f"held-out {dataset}" + (f", T = {at:g}, {promise.verification} verification" if at else ", greedy (T = 0)"),
+                    at, promise.verification if at else "greedy", acc.tau_se if whole else None, _turn_taus(acc, k))
+
+
+def _turn_taus(acc: Acceptance, k: int | None) -> dict | None:
+    """{"1" | "2+": {"tau", "num_chains"}} of a promise measured by turn (tau cut to k when given)."""
+    if not acc.per_turn:  # promises from before first answers and follow-up turns were told apart
+        return None
+    return {label: {"tau": tau_at(t.a, k) if k else t.tau, "num_chains": t.num_chains} for label, t in acc.per_turn.items()}
 
 
 def _target_named_in(config: dict) -> str | None:

@@ -11,6 +11,7 @@ holds, beside Lightning's own keys, a `draftsmith` section of plain data:
                      "config": the target's config.json as a dict}
     run_config      the resolved run config as a dict (the provenance exports record)
     predicted       the held-out acceptance measured at this step, when there is one
+                    (models/acceptance.py: Prediction.to_dict)
 
 so `drafter_from_checkpoint` rebuilds the drafter from the file alone, and the target is
 needed only by layouts that copy its tensors. Everything here loads with weights_only=True:
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from models import methods
+from models.acceptance import Prediction
 
 SECTION = "draftsmith"
 VERSION = 1
@@ -99,13 +101,13 @@ def describe(method: str, target_name: str, target_path: str | Path, hf_config, 
                        "config": json.loads(hf_config.to_json_string(use_diff=False))}}
 
 
-def section_for_save(description: dict, drafter, predicted: dict | None = None) -> dict:
+def section_for_save(description: dict, drafter, predicted: Prediction | None = None) -> dict:
     """The full section for one checkpoint: the drafter's maps are its own buffers (torch.save
     stores a storage once, so they cost nothing beside the state dict's copies)."""
     section = {**description, "drafter_config": _plain(drafter.config.to_dict()),
                "draft_vocab": {"d2t": drafter.d2t, "t2d": drafter.t2d}}
     if predicted is not None:
-        section["predicted"] = _plain(predicted)
+        section["predicted"] = _plain(predicted.to_dict())
     return section
 
 

@@ -7,8 +7,9 @@ import time
 import lightning as L
 import torch
 
-from inference.acceptance import acceptance_by_turn, acceptance_from_histogram, predicted_histogram
-from inference.sampled_acceptance import VERIFICATIONS, acceptance_with_error, sampled_histogram, setting_key
+from inference.acceptance import predicted_histogram
+from inference.sampled_acceptance import VERIFICATIONS, sampled_histogram, setting_key
+from models.acceptance import Acceptance, HeldoutPrediction, Prediction, Promise
 from models.methods import predictor_of
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
@@ -49,7 +50,7 @@ class DrafterModule(L.LightningModule):
         self.predictor = predictor_of(drafter)  # chain / heads unroll; block: DFlash's objective
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
-        self.predicted: dict | None = None
+        self.predicted: Prediction | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         self._val_hist = None
         self._tree_hist = {}  # eval.trees' histograms, from each validation's start
@@ -267,42 +268,42 @@ class DrafterModule(L.LightningModule):
                                    self.evaluation.anchors_per_sequence, features=features, greedy=greedy, per_turn=per_turn)
 
     def on_validation_epoch_end(self):
-        hist = self._val_hist.to(self.device)
+        hist = self._reduced(self._val_hist)
+        sampled = {setting: self._reduced(h) for setting, h in self._sampled_hist.items()}
+        trees = {tree: self._reduced(h) for tree, h in self._tree_hist.items()}
+        per_set = [self._heldout(hist[j], {s: h[j] for s, h in sampled.items()}, {t: h[j] for t, h in trees.items()})
+                   for j in range(len(self.eval_names))]
+        self.predicted = Prediction(per_set[0], dataset=self.eval_names[0], k=self.evaluation.k, step=int(self.global_step),
+                                    also=dict(zip(self.eval_names[1:], per_set[1:])))
+        for j, held in enumerate(per_set):
+            suffix = "" if j == 0 else f"_set{j}"  # set j = eval.datasets[j]
+            self.log(f"val/tau{suffix}", held.greedy.tau, prog_bar=j == 0, sync_dist=False)
+            for i, a in enumerate(held.greedy.a, 1):
+                self.log(f"val/a_{i}{suffix}", a, sync_dist=False)
+            for promise in held.sampled:
+                self.log(f"val/tau_{setting_key(promise.temperature, promise.verification)}{suffix}", promise.acceptance.tau,
+                         sync_dist=False)
+            for tree in held.trees:
+                self.log(f"val/tau_tree_{tree.depth}_{tree.top_k}_{tree.total_tokens}{suffix}", tree.acceptance.tau,
+                         sync_dist=False)
+
+    @staticmethod
+    def _heldout(hist, sampled: dict, trees: dict) -> HeldoutPrediction:
+        """One held-out set's prediction from its per-turn histograms [2, k+1] (first answers,
+        follow-up turns): greedy chains, sampled ones per (T, verification), trees per shape."""
+        promises = tuple(Promise(t, v, Acceptance.by_turn(h, with_error=True)) for (t, v), h in sampled.items())
+        if not trees:
+            return HeldoutPrediction(Acceptance.by_turn(hist), promises)
+        from inference.tree_acceptance import tree_promises
+
+        return HeldoutPrediction(Acceptance.by_turn(hist), promises, tree_promises(trees))
+
+    def _reduced(self, hist: torch.Tensor) -> torch.Tensor:
+        """A histogram summed over ranks, on the CPU."""
+        hist = hist.to(self.device)
         if self.trainer.world_size > 1:
             hist = self.trainer.strategy.reduce(hist, reduce_op="sum")
-        per_set = [{**acceptance_from_histogram(h.sum(0)), "per_turn": acceptance_by_turn(h)} for h in hist.cpu()]
-        for (temperature, verification), sampled in self._sampled_hist.items():
-            sampled = sampled.to(self.device)
-            if self.trainer.world_size > 1:
-                sampled = self.trainer.strategy.reduce(sampled, reduce_op="sum")
-            for j, h in enumerate(sampled.cpu()):
-                per_set[j].setdefault("sampled", []).append(
-                    {"temperature": temperature, "verification": verification, **acceptance_with_error(h.sum(0)),
-                     "per_turn": {"1": acceptance_with_error(h[0]), "2+": acceptance_with_error(h[1])}})
-        if self._tree_hist:
-            from inference.tree_acceptance import tree_promises
-
-            trees = list(self._tree_hist)
-            stacked = [self._tree_hist[t].to(self.device) for t in trees]
-            if self.trainer.world_size > 1:
-                stacked = [self.trainer.strategy.reduce(h, reduce_op="sum") for h in stacked]
-            for j in range(len(per_set)):
-                per_set[j]["trees"] = tree_promises({t: h[j].cpu() for t, h in zip(trees, stacked)})
-        common = {"k": self.evaluation.k, "temperature": 0.0, "step": int(self.global_step)}
-        self.predicted = {**per_set[0], "dataset": self.eval_names[0], **common}
-        if len(per_set) > 1:
-            self.predicted["also"] = dict(zip(self.eval_names[1:], per_set[1:]))
-        for j, stats in enumerate(per_set):
-            suffix = "" if j == 0 else f"_set{j}"  # set j = eval.datasets[j]
-            self.log(f"val/tau{suffix}", stats["tau"], prog_bar=j == 0, sync_dist=False)
-            for i, a in enumerate(stats["a"], 1):
-                self.log(f"val/a_{i}{suffix}", a, sync_dist=False)
-            for promise in stats.get("sampled", []):
-                self.log(f"val/tau_{setting_key(promise['temperature'], promise['verification'])}{suffix}", promise["tau"],
-                         sync_dist=False)
-            for promise in stats.get("trees", []):
-                self.log(f"val/tau_tree_{promise['depth']}_{promise['top_k']}_{promise['total_tokens']}{suffix}",
-                         promise["tau"], sync_dist=False)
+        return hist.cpu()
 
     # ----------------------------------------------------------------- time-boxed schedule
     def time_fraction(self) -> float:
@@ -320,7 +321,7 @@ class DrafterModule(L.LightningModule):
         if getattr(self, "description", None) is not None:
             from models.checkpoint import SECTION, section_for_save
 
-            current = self.predicted if self.predicted and self.predicted.get("step") == self.global_step else None
+            current = self.predicted if self.predicted and self.predicted.step == self.global_step else None
             checkpoint[SECTION] = section_for_save(self.description, self.drafter, current)
         if self._clock is not None:
             checkpoint["draftsmith_train_seconds"] = self._seconds_before + time.monotonic() - self._clock

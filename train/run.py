@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from models.acceptance import Prediction
 from train.config import ConfigError, RunConfig, max_time_seconds, to_yaml
 
 log = logging.getLogger("draftsmith")
@@ -223,9 +224,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         trainer.save_checkpoint(out_dir / "checkpoints" / "last.ckpt", weights_only=False)
 
     # Final predicted acceptance on held-out data, drafting exactly as the runtime drafts.
-    if module.predicted is None or module.predicted["step"] != trainer.global_step:
+    if module.predicted is None or module.predicted.step != trainer.global_step:
         trainer.validate(module, datamodule=datamodule, verbose=False)
-    predicted = dict(module.predicted or {})
+    predicted = module.predicted
     if cfg.objective.joint:
         for i, (name, h) in enumerate(heldouts.items()):
             after = heldout_perplexity(target, datamodule._heldout_loader(h))
@@ -235,7 +236,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
             else:
                 perplexity.setdefault("also", {})[name] = stats
     summary = {
-        "predicted": predicted,
+        "predicted": predicted.to_dict() if predicted else {},
         "dataset": cfg.data.dataset,
         "heldout_conversations": {name: min(cfg.eval.num_sequences, len(h)) for name, h in heldouts.items()},
         "train_steps": int(trainer.global_step),
@@ -252,30 +253,36 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         export_dir = out_dir / "export"
         last_ckpt = out_dir / "checkpoints" / "last.ckpt"
         provenance = {"target": cfg.target, "target_weights_sha256": module.description["target"]["weights_sha256"],
-                      "training_config": cfg.to_dict(), "predicted_acceptance": predicted,
+                      "training_config": cfg.to_dict(), "predicted_acceptance": summary["predicted"],
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
         fmt = default_layout(cfg.drafter.method) if cfg.export_format == "auto" else cfg.export_format
         write_export(export_drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
                      hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
                      provenance=provenance, runtime_only=True)
-        for name, stats in [(predicted.get("dataset"), predicted)] + list(predicted.get("also", {}).items()):
-            print(f"predicted acceptance on held-out {name} (k={cfg.eval.k}, T=0): "
-                  f"tau = {stats.get('tau', float('nan')):.3f}, a_i = {[round(a, 3) for a in stats.get('a', [])]}"
-                  + "".join(f"; {label} {t['tau']:.3f} ({t['num_chains']} chains)" for label, t in
-                            (("first answers", stats.get("per_turn", {}).get("1")),
-                             ("follow-up turns", stats.get("per_turn", {}).get("2+"))) if t and t["num_chains"]))
-            for promise in stats.get("sampled", []):
-                print(f"  at T={promise['temperature']:g}, {promise['verification']} verification: tau = "
-                      f"{promise['tau']:.3f} ± {promise['tau_se']:.3f}")
-            for promise in stats.get("trees", []):
-                print(f"  tree depth {promise['depth']}, top-k {promise['top_k']}, {promise['total_tokens']} nodes "
-                      f"({promise['verify_tokens_per_step']} verify tokens per step), T=0: tau = {promise['tau']:.3f}")
+        if predicted:
+            _print_prediction(predicted)
         for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
             print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
                   f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
         print(f"wrote {out_dir / 'predicted.json'} and {export_dir}")
     return summary
+
+
+def _print_prediction(predicted: Prediction):
+    """The promise on the console: per held-out set, greedy chains (and by turn), sampled, trees."""
+    for name, held in [(predicted.dataset, predicted.heldout)] + list(predicted.also.items()):
+        stats, turns = held.greedy, held.greedy.per_turn or {}
+        print(f"predicted acceptance on held-out {name} (k={predicted.k}, T=0): "
+              f"tau = {stats.tau:.3f}, a_i = {[round(a, 3) for a in stats.a]}"
+              + "".join(f"; {label} {t.tau:.3f} ({t.num_chains} chains)" for label, t in
+                        (("first answers", turns.get("1")), ("follow-up turns", turns.get("2+"))) if t and t.num_chains))
+        for promise in held.sampled:
+            print(f"  at T={promise.temperature:g}, {promise.verification} verification: tau = "
+                  f"{promise.acceptance.tau:.3f} ± {promise.acceptance.tau_se:.3f}")
+        for tree in held.trees:
+            print(f"  tree depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} nodes "
+                  f"({tree.verify_tokens_per_step} verify tokens per step), T=0: tau = {tree.acceptance.tau:.3f}")
 
 
 def _mask_token(cfg: RunConfig, tokenizer) -> int:
