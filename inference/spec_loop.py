@@ -178,6 +178,9 @@ class SpecLoop:
 
 
 SPEC_CHECK_EVERY = 4  # on a GPU: speculative steps between reads of the done flags
+# Draft trees run eagerly until their captured step has been checked on a GPU:
+# tests/test_tree_decoding.py's gpu case turns this on and compares against the eager tree loop.
+TREES_GRAPHED = False
 
 
 def device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
@@ -200,9 +203,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     if tree:
         from inference.tree_decoding import TreeLoop
     make = TreeLoop if tree else SpecLoop
-    # trees run eagerly until their step is captured and checked on a GPU
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
-                                           verification, generator, graphed=cuda_graphs and not tree))
+                                           verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))
     with record_function("draftsmith.loop_reset"):
         loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
     with record_function("draftsmith.loop_run"):

@@ -120,3 +120,33 @@ def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer
     prompts = _real_prompts(tokenizer)
     assert len(prompts) >= 20
     _check_lossless(rt, hf, prompts, 16, (tokenizer.eos_token_id,), batch=5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
+def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatch):
+    """float32 on CUDA: the tree step captured in CUDA graphs (spec_loop.TREES_GRAPHED, off until
+    this passes on a GPU) emits what the eager tree loop emits, with the same histograms, and
+    both equal plain greedy decoding; the second call replays the captured graphs."""
+    import inference.spec_loop as spec_loop
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target, device="cuda")
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
+    max_new, eos = 30, (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, 16)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    drafter = _random_eagle3(hf).cuda()
+
+    def proposer():
+        return EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts), max_len=n,
+                                 target_config=rt.config)
+
+    eager, eager_stats = generate(rt, prompts, max_new, proposer=proposer(), eos_ids=eos, max_len=n)
+    monkeypatch.setattr(spec_loop, "TREES_GRAPHED", True)
+    graphed_proposer = proposer()
+    for _ in range(2):
+        graphed, graphed_stats = generate(rt, prompts, max_new, proposer=graphed_proposer, eos_ids=eos, max_len=n)
+        assert graphed == eager == plain
+        assert graphed_stats.row_histograms == eager_stats.row_histograms
