@@ -7,6 +7,11 @@
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
+#   bash scripts/device_session.sh bring NAME         # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
+#                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
+#   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
+# (a drafter trained in one session can be benched in a later one: copy $OUT/NAME-parts into an
+# ignored .devN folder here and carry it; scripts/drafter_parts.py checks every tensor on the way)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
 # most 8 files come back) and prints a summary. Several GPUs: regeneration runs two shards per GPU,
 # each run names its GPU in RUNS, validations take the GPUs in turn.
@@ -165,6 +170,16 @@ bench)
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
+  ;;
+bring)
+  python3 scripts/drafter_parts.py pack /tmp/run-$1/export $OUT/$1-parts --target smollm2-135m-instruct
+  ;;
+unpack)
+  for parts in .dev*/*-parts; do
+    [ -f "$parts/parts.json" ] || continue
+    name=$(basename "$parts" -parts)
+    python3 scripts/drafter_parts.py unpack "$parts" /tmp/run-$name/export --target smollm2-135m-instruct
+  done
   ;;
 final | validate)
   # final: the last call of a session: stop what is still training, bench alone, then validate

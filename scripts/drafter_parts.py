@@ -1,0 +1,158 @@
+"""Carry a drafter export between machines in small files, without the target's tensors.
+
+    python scripts/drafter_parts.py pack EXPORT PARTS --target smollm2-135m-instruct [--part-mib 15]
+    python scripts/drafter_parts.py unpack PARTS EXPORT --target smollm2-135m-instruct
+
+Why: a GPU lease returns at most 8 files of 16 MiB, and an EAGLE-3 export of the zoo target is
+86 MB, two thirds of it a bf16 copy of the target's embedding. `pack` writes every tensor that
+is not a copy of one of the target's tensors into parts of at most --part-mib (a large tensor is
+cut by rows), records which tensors are the target's (compared exactly, in the export's dtype),
+and keeps the export's small files inside its manifest (parts.json): the
+parts and the manifest are all there is to carry. `unpack` rebuilds model.safetensors from the parts and the
+target and checks every tensor against the manifest's sha256 of its bytes; nothing is written
+unless all match, and the folder appears whole (written beside, then renamed).
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+MANIFEST = "parts.json"
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _target_tensors(target: str) -> dict[str, torch.Tensor]:
+    from models.zoo import resolve_target
+
+    folder = Path(resolve_target(target))
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    if not tensors:
+        raise FileNotFoundError(f"{folder}: no .safetensors files (the target's tensors)")
+    return tensors
+
+
+def pack(export: Path, parts: Path, target: str, part_mib: float = 15.0) -> dict:
+    tensors = load_file(export / "model.safetensors")
+    with safe_open(export / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+    by_shape: dict = {}
+    for name, t in _target_tensors(target).items():
+        by_shape.setdefault(tuple(t.shape), []).append((name, t))
+    limit = int(part_mib * 2**20)
+    manifest = {"tensors": {}, "parts": [], "metadata": metadata, "files": []}
+    current, size = {}, 0
+
+    def flush():
+        nonlocal current, size
+        if current:
+            name = f"part-{len(manifest['parts']):02d}.safetensors"
+            save_file(current, parts / name)
+            manifest["parts"].append(name)
+        current, size = {}, 0
+
+    parts.mkdir(parents=True, exist_ok=False)
+    for name, t in tensors.items():
+        entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _digest(t)}
+        same = next((n for n, u in by_shape.get(tuple(t.shape), []) if torch.equal(u.to(t.dtype), t)), None)
+        if same is not None:
+            entry["from_target"] = same
+        else:
+            rows_per_chunk = max(1, limit // max(1, t[0].numel() * t.element_size())) if t.dim() else 1
+            entry["chunks"] = []
+            for i, start in enumerate(range(0, max(1, t.shape[0] if t.dim() else 1), rows_per_chunk)):
+                chunk = t[start: start + rows_per_chunk].contiguous() if t.dim() else t
+                if size + chunk.numel() * chunk.element_size() > limit:
+                    flush()
+                key = f"{name}#{i}"
+                current[key] = chunk
+                size += chunk.numel() * chunk.element_size()
+                entry["chunks"].append(key)
+        manifest["tensors"][name] = entry
+    flush()
+    # the export's small files ride inside the manifest: a lease returns at most 8 files
+    for f in sorted(export.iterdir()):
+        if f.is_file() and f.name != "model.safetensors":
+            manifest["files"].append({"name": f.name, "base64": base64.b64encode(f.read_bytes()).decode()})
+    (parts / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def unpack(parts: Path, export: Path, target: str) -> None:
+    manifest = json.loads((parts / MANIFEST).read_text())
+    if export.exists() and any(export.iterdir()):
+        raise FileExistsError(f"{export}: exists and is not empty (nothing replaced)")
+    chunks: dict[str, torch.Tensor] = {}
+    for name in manifest["parts"]:
+        chunks.update(load_file(parts / name))
+    from_target = _target_tensors(target) if any("from_target" in e for e in manifest["tensors"].values()) else {}
+    tensors = {}
+    for name, entry in manifest["tensors"].items():
+        dtype = getattr(torch, entry["dtype"])
+        if "from_target" in entry:
+            t = from_target[entry["from_target"]].to(dtype)
+        else:
+            pieces = [chunks[key] for key in entry["chunks"]]
+            t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if list(t.shape) != entry["shape"] or _digest(t) != entry["sha256"]:
+            raise ValueError(f"{name}: rebuilt tensor differs from the packed one (shape or sha256): "
+                             f"another target than the one packed against, or a damaged part")
+        tensors[name] = t
+    export.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{export.name}.", dir=export.parent))
+    try:
+        save_file(tensors, staging / "model.safetensors", metadata=manifest.get("metadata"))
+        for f in manifest["files"]:
+            (staging / f["name"]).write_bytes(base64.b64decode(f["base64"]))
+        if export.exists():
+            export.rmdir()  # empty (checked above)
+        os.replace(staging, export)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("export", type=Path)
+    p.add_argument("parts", type=Path)
+    p.add_argument("--target", required=True)
+    p.add_argument("--part-mib", type=float, default=15.0)
+    u = sub.add_parser("unpack")
+    u.add_argument("parts", type=Path)
+    u.add_argument("export", type=Path)
+    u.add_argument("--target", required=True)
+    args = ap.parse_args(argv)
+    try:
+        if args.verb == "pack":
+            m = pack(args.export, args.parts, args.target, args.part_mib)
+            kept = sum(1 for e in m["tensors"].values() if "from_target" in e)
+            print(f"wrote {args.parts}: {len(m['parts'])} parts, {kept} tensors taken from {args.target}")
+        else:
+            unpack(args.parts, args.export, args.target)
+            print(f"wrote {args.export}")
+    except (OSError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
