@@ -29,7 +29,7 @@ from inference.device_proposer import HostLoopInterface, check_drafter_fits
 from kernels.argmax import argmax_rows
 from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
 from kernels.rejection_sample import inverse_cdf
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import head_norm, rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
 
@@ -242,35 +242,30 @@ class DFlashCachedProposer(_DeviceProposer):
         self.gate_up_weight = [torch.cat([layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight]).detach()
                                for layer in drafter.layers]
 
-    def _head_norm(self, x, norm, heads: int):
-        """x [B,q,heads*hd] → each head RMS-normed (q_norm / k_norm), same shape."""
-        B, q, _ = x.shape
-        return rms_norm(x.reshape(B, q, heads, -1), norm.weight, norm.eps)[0].reshape(B, q, -1)
-
     def _write_context(self, features, positions, valid):
         """features [B,q,W] at consecutive positions [B,q] → every layer's context K/V, at
         their positions where valid (else parked in the scratch slot)."""
         d, cfg = self.drafter, self.drafter.config
-        nkv, hd = cfg.num_key_value_heads, cfg.head_dim
+        nkv = cfg.num_key_value_heads
         context = rms_norm(d.fc(features.to(self.dtype)), d.hidden_norm.weight, d.hidden_norm.eps)[0]  # [B,q,H]
         slots = torch.where(valid, positions, self.scratch)
         for i, layer in enumerate(d.layers):
-            k, v = F.linear(context, self.kv_weight[i]).split(nkv * hd, -1)
-            kv = torch.cat([self._head_norm(k, layer.self_attn.k_norm, nkv), v], -1)
+            kv = F.linear(context, self.kv_weight[i])  # [B,q,2*nkv*hd]: keys normed in place, one launch
+            head_norm(kv, None, layer.self_attn.k_norm.weight, layer.self_attn.k_norm.eps, 0, nkv)
             rope_cache(kv, positions, d.inv_freq, self.k_cache[i], self.v_cache[i], 0, nkv, slots=slots)  # no queries
 
     def _block_logits(self):
         """Logits [B,k,Vd] of block positions 1..k."""
         d, cfg = self.drafter, self.drafter.config
-        nh, nkv, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+        nh, nkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         positions = self.anchor[:, None] + 1 + self.block_offsets  # [B,Bs]
         sees = (self.anchor + cfg.block_size)[:, None].expand_as(positions)  # context <= a, the whole block
         h = d.embed_tokens(torch.cat([self.bonus[:, None], self.masks], 1)).to(self.dtype)  # [B,Bs,H]
         for i, layer in enumerate(d.layers):
             attn = layer.self_attn
             x = rms_norm(h, layer.input_layernorm.weight, eps)[0]
-            q, k, v = F.linear(x, self.qkv_weight[i]).split([nh * hd, nkv * hd, nkv * hd], -1)
-            qkv = torch.cat([self._head_norm(q, attn.q_norm, nh), self._head_norm(k, attn.k_norm, nkv), v], -1)
+            qkv = F.linear(x, self.qkv_weight[i])  # q and k heads normed in place, one launch
+            head_norm(qkv, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, nh, nkv)
             q = rope_cache(qkv, positions, d.inv_freq, self.k_cache[i], self.v_cache[i], nh, nkv)
             out = attn.o_proj(decode_attention(q, self.k_cache[i], self.v_cache[i], sees))
             post, h = rms_norm(out, layer.post_attention_layernorm.weight, eps, h)  # h = h + attention

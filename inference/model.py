@@ -20,7 +20,7 @@ from torch import nn
 from kernels import use_kernel
 from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
                                       grouped_attention_bias, grouped_cache_attention)
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import head_norm, rms_norm
 from kernels.rope_cache import rope_cache, rope_cache_reference
 from kernels.silu_mul import silu_mul
 from models.layers import RMSNorm, rope_config, rope_inv_freq
@@ -116,12 +116,8 @@ class Attention(nn.Module):
         slots [B,q] (draft trees): K/V written at these cache slots, attention under `bias`."""
         B, n, _ = x.shape
         qkv = self.qkv_proj(x)
-        if self.qk_norm:  # Qwen3 normalises each head before RoPE
-            d = self.d
-            q, k, v = qkv.split([self.nh * d, self.nkv * d, self.nkv * d], -1)
-            q = self.q_norm(q.reshape(B, n, self.nh, d)).reshape(B, n, -1)
-            k = self.k_norm(k.reshape(B, n, self.nkv, d)).reshape(B, n, -1)
-            qkv = torch.cat([q, k, v], -1)
+        if self.qk_norm:  # Qwen3 normalises each head before RoPE (in place, one launch)
+            head_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.nh, self.nkv)
         if slots is not None:  # a tree: torch ops (the fused kernels write K/V at the RoPE positions)
             q = rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, slots=slots)
             return self.o_proj(grouped_cache_attention(q, k_cache, v_cache, bias))

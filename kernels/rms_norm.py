@@ -126,3 +126,57 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if use_kernel(x):
         return rms_norm_triton(x, weight, eps, residual, **where)
     return rms_norm_reference(x, weight, eps, residual, **where)
+
+
+# ----------------------------------------------------------------------------- per-head norms
+def head_norm_reference(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int, nkv: int) -> torch.Tensor:
+    """In place: qkv [..., (nh + nkv + rest) * d] holds nh query heads, then nkv key heads (then
+    values, untouched); each query head becomes rms_norm(head) * q_weight, each key head
+    rms_norm(head) * k_weight (Qwen3's and DFlash's q_norm / k_norm). q_weight None when nh = 0."""
+    d = k_weight.shape[0]
+    heads = qkv.unflatten(-1, (-1, d))  # [..., heads, d] (a view)
+    if nh:
+        heads[..., :nh, :].copy_(rms_norm_reference(heads[..., :nh, :], q_weight, eps)[0])
+    heads[..., nh: nh + nkv, :].copy_(rms_norm_reference(heads[..., nh: nh + nkv, :], k_weight, eps)[0])
+    return qkv
+
+
+if triton is not None:
+
+    @triton.jit
+    def _head_norm_kernel(x_ptr, qw_ptr, kw_ptr, D, NH, eps, stride_row, BLOCK: tl.constexpr):
+        """One (token, head) of the first NH + NKV heads: normalised in place."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < D
+        ptr = x_ptr + row * stride_row + head * D + cols
+        x = tl.load(ptr, mask=inside, other=0.0)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
+        normed = (xf * rstd).to(x.dtype).to(tl.float32)
+        if head < NH:
+            w = tl.load(qw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        else:
+            w = tl.load(kw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(ptr, (normed * w).to(x_ptr.dtype.element_ty), mask=inside)
+
+
+def head_norm_triton(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int, nkv: int) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    d = k_weight.shape[0]
+    if qkv.shape[-1] < (nh + nkv) * d or (nh and q_weight.shape != (d,)):
+        raise ValueError(f"qkv [..., {qkv.shape[-1]}] holds fewer than {nh} + {nkv} heads of {d}, or the weights differ")
+    rows = _rows(qkv, qkv.shape[-1], "qkv")  # in place: no copy allowed
+    if rows.shape[0] and nh + nkv:
+        _head_norm_kernel[(rows.shape[0], nh + nkv)](rows, q_weight if nh else k_weight, k_weight, d, nh, eps,
+                                                     rows.stride(0), BLOCK=triton.next_power_of_2(d))
+    return qkv
+
+
+def head_norm(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int, nkv: int) -> torch.Tensor:
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere: one
+    launch for every head of a step, where the torch form needs a split, copies and a cat."""
+    fn = head_norm_triton if use_kernel(qkv) else head_norm_reference
+    return fn(qkv, q_weight, k_weight, eps, nh, nkv)

@@ -130,6 +130,23 @@ def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("nh,nkv,rest,d", [(4, 2, 2, 16), (0, 3, 3, 24), (9, 3, 3, 64)])
+def test_head_norm_kernel_matches_reference_in_place(dtype, tol, nh, nkv, rest, d):
+    from kernels.rms_norm import head_norm_reference, head_norm_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(nh + d)
+    qkv = (torch.randn(2, 5, (nh + nkv + rest) * d, device=device) * 3).to(dtype)
+    qw, kw = ((torch.rand(d, device=device) + 0.5).to(dtype) for _ in range(2))
+    want, got = qkv.clone(), qkv.clone()
+    head_norm_reference(want, qw if nh else None, kw, 1e-6, nh, nkv)
+    assert head_norm_triton(got, qw if nh else None, kw, 1e-6, nh, nkv) is got  # in place
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert torch.equal(got[..., (nh + nkv) * d:], qkv[..., (nh + nkv) * d:])  # values untouched
+
+
+@needs_triton_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("R,V", [(1, 7), (3, 2048), (4, 4099), (2, 16384)])
 @pytest.mark.parametrize("mapped", [False, True])

@@ -11,7 +11,7 @@ from pathlib import Path
 CEILINGS = {
     "eagle3": {"verify_phase": 27, "proposer_phase": 60},
     "mtp": {"verify_phase": 27, "proposer_phase": 139},
-    "dflash": {"verify_phase": 27, "proposer_phase": 49},
+    "dflash": {"verify_phase": 27, "proposer_phase": 43},
     "medusa": {"verify_phase": 27, "proposer_phase": 23},
     "ngram-gpu": {"verify_phase": 27, "proposer_phase": 16},
 }

@@ -157,3 +157,26 @@ def test_unsupported_architecture_runs_on_the_transformers_slow_path(tmp_path, c
         assert out == ref
     spec, stats = generate(model, prompts, 10, proposer=NgramProposer(3))
     assert spec == plain and sum(stats.histogram) > 0
+
+
+@pytest.mark.parametrize("kernels", ["0", "force"])
+def test_qwen3_with_per_head_norms_matches_transformers(tmp_path, monkeypatch, kernels):
+    """Qwen3 normalises each query and key head before RoPE (`head_norm`, in place): a tiny random
+    Qwen3 matches transformers' logits, through the torch path and through the kernels."""
+    import os
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    if kernels == "force" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=128, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # norms away from 1, so that a missing or misplaced weight shows
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    monkeypatch.setenv("DRAFTSMITH_KERNELS", kernels)
+    _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 11)], atol=1e-4)
