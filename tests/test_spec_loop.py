@@ -18,6 +18,20 @@ from tests.test_sampling import assert_first_two_tokens_follow, eight_token_targ
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
 
 
+def gpu_case(tiny_target, max_new: int, k: int):
+    """The graphed-against-eager GPU cases' setup: the tiny target in float32 (transformers' and
+    the runtime's on CUDA), four ragged prompts, their cache size for k drafts and plain greedy's
+    outputs. → (hf, rt, prompts, max_new, eos, max_len, plain)"""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target, device="cuda")
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
+    eos = (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, k)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    return hf, rt, prompts, max_new, eos, n, plain
+
+
 def _random_drafters(hf, seed=0):
     """EAGLE-3 (both norm placements), EAGLE-1, Medusa, MTP and DFlash with small random
     weights: their drafts are sometimes right, mostly wrong (bookkeeping is what is checked)."""
@@ -159,13 +173,7 @@ def test_sampling_through_the_device_loop_follows_the_target(tmp_path, drafts, v
 def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
     """float32 on CUDA: each proposer's step captured in CUDA graphs emits what the same loop
     emits eagerly, with the same histograms, and both equal plain greedy decoding."""
-    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    rt = RuntimeModel.from_pretrained(tiny_target, device="cuda")
-    torch.manual_seed(3)
-    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
-    max_new, eos = 40, (rt.config.vocab_size - 1,)
-    n = cache_size(prompts, max_new, 4)
-    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    hf, rt, prompts, max_new, eos, n, plain = gpu_case(tiny_target, max_new=40, k=4)
     drafters = {name: d.cuda() for name, d in _random_drafters(hf).items()}
     makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config)) for name, d in drafters.items()}
     makers["ngram-gpu"] = lambda: GpuNgramProposer(4, len(prompts), n, max_n=3, device="cuda")

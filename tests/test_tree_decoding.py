@@ -130,13 +130,9 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
     both equal plain greedy decoding; the second call replays the captured graphs."""
     import inference.spec_loop as spec_loop
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    rt = RuntimeModel.from_pretrained(tiny_target, device="cuda")
-    torch.manual_seed(3)
-    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)] + [[7, 8, 9, 10] * 4]
-    max_new, eos = 30, (rt.config.vocab_size - 1,)
-    n = cache_size(prompts, max_new, 16)
-    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    from tests.test_spec_loop import gpu_case
+
+    hf, rt, prompts, max_new, eos, n, plain = gpu_case(tiny_target, max_new=30, k=16)
     drafter = _random_eagle3(hf).cuda()
 
     def proposer():
