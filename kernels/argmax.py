@@ -39,11 +39,14 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         cols = split * CHUNK + tl.arange(0, CHUNK)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+        inside = cols < V
+        x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax (tl.max would skip it)
         m = tl.max(x, 0)
         slot = row * NSPLIT + split
         tl.store(best_ptr + slot, m)
-        tl.store(index_ptr + slot, tl.min(tl.where(x == m, cols, V), 0).to(tl.int64))
+        # first column holding the maximum; a chunk of -inf only names its first real column
+        tl.store(index_ptr + slot, tl.min(tl.where((x == m) & inside, cols, V - 1), 0).to(tl.int64))
 
     @triton.jit
     def merge_chunks(best_ptr, index_ptr, row, NSPLIT, BLOCK_S: tl.constexpr):

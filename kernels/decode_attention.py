@@ -152,7 +152,8 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None):
         return out
     chunk = max(32, triton.next_power_of_2(triton.cdiv(S, 64)))  # at most 64 chunks per query
     splits = triton.cdiv(S, chunk)
-    block_splits, block_d = triton.next_power_of_2(splits), triton.next_power_of_2(d)
+    # tl.dot needs an inner size of at least 16 (8 for float32 on NVIDIA): pad small heads, masked
+    block_splits, block_d = triton.next_power_of_2(splits), max(16, triton.next_power_of_2(d))
     # per (token, head, chunk) statistics, laid out with block_splits slots so that the merge
     # reads one power-of-two tile; slots past a query's last visible chunk are never read
     m = torch.empty(B * n * nh * block_splits, dtype=torch.float32, device=q.device)

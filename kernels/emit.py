@@ -101,6 +101,7 @@ def feed_triton(tokens, length, drafts, fed, positions):
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, k = drafts.shape
+    drafts = drafts if drafts.stride(-1) == 1 else drafts.contiguous()  # the kernel reads unit steps
     if any(t.stride(-1) != 1 for t in (tokens, fed, positions)) or not length.is_contiguous():
         raise ValueError("feed: tokens, fed and positions need a contiguous last dimension, length contiguity")
     if B:

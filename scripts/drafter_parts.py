@@ -32,7 +32,7 @@ MANIFEST = "parts.json"
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _target_tensors(target: str) -> dict[str, torch.Tensor]:
@@ -48,6 +48,21 @@ def _target_tensors(target: str) -> dict[str, torch.Tensor]:
 
 
 def pack(export: Path, parts: Path, target: str, part_mib: float = 15.0) -> dict:
+    """Written into a folder beside `parts` and renamed at the end: a failed pack leaves nothing."""
+    if parts.exists():
+        raise FileExistsError(f"{parts}: exists (nothing replaced)")
+    parts.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{parts.name}.", dir=parts.parent))
+    try:
+        manifest = _pack(export, staging, target, part_mib)
+        os.replace(staging, parts)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _pack(export: Path, parts: Path, target: str, part_mib: float) -> dict:
     tensors = load_file(export / "model.safetensors")
     with safe_open(export / "model.safetensors", "pt") as f:
         metadata = f.metadata()
@@ -66,14 +81,16 @@ def pack(export: Path, parts: Path, target: str, part_mib: float = 15.0) -> dict
             manifest["parts"].append(name)
         current, size = {}, 0
 
-    parts.mkdir(parents=True, exist_ok=False)
     for name, t in tensors.items():
         entry = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."), "sha256": _digest(t)}
-        same = next((n for n, u in by_shape.get(tuple(t.shape), []) if torch.equal(u.to(t.dtype), t)), None)
+        # the target's copy only when byte for byte the same (torch.equal takes -0.0 for 0.0)
+        same = next((n for n, u in by_shape.get(tuple(t.shape), []) if t.numel() and _digest(u.to(t.dtype)) == entry["sha256"]),
+                    None)
         if same is not None:
             entry["from_target"] = same
         else:
-            rows_per_chunk = max(1, limit // max(1, t[0].numel() * t.element_size())) if t.dim() else 1
+            row_bytes = max(1, (t[0].numel() if t.dim() and t.shape[0] else 1) * t.element_size())
+            rows_per_chunk = max(1, limit // row_bytes)
             entry["chunks"] = []
             for i, start in enumerate(range(0, max(1, t.shape[0] if t.dim() else 1), rows_per_chunk)):
                 chunk = t[start: start + rows_per_chunk].contiguous() if t.dim() else t
@@ -148,7 +165,7 @@ def main(argv=None) -> int:
         else:
             unpack(args.parts, args.export, args.target)
             print(f"wrote {args.export}")
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

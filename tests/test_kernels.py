@@ -79,7 +79,8 @@ def test_convergence_with_and_without_the_kernel():
 @needs_triton_backend
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
 @pytest.mark.parametrize("B,n,nh,nkv,d,S", [(1, 1, 9, 3, 64, 300), (33, 1, 2, 2, 16, 37), (3, 3, 4, 2, 80, 130),
-                                             (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70), (2, 45, 9, 3, 64, 90)])
+                                             (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70), (2, 45, 9, 3, 64, 90),
+                                             (1, 3, 2, 1, 4, 40)])
 def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d, S):
     from kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
@@ -164,6 +165,10 @@ def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
     got = argmax_rows_triton(x, buffer[:, 1], ids)
     assert torch.equal(got, want) and torch.equal(buffer[:, 1], want)
     assert (buffer[:, [0, 2]] == -7).all()
+    # a row of NaN (a broken forward) or of -inf still names a real column, never V
+    bad = torch.stack([torch.full((V,), float("nan")), torch.full((V,), float("-inf"))]).to(device, dtype)
+    got = argmax_rows_triton(bad, torch.empty(2, dtype=torch.long, device=device))
+    assert ((got >= 0) & (got < V)).all() and got[1] == 0
 
 
 @needs_triton_backend
