@@ -235,8 +235,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     # outside the timing, every row once: transformers on its prompts; the runtime's rows on
     # every prompt for a few tokens (each prompt length's prefill graph with the row's aux
     # layers, the proposer's setup kernels, the step's graphs), then one whole answer (a whole
-    # batch for batched rows). Session 10's bench timed these captures into the first row of
-    # each drafter (EAGLE-3 at k = 4: 304 ms of setup per prompt, 0.50x; at k = 7: 3.3 ms).
+    # batch for batched rows). Warmed on one prompt only, a row would time the captures of the
+    # other prompt lengths into its first answers.
     saved = prompts[:]
     for name, fn in rows.items():
         if name.startswith("runtime"):

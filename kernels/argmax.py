@@ -91,7 +91,7 @@ def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | N
     best, index, nsplit = argmax_chunks(x)
     if x.shape[0]:
         _argmax_merge_kernel[(x.shape[0],)](best, index, ids if ids is not None else index, out, nsplit,
-                                            out.stride(0) if out.dim() else 1, HAS_IDS=ids is not None,
+                                            out.stride(0), HAS_IDS=ids is not None,
                                             BLOCK_S=triton.next_power_of_2(nsplit))
     return out
 

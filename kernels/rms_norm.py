@@ -24,6 +24,8 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
                        *, out: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
                        ids: torch.Tensor | None = None):
     if ids is not None:  # x is a table (an embedding): its rows `ids`, in out's dtype
+        if residual is not None:
+            raise ValueError("rms_norm: ids (a table lookup) and a residual exclude each other")
         x = x[ids].to(out.dtype if out is not None else torch.promote_types(weight.dtype, x.dtype))
     h = x if residual is None else x + residual
     hf = h.float()
@@ -33,7 +35,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, residu
         y = out.copy_(y)
     if sum_out is not None and residual is not None:
         h = sum_out.copy_(h)
-    return y, h
+    return y, (None if ids is not None else h)  # a lookup's rows are not a sum anyone reads
 
 
 if triton is not None:
