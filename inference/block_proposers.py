@@ -31,7 +31,7 @@ from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decod
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import head_norm, rms_norm
 from kernels.rope_cache import rope_cache
-from kernels.silu_mul import silu_mul
+from kernels.silu_mul import swiglu_into
 
 
 class _DeviceProposer(HostLoopInterface):
@@ -133,7 +133,7 @@ class MTPCachedProposer(_DeviceProposer):
         attend = decode_attention if token.shape[1] <= DECODE_MAX_QUERIES else decode_attention_reference
         attn = module.self_attn.o_proj(attend(q, k_cache, v_cache, bound))
         post, h = rms_norm(attn, module.post_attention_layernorm.weight, eps, x)  # h = x + attention
-        return module.mlp.down_proj(silu_mul(F.linear(post, self.gate_up_weight[d - 1]))) + h
+        return swiglu_into(h, post, self.gate_up_weight[d - 1], module.mlp.down_proj)  # h + MLP(post)
 
     def _windows(self, positions, valid):
         """Index tensors of every module's extension at once (a few launches, not a few per
@@ -269,7 +269,7 @@ class DFlashCachedProposer(_DeviceProposer):
             q = rope_cache(qkv, positions, d.inv_freq, self.k_cache[i], self.v_cache[i], nh, nkv)
             out = attn.o_proj(decode_attention(q, self.k_cache[i], self.v_cache[i], sees))
             post, h = rms_norm(out, layer.post_attention_layernorm.weight, eps, h)  # h = h + attention
-            h = layer.mlp.down_proj(silu_mul(F.linear(post, self.gate_up_weight[i]))) + h
+            h = swiglu_into(h, post, self.gate_up_weight[i], layer.mlp.down_proj)  # h + MLP(post)
         return d.lm_head(rms_norm(h[:, 1 : self.k + 1], d.norm.weight, d.norm.eps)[0])
 
     @torch.no_grad()

@@ -14,7 +14,7 @@ from kernels.decode_attention import decode_attention
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm
 from kernels.rope_cache import rope_cache
-from kernels.silu_mul import silu_mul
+from kernels.silu_mul import swiglu_into
 from models.eagle3 import Eagle3Drafter
 from models.methods import method_of, predictor_of, resolve
 
@@ -173,7 +173,7 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     attn = layer.self_attn.o_proj(decode_attention(q, p.k_cache, p.v_cache, positions))  # [B,q,H]
     residual = normed if layer.norm_before_residual else hidden
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
-    return layer.mlp.down_proj(silu_mul(F.linear(post, p.gate_up_weight))) + h
+    return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
 
 
 class MedusaProposer(HostLoopInterface):

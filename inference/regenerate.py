@@ -23,6 +23,10 @@ interruption is dropped and redone, so no conversation is lost or written twice.
 Several GPUs (a second process on the same GPU adds little: BENCHMARKS.md): run
 `--shard 0/N` ... `--shard N-1/N`, each with its own --out; shard I answers the conversations
 whose index is I modulo N, and `cat OUT*/conversations.jsonl` is the whole set.
+
+More of an earlier set: `--continue-from OLD.jsonl` (the `cat` of an earlier run, same settings)
+copies OLD's lines of this shard's ids into --out first, so the run answers only conversations
+OLD lacks, whatever shards wrote OLD; `cat` gives the old and the new together.
 """
 from __future__ import annotations
 
@@ -49,6 +53,27 @@ def read_finished(path: Path) -> set[int]:
         with open(path, "r+b") as f:
             f.truncate(keep)
     return {json.loads(line)["id"] for line in data[:keep].decode("utf-8").splitlines() if line.strip()}
+
+
+def _continue_from(old: Path, path: Path, shard: tuple[int, int], finished: set[int]) -> int:
+    """Append `old`'s lines of this shard's ids that `path` lacks; returns how many."""
+    lines = []
+    with open(old, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                i = json.loads(line)["id"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{old}, line {n}: not a line of regenerated conversations (no \"id\")") from None
+            if i % shard[1] == shard[0] and i not in finished:
+                lines.append(line if line.endswith("\n") else line + "\n")
+                finished.add(i)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(lines))
+        f.flush()
+        os.fsync(f.fileno())
+    return len(lines)
 
 
 def check_settings(out: Path, settings: dict):
@@ -157,7 +182,7 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
                device: str | None = None, generate_fn=None, keep_loops: bool = False,
-               shard: tuple[int, int] = (0, 1)) -> dict:
+               shard: tuple[int, int] = (0, 1), continue_from: Path | None = None) -> dict:
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -174,9 +199,11 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
+    seeded = _continue_from(continue_from, path, shard, finished) if continue_from else 0
+    finished = read_finished(path)
     todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
-    summary = {"conversations": len(conversations), "already_done": len(finished), "written": 0, "generated_tokens": 0,
-               "loops_cut": 0}
+    summary = {"conversations": len(conversations), "already_done": len(finished), "continued_from": seeded,
+               "written": 0, "generated_tokens": 0, "loops_cut": 0}
     if not todo:
         print(f"{path}: all {len(conversations)} conversations already regenerated")
         return summary
@@ -207,7 +234,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     summary.update(seconds=round(seconds, 1), tokens_per_s=round(summary["generated_tokens"] / max(seconds, 1e-9), 1),
                    complete=not stopped_early)
     left = len(todo) - summary["written"]
-    print(f"wrote {summary['written']} conversations ({summary['generated_tokens']:,} tokens, "
+    kept = f"kept {seeded} from {continue_from}; " if seeded else ""
+    print(f"{kept}wrote {summary['written']} conversations ({summary['generated_tokens']:,} tokens, "
           f"{summary['tokens_per_s']:,.0f} tok/s) to {path}; {summary['loops_cut']} answers ended in a repetition loop"
           + (" (kept)" if keep_loops else " (cut to one copy)") + (f"; {left} left: run again to continue" if left else ""))
     return summary
@@ -228,6 +256,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-minutes", type=float, default=None, help="stop cleanly after the batch that passes this")
     ap.add_argument("--keep-loops", action="store_true", help="keep answers that end in a repetition loop whole")
     ap.add_argument("--shard", default="0/1", help="I/N: answer only the conversations whose index is I modulo N")
+    ap.add_argument("--continue-from", default=None, help="an earlier run's conversations.jsonl (same settings): "
+                    "its conversations are kept and not answered again")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -239,6 +269,8 @@ def main(argv=None) -> int:
                             "max_minutes": positive})
         args.device = resolve_device(args.device)
         check_output_folder(args.out, SETTINGS)
+        if args.continue_from and not Path(args.continue_from).is_file():
+            raise CliError(f"--continue-from {args.continue_from}: no such file")
         check_new_tokens_fit(args.target, args.max_new_tokens)
         if args.max_new_tokens >= args.max_length:
             raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length {args.max_length}")
@@ -260,7 +292,8 @@ def main(argv=None) -> int:
     batch = args.batch_size or (64 if args.device.startswith("cuda") else 4)
     try:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
-                   args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard)
+                   args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard,
+                   continue_from=Path(args.continue_from) if args.continue_from else None)
     except (DataError, AssetError, ValueError, OSError, KeyError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

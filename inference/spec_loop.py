@@ -13,6 +13,7 @@ k drafts at positions length-1 .. length-1+k. Finished rows keep their length, s
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -179,8 +180,9 @@ class SpecLoop:
 
 SPEC_CHECK_EVERY = 4  # on a GPU: speculative steps between reads of the done flags
 # Draft trees run eagerly until their captured step has been checked on a GPU:
-# tests/test_tree_decoding.py's gpu case turns this on and compares against the eager tree loop.
-TREES_GRAPHED = False
+# tests/test_tree_decoding.py's gpu case turns this on and compares against the eager tree loop;
+# DRAFTSMITH_TREES_GRAPHED=1 turns it on for a run (a bench on a GPU where that case passed).
+TREES_GRAPHED = os.environ.get("DRAFTSMITH_TREES_GRAPHED", "0") == "1"
 
 
 def device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,

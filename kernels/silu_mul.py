@@ -58,3 +58,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if use_kernel(gate_up):
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)
+
+
+def swiglu_into(h: torch.Tensor, x: torch.Tensor, gate_up_weight: torch.Tensor, down: torch.nn.Linear) -> torch.Tensor:
+    """h += down(silu(gate(x)) * up(x)), in place, for h [..., H] (a fresh residual sum, nobody
+    else's tensor), x [..., H], gate_up_weight [2I, H]: the residual add done by the down
+    projection's GEMM (beta = 1), a launch fewer per layer than a matmul and then an add. The
+    sum is rounded once, where matmul-then-add rounds the product first."""
+    act = silu_mul(F.linear(x, gate_up_weight))  # [..., I]
+    if down.bias is not None or not h.is_contiguous() or h.dtype != act.dtype:
+        return h.add_(down(act))
+    h.view(-1, h.shape[-1]).addmm_(act.reshape(-1, act.shape[-1]), down.weight.t())
+    return h

@@ -2,7 +2,8 @@
 # One device session in a few calls (the GPU machine keeps /tmp while warm, ~30 s between calls;
 # trainings started with setsid run on between calls). Usage on the device machine:
 #   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
-#   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration, start the recipes in RUNS
+#   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration (REGEN_MINUTES, more of a carried
+#                                                     # set), start the recipes in RUNS
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
@@ -113,23 +114,32 @@ part1)
 part2)
   minutes=$1
   mkdir -p /tmp/regen
+  carried=()
   if [ -f .dev2/regen-conversations.jsonl.gz ]; then
     # an earlier session's regenerated answers, carried (scripts/device_stage.sh REGEN_FROM=...)
-    gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN
-    echo "regenerated answers carried: $(wc -l < $REGEN) conversations"
+    gunzip -c .dev2/regen-conversations.jsonl.gz > /tmp/regen/carried.jsonl
+    echo "regenerated answers carried: $(wc -l < /tmp/regen/carried.jsonl) conversations"
+    carried=(--continue-from /tmp/regen/carried.jsonl)
+  fi
+  # REGEN_MINUTES of regeneration (default: 2.5 with nothing carried, none with answers carried;
+  # with both, the new answers are of conversations the carried set lacks: more data, not the
+  # same again). REGEN_SHARDS processes (default two per GPU; under MPS they run side by side).
+  regen_minutes=${REGEN_MINUTES:-$([ ${#carried[@]} -gt 0 ] && echo 0 || echo 2.5)}
+  if [ "$regen_minutes" = 0 ]; then
+    cp /tmp/regen/carried.jsonl $REGEN
   else
-    # two regeneration shards per GPU (session 4: the second on a GPU added ~8 %, the second GPU ~2x)
-    nshard=$((2 * NGPU))
+    nshard=${REGEN_SHARDS:-$((2 * NGPU))}
     for i in $(seq 0 $((nshard - 1))); do
       CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m inference.regenerate --dataset sharegpt --out /tmp/regen/s$i \
-        --shard $i/$nshard --batch-size 512 --max-minutes ${REGEN_MINUTES:-2.5} > $R/regen-$i.log 2>&1 &
+        --shard $i/$nshard --batch-size 512 --max-minutes $regen_minutes "${carried[@]}" > $R/regen-$i.log 2>&1 &
       regen_pids+=($!)
     done
     wait "${regen_pids[@]}"
     cat /tmp/regen/s*/conversations.jsonl > $REGEN
-    grep -a -h "^wrote\|error" $R/regen-*.log | tee $R/regen.log
+    grep -a -h "wrote\|error" $R/regen-*.log | tee $R/regen.log
+    echo "regenerated answers now: $(wc -l < $REGEN) conversations"
     cp /tmp/regen/s0/regenerate.json $R/ 2>/dev/null
-    gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~6 MB)
+    gzip -c $REGEN > $OUT/regen-conversations.jsonl.gz  # the data itself comes back too (~2 MB per 5,000)
   fi
   start_runs "$RUNS" "$minutes"
   sleep 30
@@ -145,6 +155,9 @@ wait)
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     # the device loop through every kernel (the kernels' CUDA builds) against its torch path
     python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py -k "kernel" 2>&1 | tail -2 | tee -a $R/regression.log
+    # draft trees in CUDA graphs: where the captured tree step equals the eager one, the bench graphs them
+    python3 -m pytest -q -p no:cacheprovider tests/test_tree_decoding.py -k graphed_tree 2>&1 | tail -1 | tee -a $R/regression.log \
+      | grep -q "1 passed" && touch /tmp/trees-graph-ok
     touch /tmp/regression-checked
   fi
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
@@ -160,6 +173,7 @@ bench)
   # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
   # a training still running (its final walk) is stopped; a run with no export yet is exported
   # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
+  [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
   pkill -f "^python3 -m train " && sleep 3
   for d in /tmp/run-*; do
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1

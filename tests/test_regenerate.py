@@ -126,3 +126,36 @@ def test_an_answer_cut_in_a_loop_keeps_one_copy_and_ends_the_conversation(tokeni
     assert answer.startswith("Sure. I like tea") and answer.count("I like tea") == 1
     assert 29 * len(unit) <= cut[0]["loop_cut"] <= 29 * len(unit) + 1
     assert cut[0]["truncated"] and cut[0]["regenerated_turns"] == 1  # the second turn is not asked
+
+
+def test_regeneration_continues_an_earlier_set_under_other_shards(tmp_path):
+    """--continue-from: an earlier run's lines are kept (none answered again, none twice) even
+    when the new run splits the ids into other shards."""
+    source, _ = _sharegpt_file(tmp_path, n=7)
+    old = tmp_path / "old"
+    regenerate("tiny-random-llama", str(source), old, limit=None, batch_size=2, max_new_tokens=4, max_length=512,
+               shard=(0, 2))  # ids 0, 2, 4, 6
+    old_lines = {json.loads(line)["id"]: line for line in (old / "conversations.jsonl").read_text().splitlines()}
+    assert sorted(old_lines) == [0, 2, 4, 6]
+    written = 0
+    for i in range(3):
+        summary = regenerate("tiny-random-llama", str(source), tmp_path / f"new{i}", batch_size=8, max_new_tokens=4,
+                             max_length=512, shard=(i, 3), continue_from=old / "conversations.jsonl")
+        written += summary["written"]
+        assert summary["continued_from"] == sum(1 for j in old_lines if j % 3 == i)
+    lines = [line for i in range(3) for line in (tmp_path / f"new{i}" / "conversations.jsonl").read_text().splitlines()]
+    ids = [json.loads(line)["id"] for line in lines]
+    assert sorted(ids) == list(range(7))  # every conversation once
+    for line in lines:  # the old answers kept as they were
+        if json.loads(line)["id"] in old_lines:
+            assert line == old_lines[json.loads(line)["id"]]
+    assert written == 3  # only the conversations the old set lacked (ids 1, 3, 5) were answered
+
+
+def test_continue_from_refuses_a_file_of_other_lines(tmp_path):
+    source, _ = _sharegpt_file(tmp_path, n=3)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": []}\n')
+    with pytest.raises(ValueError, match="line 1: not a line of regenerated conversations"):
+        regenerate("tiny-random-llama", str(source), tmp_path / "out", batch_size=2, max_new_tokens=4, max_length=512,
+                   continue_from=bad)
