@@ -33,11 +33,15 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
     aux_layers = tuple(getattr(proposer, "aux_layers", ()))
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
-    step_fn = None
+    step_fn = greedy_step = None
     if cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True):
-        graph = reuse(model, ("step", id(cache), B, k + 1, aux_layers, kernels_mode()),
-                      lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
-        step_fn = graph
+        if temperature == 0 and not verification.startswith("synthetic:") and k:
+            # greedy: input, forward and verification in one graph (one copy up, one replay, one read)
+            greedy_step = reuse(model, ("host-greedy", id(cache), B, k, aux_layers, kernels_mode()),
+                                lambda: GraphedGreedyVerify(model, cache, B, k, aux_layers))
+        else:
+            step_fn = reuse(model, ("step", id(cache), B, k + 1, aux_layers, kernels_mode()),
+                            lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
     offsets = torch.arange(k + 1, device=device)
     # the step's inputs go up through one pinned buffer, rewritten each step (the previous copy
     # has landed by then: every step ends reading its result back)
@@ -67,23 +71,27 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
         # each row feeds its last token followed by its drafts, at its own positions: one host
         # tensor [B, 2+k] (first position, last token, drafts), one copy to the device
         host = torch.tensor([[len(t) - 1, t[-1], *d] for t, d in zip(tokens, drafts)], dtype=torch.long)
-        packed = pinned.copy_(host).to(device, non_blocking=True) if pinned is not None else host
-        draft_t = packed[:, 2:]
-        step = torch.cat([packed[:, 1:2], draft_t.clamp_min(0)], 1)
-        positions = packed[:, :1] + offsets
-        if step_fn is not None:
-            logits, aux = step_fn(step, positions)
+        if greedy_step is not None:
+            step, aux, result = greedy_step(pinned.copy_(host))
+            accepted, bonus = result.tolist()  # one read back
         else:
-            logits, aux = model(step, positions, cache, aux_layers)
-        if verification.startswith("synthetic:"):
-            accepted, bonus = synthetic_verify(draft_t, float(verification.split(":", 1)[1]), logits, generator)
-        elif temperature > 0:
-            verify = block_verify if verification == "block" else rejection_verify
-            q = None if draft_probs is None else draft_probs[:, :k].to(logits.device)
-            accepted, bonus = verify(draft_t, q, sampling_probs(logits, temperature, top_k, top_p), generator)
-        else:
-            accepted, bonus = greedy_verify(draft_t, logits)
-        accepted, bonus = torch.stack([accepted, bonus]).tolist()  # one read back
+            packed = pinned.copy_(host).to(device, non_blocking=True) if pinned is not None else host
+            draft_t = packed[:, 2:]
+            step = torch.cat([packed[:, 1:2], draft_t.clamp_min(0)], 1)
+            positions = packed[:, :1] + offsets
+            if step_fn is not None:
+                logits, aux = step_fn(step, positions)
+            else:
+                logits, aux = model(step, positions, cache, aux_layers)
+            if verification.startswith("synthetic:"):
+                accepted, bonus = synthetic_verify(draft_t, float(verification.split(":", 1)[1]), logits, generator)
+            elif temperature > 0:
+                verify = block_verify if verification == "block" else rejection_verify
+                q = None if draft_probs is None else draft_probs[:, :k].to(logits.device)
+                accepted, bonus = verify(draft_t, q, sampling_probs(logits, temperature, top_k, top_p), generator)
+            else:
+                accepted, bonus = greedy_verify(draft_t, logits)
+            accepted, bonus = torch.stack([accepted, bonus]).tolist()  # one read back
         stats.host_syncs += 2  # the sync that ends the draft timing, the verification's result read back
         for b in range(B):
             if done[b]:
@@ -104,6 +112,38 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
     if proposer is not None and hasattr(proposer, "end"):
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses
     return outputs
+
+
+class GraphedGreedyVerify:
+    """The host loop's greedy verify step as one CUDA graph: from one packed input [B, 2+k]
+    (each row's first position, last token, k drafts; NO_DRAFT where a row drafted fewer) to the
+    fed tokens [B,k+1], the aux features and (accepted, bonus) [2,B]. The host copies the input
+    up, replays, reads the result: the ~10 small launches around a graphed forward (the input's
+    cat and positions, the verification) no longer wait for the host after each step's sync."""
+
+    def __init__(self, model, cache, batch: int, k: int, aux_layers: tuple):
+        from inference.graphs import capture_graph
+
+        dev = model.embed_tokens.weight.device
+        self.cache = cache  # held: the graph writes into it
+        self.packed = torch.zeros(batch, 2 + k, dtype=torch.long, device=dev)
+        self.packed[:, 2:] = NO_DRAFT
+        offsets = torch.arange(k + 1, device=dev)
+
+        def step():
+            drafts = self.packed[:, 2:]
+            self.fed = torch.cat([self.packed[:, 1:2], drafts.clamp_min(0)], 1)  # [B,k+1]
+            logits, self.aux = model(self.fed, self.packed[:, :1] + offsets, cache, aux_layers)
+            self.result = torch.stack(greedy_verify(drafts, logits))  # [2,B]
+
+        self.graph = capture_graph(step, restore=(cache.k, cache.v))  # the warm-up writes into the cache
+
+    def __call__(self, packed: torch.Tensor):
+        """packed [B, 2+k] (pinned host memory or a device tensor) → (fed, aux, result), the
+        graph's own buffers (overwritten by the next replay)."""
+        self.packed.copy_(packed, non_blocking=True)
+        self.graph.replay()
+        return self.fed, self.aux, self.result
 
 
 def _emit(b, new, tokens, outputs, done, eos_ids, max_new_tokens):

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from inference.engine import cache_size, generate
 from inference.model import RuntimeModel
-from inference.proposers import DraftModelProposer, GpuNgramProposer, drafter_proposer
+from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, drafter_proposer
 from inference.verify import NO_DRAFT
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
@@ -178,6 +178,7 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
     makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config)) for name, d in drafters.items()}
     makers["ngram-gpu"] = lambda: GpuNgramProposer(4, len(prompts), n, max_n=3, device="cuda")
     makers["draft-model"] = lambda: DraftModelProposer(rt, 4, len(prompts), n, rt.config)
+    makers["ngram-host"] = lambda: NgramProposer(4, max_n=3)  # the host loop's greedy step in one graph
     for name, make in makers.items():
         eager, eager_stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
         proposer = make()
