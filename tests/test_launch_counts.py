@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# launches per phase on the tiny target at k = 3 (session 10's counts); lower is welcome
+# launches per phase on the tiny target at k = 3 (session 11's counts); lower is welcome
 CEILINGS = {
     "eagle3": {"verify_phase": 27, "proposer_phase": 57},
     "mtp": {"verify_phase": 27, "proposer_phase": 134},
