@@ -190,7 +190,9 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         return outs, total
 
     def suffix_row():
-        return runtime(SuffixProposer(k_max))  # fresh per run: its global cache grows prompt by prompt within it
+        # fresh per run: its global cache grows prompt by prompt within it; the longest chain's k
+        # (not a tree's node count, which only sizes the caches)
+        return runtime(SuffixProposer(max(ks)))
 
     rows = {
         "transformers generate": lambda: hf_generate(),
@@ -204,7 +206,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         rows[f"runtime n-gram (k={k})"] = lambda k=k: runtime(NgramProposer(k))
         ngram_gpu = GpuNgramProposer(k, 1, max_len, device=device)
         rows[f"runtime n-gram on the device (k={k})"] = lambda p=ngram_gpu: runtime(p)
-    rows[f"runtime suffix (k={k_max})"] = suffix_row
+    rows[f"runtime suffix (k={max(ks)})"] = suffix_row
     for module in modules:
         for k in _drafter_ks(module, ks):
             proposer = drafter_proposer(module, k, 1, max_len, rt.config)

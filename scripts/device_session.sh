@@ -8,7 +8,7 @@
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
-#   bash scripts/device_session.sh bring NAME         # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
+#   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 # (a drafter trained in one session can be benched in a later one: copy $OUT/NAME-parts into an
@@ -179,14 +179,19 @@ bench)
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
   done
   drafters=$(ls -d /tmp/run-*/export 2> /dev/null | tr '\n' ' ')
+  # EAGLE-3 trees: a small sweep where they run graphed (eager trees are slow: one setting)
+  trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,4,24 5,8,32 6,8,48" || echo "4,4,24")}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
-    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in ${BENCH_TREES-4,4,24}; do echo --tree $t; done) \
+    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
-bring)
-  python3 scripts/drafter_parts.py pack /tmp/run-$1/export $OUT/$1-parts --target smollm2-135m-instruct
+bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)
+  kill $collector 2> /dev/null  # no results.tgz: a file fewer
+  for name in "$@"; do
+    python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct
+  done
   ;;
 unpack)
   for parts in .dev*/*-parts; do
@@ -209,8 +214,8 @@ final | validate)
   # ALONGSIDE: RUNS-style specs trained ALONGSIDE_MINUTES while the validations run (the GPUs
   # have room then; e.g. the joint recipes for their peak memory and perplexity)
   [ -n "${ALONGSIDE:-}" ] && start_runs "$ALONGSIDE" "${ALONGSIDE_MINUTES:-3}"
-  # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3
-  # and DFlash; all in parallel (each is bound by its host loop, not by the GPU)
+  # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3,
+  # DFlash and MTP, HumanEval at T = 0 for the three; all in parallel (each is bound by its host loop, not by the GPU)
   # Each serves questions for VAL_MINUTES (spread over the categories), then replays and reports
   # on those; two CPU threads each, since a dozen run at once. timeout is only a backstop.
   # VAL_BATCH questions are served together (VAL_BATCH=1: one at a time, as in session 4)
@@ -231,6 +236,10 @@ final | validate)
   bg eagle3@t1-block --temperature 1 --verification block
   bg dflash@t1-standard --temperature 1 --verification standard
   bg dflash@t1-block --temperature 1 --verification block
+  bg mtp@t1-standard --temperature 1 --verification standard
+  bg mtp@t1-block --temperature 1 --verification block
+  # code answers (issue 21's second set), greedy, all 164 HumanEval problems where the time allows
+  for n in eagle3 dflash mtp; do bg $n@humaneval --dataset humaneval --num-prompts 164; done
   wait "${pids[@]}"  # the validations and any ALONGSIDE runs
   [ -n "${ALONGSIDE:-}" ] && train_summary
   for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done

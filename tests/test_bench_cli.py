@@ -41,7 +41,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     assert {"transformers generate", "transformers prompt lookup", "runtime plain", "runtime n-gram (k=4)",
             "runtime EAGLE-3 (k=2)", "runtime EAGLE-3 (k=4)", "runtime Medusa (k=2)", "runtime plain, batch 2",
             "runtime EAGLE-3 (k=2), batch 2", "runtime Medusa (k=2), batch 2",
-            "runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"} <= set(rows)
+            "runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)", "runtime suffix (k=4)"} <= set(rows)
     assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"]["verify_tokens_per_step"] == 5
     assert rows["runtime EAGLE-3 (k=4)"]["verify_tokens_per_step"] == 5
     assert "runtime Medusa (k=4)" not in rows  # three heads draft at most three tokens
