@@ -43,6 +43,12 @@ OUTPUT = "conversations.jsonl"
 SETTINGS = "regenerate.json"
 
 
+def _lines(data: bytes) -> list[bytes]:
+    """The complete JSON lines of a file's bytes (split on \\n only: answers may hold U+2028 and
+    other characters that str.splitlines() would also split on)."""
+    return [line for line in data.split(b"\n") if line.strip()]
+
+
 def read_finished(path: Path) -> set[int]:
     """Ids already written; a trailing partial line (interrupted write) is cut off the file."""
     if not path.exists():
@@ -52,25 +58,36 @@ def read_finished(path: Path) -> set[int]:
     if keep < len(data):
         with open(path, "r+b") as f:
             f.truncate(keep)
-    return {json.loads(line)["id"] for line in data[:keep].decode("utf-8").splitlines() if line.strip()}
+    return {json.loads(line)["id"] for line in _lines(data[:keep])}
 
 
-def _continue_from(old: Path, path: Path, shard: tuple[int, int], finished: set[int]) -> int:
-    """Append `old`'s lines of this shard's ids that `path` lacks; returns how many."""
+def _first_user_turn(messages: list[dict]) -> str | None:
+    return next((m["content"] for m in messages if m.get("role") == "user"), None)
+
+
+def _continue_from(old: Path, path: Path, shard: tuple[int, int], finished: set[int], conversations) -> int:
+    """Append `old`'s lines of this shard's ids that `path` lacks; returns how many. Each line
+    must be a conversation of this source (same id, same first question): a file of another
+    data set or limit would otherwise be merged silently. An unfinished last line is left out."""
+    data = old.read_bytes()
+    data = data[: data.rfind(b"\n") + 1] if not data.endswith(b"\n") and b"\n" in data else data
     lines = []
-    with open(old, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                i = json.loads(line)["id"]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{old}, line {n}: not a line of regenerated conversations (no \"id\")") from None
-            if i % shard[1] == shard[0] and i not in finished:
-                lines.append(line if line.endswith("\n") else line + "\n")
-                finished.add(i)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(lines))
+    for n, line in enumerate(_lines(data), 1):
+        try:
+            record = json.loads(line)
+            i = record["id"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{old}, line {n}: not a line of regenerated conversations (invalid JSON or no \"id\")") from None
+        if not isinstance(i, int) or not 0 <= i < len(conversations):
+            raise ValueError(f"{old}, line {n}: id {i!r} is not a conversation of this source ({len(conversations)})")
+        if "messages" in record and _first_user_turn(record["messages"]) != _first_user_turn(conversations[i]):
+            raise ValueError(f"{old}, line {n}: conversation {i} asks another first question than this source's "
+                             "(another data set or --limit?)")
+        if i % shard[1] == shard[0] and i not in finished:
+            lines.append(line + b"\n")
+            finished.add(i)
+    with open(path, "ab") as f:
+        f.write(b"".join(lines))
         f.flush()
         os.fsync(f.fileno())
     return len(lines)
@@ -199,13 +216,14 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
-    seeded = _continue_from(continue_from, path, shard, finished) if continue_from else 0
+    seeded = _continue_from(continue_from, path, shard, finished, conversations) if continue_from else 0
     finished = read_finished(path)
     todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
     summary = {"conversations": len(conversations), "already_done": len(finished), "continued_from": seeded,
                "written": 0, "generated_tokens": 0, "loops_cut": 0}
     if not todo:
-        print(f"{path}: all {len(conversations)} conversations already regenerated")
+        kept = f" (kept {seeded} from {continue_from})" if seeded else ""
+        print(f"{path}: all {len(conversations)} conversations already regenerated{kept}")
         return summary
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -270,7 +288,7 @@ def main(argv=None) -> int:
         args.device = resolve_device(args.device)
         check_output_folder(args.out, SETTINGS)
         if args.continue_from and not Path(args.continue_from).is_file():
-            raise CliError(f"--continue-from {args.continue_from}: no such file")
+            raise CliError(f"--continue-from {args.continue_from}: not a file")
         check_new_tokens_fit(args.target, args.max_new_tokens)
         if args.max_new_tokens >= args.max_length:
             raise CliError(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in --max-length {args.max_length}")

@@ -155,7 +155,33 @@ def test_regeneration_continues_an_earlier_set_under_other_shards(tmp_path):
 def test_continue_from_refuses_a_file_of_other_lines(tmp_path):
     source, _ = _sharegpt_file(tmp_path, n=3)
     bad = tmp_path / "bad.jsonl"
+    run = lambda old: regenerate("tiny-random-llama", str(source), tmp_path / "out", batch_size=2, max_new_tokens=4,
+                                 max_length=512, continue_from=old)
     bad.write_text('{"messages": []}\n')
     with pytest.raises(ValueError, match="line 1: not a line of regenerated conversations"):
-        regenerate("tiny-random-llama", str(source), tmp_path / "out", batch_size=2, max_new_tokens=4, max_length=512,
-                   continue_from=bad)
+        run(bad)
+    bad.write_text('{"id": 7, "skipped": "x"}\n')
+    with pytest.raises(ValueError, match="id 7 is not a conversation of this source"):
+        run(bad)
+    bad.write_text(json.dumps({"id": 1, "messages": [{"role": "user", "content": "another question"}]}) + "\n")
+    with pytest.raises(ValueError, match="conversation 1 asks another first question"):
+        run(bad)
+    assert not read_finished(tmp_path / "out" / "conversations.jsonl")  # nothing merged
+
+
+def test_continued_answers_may_hold_line_separators(tmp_path):
+    """Answers are written with ensure_ascii=False: U+2028 / U+2029 / U+0085 stay raw inside a
+    line, and must not split it when the lines are read back."""
+    source, _ = _sharegpt_file(tmp_path, n=4)
+    old = tmp_path / "old"
+    regenerate("tiny-random-llama", str(source), old, batch_size=2, max_new_tokens=4, max_length=512, shard=(0, 2))
+    lines = [json.loads(line) for line in (old / "conversations.jsonl").read_text(encoding="utf-8").split("\n") if line]
+    for r in lines:
+        r["messages"][-1]["content"] += " a\u2028b\u2029c\x85d"
+    carried = tmp_path / "carried.jsonl"
+    carried.write_bytes("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines).encode("utf-8")
+                        + b'{"id": 3, "mess')  # and an unfinished last line: left out
+    summary = regenerate("tiny-random-llama", str(source), tmp_path / "new", batch_size=4, max_new_tokens=4,
+                         max_length=512, continue_from=carried)
+    assert summary["continued_from"] == len(lines) and summary["written"] == 4 - len(lines)
+    assert read_finished(tmp_path / "new" / "conversations.jsonl") == {0, 1, 2, 3}

@@ -186,6 +186,7 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
             graphed, graphed_stats = generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n)
             assert graphed == eager == plain, name
             assert graphed_stats.row_histograms == eager_stats.row_histograms, name
+    assert any(key[0] == "host-greedy" for key in rt._workspace)  # the host loop's one-graph greedy step ran
     # sampling inside the graphs: runs, and the tokens stay in the vocabulary
     proposer = drafter_proposer(drafters["eagle3"], 3, len(prompts), n, rt.config)
     outs, stats = generate(rt, prompts, max_new, proposer=proposer, temperature=1.0, max_len=n)

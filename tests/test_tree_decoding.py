@@ -139,7 +139,8 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
         return EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts), max_len=n,
                                  target_config=rt.config)
 
-    eager, eager_stats = generate(rt, prompts, max_new, proposer=proposer(), eos_ids=eos, max_len=n)
+    monkeypatch.setattr(spec_loop, "TREES_GRAPHED", False)  # (DRAFTSMITH_TREES_GRAPHED may be set)
+    eager, eager_stats = generate(rt, prompts, max_new, proposer=proposer(), eos_ids=eos, max_len=n, cuda_graphs=False)
     monkeypatch.setattr(spec_loop, "TREES_GRAPHED", True)
     graphed_proposer = proposer()
     for _ in range(2):
