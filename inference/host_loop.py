@@ -125,15 +125,18 @@ class GraphedGreedyVerify:
         from inference.graphs import capture_graph
 
         dev = model.embed_tokens.weight.device
-        self.cache = cache  # held: the graph writes into it
+        # every tensor the graph reads lives on self: a captured graph holds raw addresses, and a
+        # tensor freed after capture is handed to other allocations (session 11: `offsets` kept
+        # only by the capturing closure was overwritten, and the replays read garbage positions)
+        self.cache = cache  # the graph writes into it
         self.packed = torch.zeros(batch, 2 + k, dtype=torch.long, device=dev)
         self.packed[:, 2:] = NO_DRAFT
-        offsets = torch.arange(k + 1, device=dev)
+        self.offsets = torch.arange(k + 1, device=dev)
 
         def step():
             drafts = self.packed[:, 2:]
             self.fed = torch.cat([self.packed[:, 1:2], drafts.clamp_min(0)], 1)  # [B,k+1]
-            logits, self.aux = model(self.fed, self.packed[:, :1] + offsets, cache, aux_layers)
+            logits, self.aux = model(self.fed, self.packed[:, :1] + self.offsets, cache, aux_layers)
             self.result = torch.stack(greedy_verify(drafts, logits))  # [2,B]
 
         self.graph = capture_graph(step, restore=(cache.k, cache.v))  # the warm-up writes into the cache

@@ -173,10 +173,10 @@ class _SuffixTrie:
         for t in tokens:
             active = self.extend(active, t)
 
-    def match(self, context: list[int]) -> tuple[int, int]:
-        """(node, length) of the longest suffix of `context` (< depth) that occurred with a
-        continuation (the context's own latest occurrence has none)."""
-        for m in range(min(self.depth - 1, len(context)), 0, -1):
+    def match(self, context: list[int], max_len: int | None = None) -> tuple[int, int]:
+        """(node, length) of the longest suffix of `context` (< depth, <= max_len) that occurred
+        with a continuation (the context's own latest occurrence has none)."""
+        for m in range(min(self.depth - 1, len(context), max_len or self.depth), 0, -1):
             node = 0
             for t in context[len(context) - m :]:
                 node = self.children[node].get(t, -1)
@@ -199,13 +199,17 @@ class SuffixProposer:
     """Suffix decoding: continue the context from a suffix trie over this request's prompt and
     output and over a global cache of earlier responses, following the most frequent path.
 
-    The draft length adapts to the match: `min(k, ceil(factor * match length))`, so a long,
-    confident match drafts far and a one-token match drafts little.
+    The draft length adapts to the match: `min(k, ceil(factor * match length))`. With a small
+    factor a long, confident match drafts far and a one-token match drafts little, which saves
+    verify work in large batches; the default (100: up to k always) suits small batches, where a
+    graphed verify of k + 1 tokens costs what one of fewer costs (20 MT-bench answers on the zoo
+    target, k = 7, float32: tau 1.620 with factor 1 and matches up to the trie's depth, 2.058
+    with factor 100 and matches that leave room for k tokens; the n-gram proposer: 1.962).
     """
 
     aux_layers: tuple = ()
 
-    def __init__(self, k: int, depth: int = 24, factor: float = 1.0, min_match: int = 1):
+    def __init__(self, k: int, depth: int = 24, factor: float = 100.0, min_match: int = 1):
         self.k, self.depth, self.factor, self.min_match = k, depth, factor, min_match
         self.global_trie = _SuffixTrie(depth)
         self._rows: list[tuple[_SuffixTrie, list[int], int]] = []  # (trie, active nodes, tokens seen)
@@ -228,7 +232,10 @@ class SuffixProposer:
             self._rows[b] = (trie, active, len(seq))
             best: list[int] = []
             for source in (trie, self.global_trie):
-                node, m = source.match(seq)
+                # a match of m tokens leaves depth - m levels below it: at most depth - k, so
+                # that a k-token continuation fits (the longest match is not the best anchor
+                # when its continuation is cut short by the trie's depth)
+                node, m = source.match(seq, max_len=max(1, self.depth - self.k))
                 if m < self.min_match:
                     continue
                 limit = min(self.k, max(1, int(-(-self.factor * m // 1))))

@@ -115,6 +115,15 @@ def test_suffix_proposer_follows_the_most_frequent_continuation_and_adapts_lengt
     assert q.propose([[5, 6, 7, 8, 10, 11, 5, 6, 7, 8]]) == [[10, 11, 5, 6]]  # match of 4: 4 tokens
 
 
+def test_suffix_match_leaves_room_for_k_tokens_below_it():
+    """The trie holds substrings up to `depth` tokens: the longest match (5 of depth 6) would
+    leave one token of continuation, so the match is capped at depth - k and k tokens follow."""
+    context = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4, 5]
+    q = SuffixProposer(k=3, depth=6)
+    q.begin([context[:-1]], None, [5])
+    assert q.propose([context]) == [[6, 7, 8]]
+
+
 def test_suffix_proposer_global_cache_serves_later_requests():
     p = SuffixProposer(k=4)
     p.begin([[100, 101]], None, [1])
