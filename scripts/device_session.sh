@@ -11,6 +11,7 @@
 #   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
+#                                                     # (staged here by scripts/drafter_parts.py stage; one .devN a call)
 # (a drafter trained in one session can be benched in a later one: copy $OUT/NAME-parts into an
 # ignored .devN folder here and carry it; scripts/drafter_parts.py checks every tensor on the way)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
@@ -129,17 +130,23 @@ part2)
     [ ${#carried[@]} -gt 0 ] && cp /tmp/regen/carried.jsonl $REGEN || echo "error: REGEN_MINUTES=0 and no regenerated answers carried"
   else
     nshard=${REGEN_SHARDS:-$((2 * NGPU))}
+    # 512 conversations a batch for two shards per GPU, fewer for more (session 11: four shards of
+    # 512 on one H200 held ~34 GiB each, and three ran out of memory)
+    per_gpu=$(( (nshard + NGPU - 1) / NGPU ))
+    regen_batch=$(( 1024 / per_gpu < 512 ? 1024 / per_gpu : 512 ))
     for i in $(seq 0 $((nshard - 1))); do
       CUDA_VISIBLE_DEVICES=$((i % NGPU)) python3 -m inference.regenerate --dataset sharegpt --out /tmp/regen/s$i \
-        --shard $i/$nshard --batch-size 512 --max-minutes $regen_minutes "${carried[@]}" > $R/regen-$i.log 2>&1 &
+        --shard $i/$nshard --batch-size $regen_batch --max-minutes $regen_minutes "${carried[@]}" > $R/regen-$i.log 2>&1 &
       regen_pids+=($!)
     done
     failed=0
     for pid in "${regen_pids[@]}"; do wait $pid || failed=1; done
+    [ $failed = 1 ] && { echo "a regeneration shard failed:"; grep -a -h "Error\|error" $R/regen-*.log | head -3; }
+    # each shard wrote its part of the carried answers before answering anything: the shards'
+    # files hold them all, and whatever a shard added before it failed
     cat /tmp/regen/s*/conversations.jsonl > $REGEN
-    if [ $failed = 1 ] && [ ${#carried[@]} -gt 0 ]; then  # never train on less than was carried
-      echo "a regeneration shard failed (logs in results): training on the carried answers alone"
-      grep -a -h "error" $R/regen-*.log | head -3
+    if [ ${#carried[@]} -gt 0 ] && [ $(wc -l < $REGEN) -lt $(wc -l < /tmp/regen/carried.jsonl) ]; then
+      echo "fewer conversations than were carried: training on the carried answers alone"  # never less
       cp /tmp/regen/carried.jsonl $REGEN
     fi
     grep -a -h "wrote\|error\|already regenerated" $R/regen-*.log | tee $R/regen.log
@@ -200,11 +207,13 @@ bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per
     python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct
   done
   ;;
-unpack)
-  for parts in .dev*/*-parts; do
-    [ -f "$parts/parts.json" ] || continue
-    name=$(basename "$parts" -parts)
-    python3 scripts/drafter_parts.py unpack "$parts" /tmp/run-$name/export --target smollm2-135m-instruct
+unpack)  # every export whose parts are all here (they may span carried folders: drafter_parts.py stage)
+  # a carried folder stays on the machine between calls: carry one per call, unpack after the last
+  for name in $(ls -d .dev*/*-parts 2> /dev/null | xargs -n1 basename | sort -u); do
+    name=${name%-parts}
+    [ -d /tmp/run-$name/export ] && continue
+    mkdir -p /tmp/run-$name
+    python3 scripts/drafter_parts.py unpack .dev*/$name-parts /tmp/run-$name/export --target smollm2-135m-instruct
   done
   ;;
 final | validate)

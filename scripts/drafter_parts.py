@@ -1,7 +1,8 @@
 """Carry a drafter export between machines in small files, without the target's tensors.
 
     python scripts/drafter_parts.py pack EXPORT PARTS --target smollm2-135m-instruct [--part-mib 15]
-    python scripts/drafter_parts.py unpack PARTS EXPORT --target smollm2-135m-instruct
+    python scripts/drafter_parts.py unpack PARTS [PARTS...] EXPORT --target smollm2-135m-instruct
+    python scripts/drafter_parts.py stage PARTS [PARTS...] --into . [--max-mib 60] [--first 3]
 
 Why: a GPU lease returns at most 8 files of 16 MiB, and an EAGLE-3 export of the zoo target is
 86 MB, two thirds of it a bf16 copy of the target's embedding. `pack` writes every tensor that
@@ -11,6 +12,10 @@ and keeps the export's small files inside its manifest (parts.json): the
 parts and the manifest are all there is to carry. `unpack` rebuilds model.safetensors from the parts and the
 target and checks every tensor against the manifest's sha256 of its bytes; nothing is written
 unless all match, and the folder appears whole (written beside, then renamed).
+
+A device call carries at most 64 MiB: `stage` spreads parts folders over ignored folders
+.devN/NAME-parts (N from --first), each at most --max-mib, a large export over two or more;
+`unpack` takes every folder holding parts of one export.
 """
 from __future__ import annotations
 
@@ -110,13 +115,21 @@ def _pack(export: Path, parts: Path, target: str, part_mib: float) -> dict:
     return manifest
 
 
-def unpack(parts: Path, export: Path, target: str) -> None:
-    manifest = json.loads((parts / MANIFEST).read_text())
+def unpack(parts: Path | list[Path], export: Path, target: str) -> None:
+    """parts: the folder of `pack`, or several folders holding its files between them."""
+    folders = [parts] if isinstance(parts, Path) else list(parts)
+    manifests = [f / MANIFEST for f in folders if (f / MANIFEST).is_file()]
+    if not manifests:
+        raise FileNotFoundError(f"no {MANIFEST} in {', '.join(map(str, folders))}")
+    manifest = json.loads(manifests[0].read_text())
     if export.exists() and any(export.iterdir()):
         raise FileExistsError(f"{export}: exists and is not empty (nothing replaced)")
     chunks: dict[str, torch.Tensor] = {}
     for name in manifest["parts"]:
-        chunks.update(load_file(parts / name))
+        where = next((f / name for f in folders if (f / name).is_file()), None)
+        if where is None:
+            raise FileNotFoundError(f"part {name} is in none of {', '.join(map(str, folders))}")
+        chunks.update(load_file(where))
     from_target = _target_tensors(target) if any("from_target" in e for e in manifest["tensors"].values()) else {}
     tensors = {}
     for name, entry in manifest["tensors"].items():
@@ -144,6 +157,33 @@ def unpack(parts: Path, export: Path, target: str) -> None:
         raise
 
 
+def stage(parts: list[Path], into: Path, max_mib: float = 60.0, first: int = 3) -> list[Path]:
+    """Copy the files of each parts folder into into/.devN/NAME-parts, N = first, first + 1, ...,
+    a folder taking files until the next would pass max_mib (an export may span folders).
+    Returns the folders written; existing .devN folders are refused, not mixed into."""
+    limit = max_mib * 2**20
+    written: list[Path] = []
+    n, used = first, 0.0
+    for folder in parts:
+        if not (folder / MANIFEST).is_file():
+            raise FileNotFoundError(f"{folder}: no {MANIFEST} (not a folder written by pack)")
+        for f in sorted(folder.iterdir()):
+            size = f.stat().st_size
+            if size > limit:
+                raise ValueError(f"{f}: {size / 2**20:.1f} MiB, more than --max-mib {max_mib}")
+            if used and used + size > limit:
+                n, used = n + 1, 0.0
+            target = into / f".dev{n}"
+            if target not in written and target.exists():
+                raise FileExistsError(f"{target} exists: stage into a fresh --first")
+            (target / folder.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, target / folder.name / f.name)
+            used += size
+            if target not in written:
+                written.append(target)
+    return written
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="verb", required=True)
@@ -153,15 +193,23 @@ def main(argv=None) -> int:
     p.add_argument("--target", required=True)
     p.add_argument("--part-mib", type=float, default=15.0)
     u = sub.add_parser("unpack")
-    u.add_argument("parts", type=Path)
+    u.add_argument("parts", type=Path, nargs="+")
     u.add_argument("export", type=Path)
     u.add_argument("--target", required=True)
+    st = sub.add_parser("stage")
+    st.add_argument("parts", type=Path, nargs="+")
+    st.add_argument("--into", type=Path, default=Path("."))
+    st.add_argument("--max-mib", type=float, default=60.0)
+    st.add_argument("--first", type=int, default=3)
     args = ap.parse_args(argv)
     try:
         if args.verb == "pack":
             m = pack(args.export, args.parts, args.target, args.part_mib)
             kept = sum(1 for e in m["tensors"].values() if "from_target" in e)
             print(f"wrote {args.parts}: {len(m['parts'])} parts, {kept} tensors taken from {args.target}")
+        elif args.verb == "stage":
+            for folder in stage(args.parts, args.into, args.max_mib, args.first):
+                print(f"staged {folder} ({sum(f.stat().st_size for f in folder.rglob('*') if f.is_file()) / 2**20:.1f} MiB)")
         else:
             unpack(args.parts, args.export, args.target)
             print(f"wrote {args.export}")

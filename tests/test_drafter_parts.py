@@ -70,3 +70,25 @@ def test_a_damaged_part_is_refused_and_nothing_is_written(tmp_path):
     res = _run("unpack", str(parts), str(tmp_path / "back"), "--target", "tiny-random-llama")
     assert res.returncode == 2 and "differs" in res.stderr and res.stderr.count("\n") == 1
     assert not (tmp_path / "back").exists() and not list(tmp_path.glob(".back.*"))
+
+
+def test_staged_over_several_folders_an_export_comes_back_whole(tmp_path):
+    """stage spreads the parts over .devN folders of at most --max-mib (one export over several);
+    unpack takes the folders together, and refuses when one of them is missing."""
+    export = _mtp_export(tmp_path)
+    parts = tmp_path / "mtp-parts"
+    assert _run("pack", str(export), str(parts), "--target", "tiny-random-llama", "--part-mib", "0.05").returncode == 0
+    total = sum(f.stat().st_size for f in parts.iterdir()) / 2**20
+    res = _run("stage", str(parts), "--into", str(tmp_path), "--max-mib", f"{total / 2.5:.4f}", "--first", "3")
+    assert res.returncode == 0, res.stderr
+    folders = sorted(tmp_path.glob(".dev*/mtp-parts"))
+    assert len(folders) >= 3 and all(sum(f.stat().st_size for f in d.iterdir()) / 2**20 <= total / 2.5 for d in folders)
+    res = _run("unpack", *map(str, folders[1:]), str(tmp_path / "partial"), "--target", "tiny-random-llama")
+    assert res.returncode == 2 and ("is in none of" in res.stderr or "no parts.json" in res.stderr), res.stderr
+    assert not (tmp_path / "partial").exists()
+    res = _run("unpack", *map(str, folders), str(tmp_path / "back"), "--target", "tiny-random-llama")
+    assert res.returncode == 0, res.stderr
+    for f in export.iterdir():
+        assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
+    res = _run("stage", str(parts), "--into", str(tmp_path), "--first", "3")  # never mixed into existing folders
+    assert res.returncode == 2 and "exists" in res.stderr
