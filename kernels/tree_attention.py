@@ -19,9 +19,11 @@ checked: that would be a host sync).
 Why a kernel: the torch form is one SDPA call over the whole cache under a dense additive mask
 [B,1,g*M,S] (plus the mask's own ~10 launches), as a chain verify step was before
 decode_attention. Here, as in decode_attention, the g*M score rows of a KV head are one tile
-(tl.dot), each cache chunk up to the base is read once per tile, the chunks run in parallel
-(flash-decoding), the tree block is one more chunk with its own mask, and a second launch
-merges the chunks into o_proj's layout, in float32.
+(tl.dot), so each cache key up to the base is read once per tile, not once per (query, head);
+the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
+and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
+one more split with its own mask; a second launch merges the splits into o_proj's layout, in
+float32.
 """
 from __future__ import annotations
 
@@ -78,39 +80,36 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
     return out.unflatten(2, (g, M)).permute(0, 3, 1, 2, 4).reshape(B, M, nh * d)
 
 
+# Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
+# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 63  # + the tree block: 64 split slots, one power-of-two tile for the merge
+
+
 if triton is not None:
 
     @triton.jit
-    def _chunk_stats(q, k, v, visible, scale, IEEE: tl.constexpr):
-        """q [BQ,BD], k / v [BK,BD], visible [BQ,BK] → each score row's max m (-inf where it sees
-        nothing), sum of exp l, and the exp-weighted values acc [BQ,BD], in float32."""
+    def _dot(a, b, IEEE: tl.constexpr):
         if IEEE:  # float32 caches: exact float32 products (no TF32), so tests compare exactly
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            return tl.dot(a, b, input_precision="ieee")
         else:  # 16-bit caches: TF32 products (10 mantissa bits, more than the inputs' 7 or 10)
-            s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(visible, s, float("-inf"))
-        m = tl.max(s, 1)
-        p = tl.where(visible, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
-        if IEEE:
-            acc = tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = tl.dot(p, v)
-        return m, tl.sum(p, 1), acc
+            return tl.dot(a, b)
 
     # M, N (queries, tree nodes) vary with the tree's size: not specialised on
-    @triton.jit(do_not_specialize=["M", "N"])
+    @triton.jit(do_not_specialize=["M", "N", "span"])
     def _tree_partial_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                             M, N, G, nh, tree_split, scale,
+                             M, N, G, nh, span, tree_split, scale,
                              stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                              stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_N: tl.constexpr,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
                              IEEE: tl.constexpr):
         """One (row, KV head and tile of BLOCK_Q score rows, split). The row's M queries times the
-        G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j). Splits
-        0 .. tree_split-1 are chunks of CHUNK cache slots, all visible up to the base (chunks past
-        it do nothing); split `tree_split` is the tree block of N keys under each query's mask
-        row. Each writes per (query, head) softmax statistics for `_tree_combine_kernel`."""
+        G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
+        Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
+        visible up to the base, in tiles of BLOCK_S keys with an online softmax (splits past the
+        base do nothing); split `tree_split` is the tree block of N keys, one tile under each
+        query's mask row. Each writes per (query, head) softmax statistics for the merge."""
         b = tl.program_id(0).to(tl.int64)
         tiles = tl.cdiv(M * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
@@ -140,34 +139,46 @@ if triton is not None:
             v = tl.load(v_ptr + offs, mask=both, other=0.0).to(tl.float32)
             seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mq + nodes[None, :],
                            mask=real[:, None] & node_ok[None, :], other=0) != 0  # [BLOCK_Q, BLOCK_N]
-            m, l, acc = _chunk_stats(q, k, v, seen, scale, IEEE)
+            s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+            m = tl.max(s, 1)  # -inf for a query that sees no node (the root): its weight in the merge is 0
+            p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
-            tl.store(l_ptr + slot, l, mask=real)
-            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
-        elif split * CHUNK <= base:
+            tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], _dot(p, v, IEEE), mask=real[:, None])
+        elif split * span <= base:
             q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)
-            keys = split * CHUNK + tl.arange(0, CHUNK)
-            inside = keys <= base  # the same for every query of the row
-            offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
-            both = inside[:, None] & dim_ok[None, :]
-            k = tl.load(kc_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [CHUNK, BLOCK_D]
-            v = tl.load(vc_ptr + offs, mask=both, other=0.0).to(tl.float32)
-            visible = real[:, None] & inside[None, :]
-            m, l, acc = _chunk_stats(q, k, v, visible, scale, IEEE)
+            hi = tl.minimum(split * span + span, base + 1)  # the split's visible slots end here
+            # finite start: exp(m - m_new) stays defined; the first tile holds a visible key
+            m = tl.full([BLOCK_Q], -1.0e30, tl.float32)
+            l = tl.zeros([BLOCK_Q], tl.float32)
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+            for start in range(split * span, hi, BLOCK_S):
+                keys = start + tl.arange(0, BLOCK_S)
+                inside = keys < hi  # the same for every query of the row
+                offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
+                both = inside[:, None] & dim_ok[None, :]
+                k = tl.load(kc_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+                v = tl.load(vc_ptr + offs, mask=both, other=0.0).to(tl.float32)
+                s = tl.where(inside[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_S], 0 outside
+                alpha = tl.exp(m - m_new)
+                l = l * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+                m = m_new
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
-    @triton.jit(do_not_specialize=["M"])
-    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, tree_split, stride_ot,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
-                             BLOCK_SPLITS: tl.constexpr):
-        """One (query token, query head): merge the statistics of the cache chunks up to the base
-        and of the tree block. Chunk 0 always holds a visible key, so the max is finite; the tree
-        block's m is -inf for the root (w = 0)."""
+    @triton.jit(do_not_specialize=["M", "span"])
+    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, stride_ot,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+        """One (query token, query head): merge the statistics of the cache splits up to the base
+        and of the tree block. Split 0 always holds a visible key, so the max is finite; the tree
+        block's m is -inf for the root (weight 0)."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
         head = tl.program_id(1)
-        splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, CHUNK)
+        splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, span)
         start = (token * tl.num_programs(1) + head) * BLOCK_SPLITS
         j = tl.arange(0, BLOCK_SPLITS)
         used = (j < splits) | (j == tree_split)
@@ -180,9 +191,11 @@ if triton is not None:
         tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
-def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
-    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles,
-    cache chunks + 1) and the merge over (B*M, nh). `bias` is the torch path's and is ignored."""
+def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
+                          max_splits: int = MAX_SPLITS):
+    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
+    splits + 1) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
+    max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, M, d = q.shape
@@ -208,28 +221,31 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     out = torch.empty(B, M, nh * d, dtype=q.dtype, device=q.device)
     if not B * M:
         return out
-    chunk = max(32, triton.next_power_of_2(triton.cdiv(S, 64)))  # at most 64 chunks per row
-    tree_split = triton.cdiv(S, chunk)  # the split index of the tree block, after the chunks
-    # tl.dot needs inner sizes of at least 16: small heads and trees are padded, masked
-    block_splits, block_d = triton.next_power_of_2(tree_split + 1), max(16, triton.next_power_of_2(d))
+    G = nh // nkv
+    # score rows per program: up to 64 (a tree of 15 nodes times G = 4 heads is one tile), so few
+    # variants compile; tl.dot needs inner sizes of at least 16: small heads and trees are padded
+    block_q = min(64, max(16, triton.next_power_of_2(M * G)))
+    tiles = triton.cdiv(M * G, block_q)
+    block_s, block_d = min(64, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = max(16, triton.next_power_of_2(N))
+    # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
+    splits = max(1, min(max_splits, MAX_SPLITS, triton.cdiv(S, block_s), triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
+    span = block_s * triton.cdiv(triton.cdiv(S, splits), block_s)
+    tree_split = triton.cdiv(S, span)  # the tree block's split index, after the cache's
+    block_splits = triton.next_power_of_2(tree_split + 1)
     # per (token, head, split) statistics, block_splits slots each (one power-of-two tile for the
-    # merge); slots of chunks past a row's base are never written nor read
+    # merge); slots of splits past a row's base are never written nor read
     m = torch.empty(B * M * nh * block_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
-    G = nh // nkv
-    # score rows per program: up to 64 (a tree of 15 nodes times G = 4 heads is one tile), so few
-    # variants compile
-    block_q = min(64, max(16, triton.next_power_of_2(M * G)))
-    _tree_partial_kernel[(B, nkv * triton.cdiv(M * G, block_q), tree_split + 1)](
-        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, tree_split, d ** -0.5,
+    _tree_partial_kernel[(B, nkv * tiles, tree_split + 1)](
+        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
-        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
+        D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
         IN_CACHE=in_cache, IEEE=q.dtype == torch.float32)
-    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, tree_split, out.stride(1),
-                                      D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits)
+    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, out.stride(1),
+                                      D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
 
 

@@ -85,6 +85,18 @@ def test_tree_block_read_from_the_cache_matches_reference(dtype, tol, B, N, S, n
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("max_splits", [1, 2])
+@pytest.mark.parametrize("B,N,S,nh,nkv,d", [(3, 5, 150, 9, 3, 48), (2, 22, 150, 6, 2, 64)])
+def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits, B, N, S, nh, nkv, d):
+    """Few splits of a long cache: each program runs its online softmax over several tiles."""
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(B, N, S, nh, nkv, d, torch.float32, seed=N)
+    for args in (operands(B, N, S, nh, nkv, d, torch.float32, seed=N), (q, k_cache, v_cache, base, None, None, mask)):
+        ref = tree_attention_reference(*args)
+        got = tree_attention_triton(*args, max_splits=max_splits)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton_backend
 def test_unseen_keys_are_never_read():
     """Cache keys past the row's base (past its tree block, when the block is in the cache):
     poisoning them with NaN changes nothing. Tree keys outside a query's mask row are read by the
