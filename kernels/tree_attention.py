@@ -14,7 +14,9 @@ root's mask row is empty, so it is a plain cache query. The tree slots of the ca
 ordered by position, so a position-causal mask cannot describe them: the block is masked apart.
 GQA: query head h reads KV head h // (nh / nkv), as transformers' repeat_kv orders them.
 base_positions must lie in 0..S-1, and base + N in 0..S-1 when the block is in the cache (not
-checked: that would be a host sync).
+checked: that would be a host sync). Cache slots past the base (past the block) are never read;
+tree keys outside a query's mask row are read with its tile and weigh exactly 0, so they must be
+finite (they are: written this step).
 
 Why a kernel: the torch form is one SDPA call over the whole cache under a dense additive mask
 [B,1,g*M,S] (plus the mask's own ~10 launches), as a chain verify step was before
