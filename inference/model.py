@@ -21,8 +21,9 @@ from kernels import use_kernel
 from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
                                       grouped_attention_bias, grouped_cache_attention)
 from kernels.rms_norm import head_norm, rms_norm
-from kernels.rope_cache import rope_cache, rope_cache_reference
+from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
+from kernels.tree_attention import tree_attention, tree_cache_bias
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -97,6 +98,19 @@ def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
                                           enable_gqa=q.shape[1] != nkv)
 
 
+def tree_verify_operands(positions, tree_mask):
+    """positions [B,N+1] (the root's first), tree_mask [B,N,N] → what each layer of a tree verify
+    step needs, built once per forward: base [B] (the root's position and slot), slots [B,N+1]
+    (base .. base+N: the root, then node i at base + 1 + i, contiguous so that the tree kernel
+    reads the block straight from the cache) and the mask [B,N+1,N] with an empty first row
+    (the root is a plain cache query)."""
+    B, N = tree_mask.shape[0], tree_mask.shape[1]
+    base = positions[:, 0].contiguous()
+    slots = base[:, None] + torch.arange(N + 1, device=base.device)
+    mask = torch.cat([tree_mask.new_zeros(B, 1, N), tree_mask], 1)
+    return base, slots, mask
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
@@ -109,18 +123,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x, positions, inv_freq, k_cache, v_cache, bias, causal_prefill: bool, slots=None):
+    def forward(self, x, positions, inv_freq, k_cache, v_cache, bias, causal_prefill: bool, tree=None):
         """x [B,q,H]; positions [B,q]; k_cache/v_cache [B,nkv,S,d] of this layer; bias from
         `grouped_attention_bias`, or None with causal_prefill (every row at positions 0..q-1
         of an empty cache: plain causal attention over this chunk, flash kernels, no mask).
-        slots [B,q] (draft trees): K/V written at these cache slots, attention under `bias`."""
+        tree (a draft tree's verify step): `tree_verify_operands`' (base, slots, mask), bias then
+        its `tree_cache_bias` (None when the kernels run)."""
         B, n, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.qk_norm:  # Qwen3 normalises each head before RoPE (in place, one launch)
             head_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.nh, self.nkv)
-        if slots is not None:  # a tree: torch ops (the fused kernels write K/V at the RoPE positions)
-            q = rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, slots=slots)
-            return self.o_proj(grouped_cache_attention(q, k_cache, v_cache, bias))
+        if tree is not None:  # K/V written at the tree's slots, then read back from there by the tree kernel
+            base, slots, mask = tree
+            q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, slots=slots)
+            return self.o_proj(tree_attention(q, k_cache, v_cache, base, None, None, mask, bias))
         q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv)  # [B,nh,q,d]
         if causal_prefill:
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
@@ -153,14 +169,14 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots=None,
+    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, tree=None,
                 sum_out=None):
         """(x, residual) → (mlp output, residual): the hidden state after the layer is their
         sum, added inside the next norm (one fused kernel instead of an add and a norm).
         sum_out: where that norm writes the sum of its inputs (the previous layer's output,
         captured as an aux feature without an add of its own)."""
         normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual, sum_out=sum_out)
-        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, slots)
+        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, tree)
         normed, residual = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         return self.mlp(normed), residual
 
@@ -251,7 +267,7 @@ class RuntimeModel(nn.Module):
         return KVCache(self.config, batch, max_len, p.dtype, p.device)
 
     def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None,
-                causal_prefill: bool = False, slots=None, bias=None):
+                causal_prefill: bool = False, tree_mask=None):
         """input_ids, positions [B,q] → (logits [B,q,V], aux [B,q,n*H] in aux_layers order or None).
 
         logits_at [B] (optional): compute the head only at this query index of each row
@@ -261,13 +277,23 @@ class RuntimeModel(nn.Module):
 
         Rows of a ragged step may carry padding tokens: they are written at positions beyond
         the row's real tokens, never attended by real queries, and overwritten later.
+
+        tree_mask [B,N,N] (a draft tree's verify step, inference/tree_decoding.py): the q = N+1
+        tokens are the root, at position = slot = base, then the N nodes, node i written at slot
+        base + 1 + i (fed at its own position, base + depth); every token sees the cache up to
+        base, node i also the nodes of tree_mask[b, i] (its ancestors and itself).
         """
         B, q = input_ids.shape
         cfg = self.config
         x = self.embed_tokens(input_ids)
-        # the additive mask of the torch attention path, built once per forward (the decode
-        # kernel reads positions instead)
-        if slots is None:  # (a tree's verify step brings its own mask as `bias`, with the slots to write)
+        # the additive mask of the torch attention path, built once per forward (the decode and
+        # tree kernels read positions, base and the tree mask instead)
+        tree = None
+        if tree_mask is not None:
+            tree = tree_verify_operands(positions, tree_mask)
+            bias = None if use_kernel(x) else tree_cache_bias(tree[0], tree[2], cache.max_len,
+                                                              cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        else:
             bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
                 positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
         residual = None
@@ -280,7 +306,7 @@ class RuntimeModel(nn.Module):
         for i, part in zip(aux_layers, slices):
             slot.setdefault(i, part)  # a layer listed twice: its second slice is copied at the end
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, slots,
+            x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, tree,
                                 sum_out=slot.get(i - 1))
         if cfg.num_layers in aux_layers:
             # id L: the final normed hidden state, what the head reads (EAGLE-1's and Medusa's

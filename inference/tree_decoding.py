@@ -12,9 +12,13 @@ own cache exactly as for chains (EAGLE's step-0 entries, one position behind the
 its tree nodes' K/V in a per-step candidate buffer; after verification it takes in the accepted
 path like a chain of the same length (`Eagle3Proposer.advance`).
 
-This first form runs the tree's attention through torch ops (the target's verify step and the
-drafter's tree steps); the graphed loop and a fused tree-attention kernel
-(kernels/tree_attention.py) are the next step.
+The target's verify step runs through the kernels as a chain's does (inference/model.py,
+`tree_mask=`): RoPE with the cache write at the tree's slots (kernels/rope_cache.py), then
+kernels/tree_attention.py, which reads the tree block straight from the cache slots after the
+root and its own mask row per query, with no dense mask over the cache; on a CPU the torch
+references run instead. The drafter's tree steps still attend through the torch reference (its
+candidates live in a separate buffer), and the tree step runs eagerly unless TREES_GRAPHED
+(inference/spec_loop.py) says its CUDA graphs were checked on a GPU.
 """
 from __future__ import annotations
 
@@ -130,21 +134,13 @@ class TreeLoop(SpecLoop):
 
     def verify_phase(self):
         tree, cache = self.tree, self.cache
-        B, N = tree.tokens.shape
-        S = cache.max_len
         base = self.length - 1  # the root's position and slot
         root = self.tokens.gather(1, base[:, None])
         fed = torch.cat([root, tree.tokens.clamp_min(0)], 1)  # [B,N+1]
         positions = torch.cat([base[:, None], tree.positions], 1)
-        slots = base[:, None] + torch.arange(N + 1, device=base.device)
-        # every query sees the row's cache up to the root; node i also sees the slots of its
-        # ancestors and itself
-        visible = (torch.arange(S, device=base.device)[None, :] <= base[:, None])[:, None, :].expand(B, N + 1, S).clone()
-        visible[:, 1:].scatter_(2, slots[:, None, 1:].expand(B, N, N), tree.mask)
-        groups = self.model.config.num_heads // self.model.config.num_kv_heads
-        bias = torch.zeros(B, N + 1, S, dtype=self.model.embed_tokens.weight.dtype, device=base.device)
-        bias = bias.masked_fill(~visible, float("-inf"))[:, None].repeat(1, 1, groups, 1)
-        logits, aux = self.model(fed, positions, cache, self.aux_layers, slots=slots, bias=bias)
+        # the root and node i are written at slots base and base + 1 + i; every query sees the
+        # cache up to the root, node i also its ancestors and itself (the model builds the rest)
+        logits, aux = self.model(fed, positions, cache, self.aux_layers, tree_mask=tree.mask)
         path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
         path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]
         active = ~self.done

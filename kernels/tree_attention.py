@@ -1,14 +1,31 @@
-"""Attention of a draft tree's N query tokens per row over the row's KV cache plus the tree block.
+"""Attention of a draft tree's queries over the row's KV cache plus the tree block.
 
-    q [B,nh,N,d] (rotated), k_cache / v_cache [B,nkv,S,d], base_positions [B],
-    tree_k / tree_v [B,nkv,N,d], tree_mask [B,N,N] bool → [B,N,nh*d], the o_proj input
+    q [B,nh,M,d] (rotated), k_cache / v_cache [B,nkv,S,d], base_positions [B],
+    tree_mask [B,M,N] bool, and the tree block's K/V either
+      tree_k / tree_v [B,nkv,N,d] apart (a drafter's candidate buffers), or
+      None: in the cache itself at slots base + 1 .. base + N (the target's verify step,
+            whose RoPE kernel has just written them there)
+    → [B,M,nh*d], the o_proj input
 
-Every tree query of row b sees the cache keys at positions <= base_positions[b] (the verified
-prefix, ending with the root token) and the tree keys j with tree_mask[b, i, j] (itself and its
-ancestors, inference/tree.py). The tree's own K/V come in separately because the tree slots of
-the cache (base + 1 + i) are not ordered by position: a position-causal mask cannot describe them.
+Every query of row b sees the cache keys at slots <= base_positions[b] (the verified prefix,
+ending with the root token) and the tree keys j with tree_mask[b, t, j] (itself and its
+ancestors, inference/tree.py). A verify step feeds the root and its N nodes (M = N + 1): the
+root's mask row is empty, so it is a plain cache query. The tree slots of the cache are not
+ordered by position, so a position-causal mask cannot describe them: the block is masked apart.
 GQA: query head h reads KV head h // (nh / nkv), as transformers' repeat_kv orders them.
-base_positions must lie in 0..S-1 (not checked: that would be a host sync).
+base_positions must lie in 0..S-1, and base + N in 0..S-1 when the block is in the cache (not
+checked: that would be a host sync). Cache slots past the base (past the block) are never read;
+tree keys outside a query's mask row are read with its tile and weigh exactly 0, so they must be
+finite (they are: written this step).
+
+Why a kernel: the torch form is one SDPA call over the whole cache under a dense additive mask
+[B,1,g*M,S] (plus the mask's own ~10 launches), as a chain verify step was before
+decode_attention. Here, as in decode_attention, the g*M score rows of a KV head are one tile
+(tl.dot), so each cache key up to the base is read once per tile, not once per (query, head);
+the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
+and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
+one more split with its own mask; a second launch merges the splits into o_proj's layout, in
+float32.
 """
 from __future__ import annotations
 
@@ -16,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import use_kernel
+from kernels.decode_attention import grouped_cache_attention
 
 try:
     import triton
@@ -25,112 +43,215 @@ except ImportError:
 
 
 def tree_attention_bias(base_positions, tree_mask, max_len: int, groups: int, dtype) -> torch.Tensor:
-    """[B,1,groups*N,S+N] additive mask over (cache keys, tree keys), rows repeated once per
-    query head of a KV group (the folding of `grouped_cache_attention`)."""
-    N = tree_mask.shape[1]
+    """[B,1,groups*M,S+N] additive mask over (cache keys, tree keys apart), rows repeated once
+    per query head of a KV group (the folding of `grouped_cache_attention`)."""
+    M = tree_mask.shape[1]
     cache_visible = torch.arange(max_len, device=base_positions.device)[None, :] <= base_positions[:, None]  # [B,S]
-    visible = torch.cat([cache_visible[:, None, :].expand(-1, N, -1), tree_mask], 2)  # [B,N,S+N]
+    visible = torch.cat([cache_visible[:, None, :].expand(-1, M, -1), tree_mask], 2)  # [B,M,S+N]
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
     return bias[:, None].repeat(1, 1, groups, 1)
 
 
-def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask):
-    """The torch form: one SDPA call over the cache and the tree block side by side."""
-    B, nh, N, d = q.shape
+def tree_cache_bias(base_positions, tree_mask, max_len: int, groups: int, dtype) -> torch.Tensor:
+    """[B,1,groups*M,S] additive mask over the cache slots when the tree block sits in the cache:
+    slots <= base, and slot base + 1 + j where tree_mask[b, t, j]. Built once per forward on the
+    torch path (the kernel reads base and the mask instead)."""
+    B, M, N = tree_mask.shape
+    base = base_positions[:, None, None]
+    visible = (torch.arange(max_len, device=base.device)[None, None, :] <= base).expand(B, M, max_len).clone()
+    visible.scatter_(2, (base + 1 + torch.arange(N, device=base.device)).expand(B, M, N), tree_mask)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+    return bias[:, None].repeat(1, 1, groups, 1)
+
+
+def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
+    """The torch form: one SDPA call over the cache (and the tree block beside it, when apart).
+    `bias` (from tree_cache_bias, block in the cache only) may be passed in to build it once per
+    forward instead of once per layer."""
+    B, nh, M, d = q.shape
     nkv, S = k_cache.shape[1], k_cache.shape[2]
     g = nh // nkv
+    if tree_k is None:
+        if bias is None:
+            bias = tree_cache_bias(base_positions, tree_mask, S, g, q.dtype)
+        return grouped_cache_attention(q, k_cache, v_cache, bias)
     keys = torch.cat([k_cache, tree_k], 2)  # [B,nkv,S+N,d]
     values = torch.cat([v_cache, tree_v], 2)
     bias = tree_attention_bias(base_positions, tree_mask, S, g, q.dtype)
-    out = F.scaled_dot_product_attention(q.reshape(B, nkv, g * N, d), keys, values, attn_mask=bias)
-    return out.unflatten(2, (g, N)).permute(0, 3, 1, 2, 4).reshape(B, N, nh * d)
+    out = F.scaled_dot_product_attention(q.reshape(B, nkv, g * M, d), keys, values, attn_mask=bias)
+    return out.unflatten(2, (g, M)).permute(0, 3, 1, 2, 4).reshape(B, M, nh * d)
+
+
+# Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
+# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
+TARGET_PROGRAMS = 512
+MAX_SPLITS = 63  # + the tree block: 64 split slots, one power-of-two tile for the merge
 
 
 if triton is not None:
 
     @triton.jit
-    def _tree_attention_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr, N, G, scale,
-                               stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                               stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ot,
-                               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                               BLOCK_N: tl.constexpr):
-        """One (row, tree query, query head): an online softmax over the visible cache chunks,
-        then over the tree block under the query's mask row, in float32.
+    def _dot(a, b, IEEE: tl.constexpr):
+        if IEEE:  # float32 caches: exact float32 products (no TF32), so tests compare exactly
+            return tl.dot(a, b, input_precision="ieee")
+        else:  # 16-bit caches: TF32 products (10 mantissa bits, more than the inputs' 7 or 10)
+            return tl.dot(a, b)
 
-        Performance ideas (not done): the g query heads of a KV head and the N queries of a row
-        read the same keys, so a program per (row, KV head) holding all g*N queries as one tile
-        would read each cache chunk once instead of g*N times (tl.dot on [g*N, d] x [d, BLOCK_S]);
-        long caches want a split over the cache length, as decode_attention does."""
-        token = tl.program_id(0).to(tl.int64)  # b * N + i
-        head = tl.program_id(1)
-        b = token // N
-        i = token % N
-        kv = head // G
+    # M, N (queries, tree nodes) vary with the tree's size: not specialised on
+    @triton.jit(do_not_specialize=["M", "N", "span"])
+    def _tree_partial_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
+                             M, N, G, nh, span, tree_split, scale,
+                             stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+                             stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
+                             IEEE: tl.constexpr):
+        """One (row, KV head and tile of BLOCK_Q score rows, split). The row's M queries times the
+        G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
+        Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
+        visible up to the base, in tiles of BLOCK_S keys with an online softmax (splits past the
+        base do nothing); split `tree_split` is the tree block of N keys, one tile under each
+        query's mask row. Each writes per (query, head) softmax statistics for the merge."""
+        b = tl.program_id(0).to(tl.int64)
+        tiles = tl.cdiv(M * G, BLOCK_Q)
+        kv = tl.program_id(1) // tiles
+        r = (tl.program_id(1) % tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+        split = tl.program_id(2)
+        real = r < M * G
+        t = r // G
+        head = kv * G + r % G
+        base = tl.load(base_ptr + b)
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < D
-        q = tl.load(q_ptr + b * stride_qb + head * stride_qh + i * stride_qt + dims, mask=dim_ok, other=0.0)
-        q = q.to(tl.float32) * scale
-        base = tl.load(base_ptr + b)
-        m = tl.full([], -1.0e30, tl.float32)  # finite start: exp(m - m_new) stays defined
-        l = tl.zeros([], tl.float32)
-        acc = tl.zeros([BLOCK_D], tl.float32)
-        for start in range(0, base + 1, BLOCK_S):
-            keys = start + tl.arange(0, BLOCK_S)
-            visible = keys <= base
-            offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
-            both = visible[:, None] & dim_ok[None, :]
-            k = tl.load(kc_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
-            v = tl.load(vc_ptr + offs, mask=both, other=0.0).to(tl.float32)
-            s = tl.where(visible, tl.sum(k * q[None, :], 1), float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 0))
-            p = tl.exp(s - m_new)
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-            m = m_new
-        nodes = tl.arange(0, BLOCK_N)
-        seen = tl.load(mask_ptr + b * stride_mb + i * stride_mq + nodes, mask=nodes < N, other=0) != 0
-        offs = b * stride_tb + kv * stride_th + nodes[:, None] * stride_tt + dims[None, :]
-        both = seen[:, None] & dim_ok[None, :]
-        k = tl.load(kt_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(vt_ptr + offs, mask=both, other=0.0).to(tl.float32)
-        s = tl.where(seen, tl.sum(k * q[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        out = acc / l
-        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+        q_offs = b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
+        q_ok = real[:, None] & dim_ok[None, :]
+        slot = ((b * M + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q] where this split's stats go
+        if split == tree_split:
+            q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)  # [BLOCK_Q, BLOCK_D]
+            nodes = tl.arange(0, BLOCK_N)
+            node_ok = nodes < N
+            if IN_CACHE:  # node j at cache slot base + 1 + j
+                offs = b * stride_cb + kv * stride_ch + (base + 1 + nodes)[:, None] * stride_cs + dims[None, :]
+                k_ptr, v_ptr = kc_ptr, vc_ptr
+            else:
+                offs = b * stride_tb + kv * stride_th + nodes[:, None] * stride_tt + dims[None, :]
+                k_ptr, v_ptr = kt_ptr, vt_ptr
+            both = node_ok[:, None] & dim_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_ptr + offs, mask=both, other=0.0).to(tl.float32)
+            seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mq + nodes[None, :],
+                           mask=real[:, None] & node_ok[None, :], other=0) != 0  # [BLOCK_Q, BLOCK_N]
+            s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+            m = tl.max(s, 1)  # -inf for a query that sees no node (the root): its weight in the merge is 0
+            p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
+            tl.store(m_ptr + slot, m, mask=real)
+            tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], _dot(p, v, IEEE), mask=real[:, None])
+        elif split * span <= base:
+            q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)
+            hi = tl.minimum(split * span + span, base + 1)  # the split's visible slots end here
+            # finite start: exp(m - m_new) stays defined; the first tile holds a visible key
+            m = tl.full([BLOCK_Q], -1.0e30, tl.float32)
+            l = tl.zeros([BLOCK_Q], tl.float32)
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+            for start in range(split * span, hi, BLOCK_S):
+                keys = start + tl.arange(0, BLOCK_S)
+                inside = keys < hi  # the same for every query of the row
+                offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
+                both = inside[:, None] & dim_ok[None, :]
+                k = tl.load(kc_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
+                v = tl.load(vc_ptr + offs, mask=both, other=0.0).to(tl.float32)
+                s = tl.where(inside[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+                m_new = tl.maximum(m, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_S], 0 outside
+                alpha = tl.exp(m - m_new)
+                l = l * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+                m = m_new
+            tl.store(m_ptr + slot, m, mask=real)
+            tl.store(l_ptr + slot, l, mask=real)
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
+
+    @triton.jit(do_not_specialize=["M", "span"])
+    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, stride_ot,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
+        """One (query token, query head): merge the statistics of the cache splits up to the base
+        and of the tree block. Split 0 always holds a visible key, so the max is finite; the tree
+        block's m is -inf for the root (weight 0)."""
+        token = tl.program_id(0).to(tl.int64)  # b * M + t
+        head = tl.program_id(1)
+        splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, span)
+        start = (token * tl.num_programs(1) + head) * BLOCK_SPLITS
+        j = tl.arange(0, BLOCK_SPLITS)
+        used = (j < splits) | (j == tree_split)
+        m = tl.load(m_ptr + start + j, mask=used, other=float("-inf"))
+        w = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)  # [BLOCK_SPLITS] rescaling of each split
+        l = tl.sum(w * tl.load(l_ptr + start + j, mask=used, other=0.0), 0)
+        dims = tl.arange(0, BLOCK_D)
+        acc = tl.load(acc_ptr + (start + j)[:, None] * BLOCK_D + dims[None, :], mask=used[:, None], other=0.0)
+        out = tl.sum(w[:, None] * acc, 0) / l
+        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
-def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask):
+def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
+                          max_splits: int = MAX_SPLITS):
+    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
+    splits + 1) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
+    max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    B, nh, N, d = q.shape
+    B, nh, M, d = q.shape
     nkv, S = k_cache.shape[1], k_cache.shape[2]
+    N = tree_mask.shape[2]
     if nh % nkv or k_cache.shape[-1] != d or k_cache.shape[0] != B:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    if tree_k.shape != (B, nkv, N, d) or tree_v.shape != tree_k.shape or tree_mask.shape != (B, N, N):
-        raise ValueError(f"tree k/v {tuple(tree_k.shape)} and mask {tuple(tree_mask.shape)} do not fit q {tuple(q.shape)}")
+    if tree_mask.shape != (B, M, N) or (tree_k is None) != (tree_v is None):
+        raise ValueError(f"mask {tuple(tree_mask.shape)} does not fit q {tuple(q.shape)} (or only one of tree k/v)")
+    if tree_k is not None and (tree_k.shape != (B, nkv, N, d) or tree_v.shape != tree_k.shape):
+        raise ValueError(f"tree k/v {tuple(tree_k.shape)} do not fit the mask's {N} nodes")
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
-    tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
-    mask = tree_mask.to(torch.int8).contiguous()  # bool pointers load as int1; bytes are plainer
+    in_cache = tree_k is None
+    if in_cache:  # unused pointers and strides: the cache's stand in
+        tree_k, tree_v = k_cache, v_cache
+    else:
+        tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
+    # bool pointers load as int1; a byte view is plainer and costs no launch
+    mask = tree_mask.contiguous()
+    mask = mask.view(torch.int8) if mask.dtype == torch.bool else mask
     base = base_positions.reshape(B).contiguous()
-    out = torch.empty(B, N, nh * d, dtype=q.dtype, device=q.device)
-    if not B * N:
+    out = torch.empty(B, M, nh * d, dtype=q.dtype, device=q.device)
+    if not B * M:
         return out
-    _tree_attention_kernel[(B * N, nh)](
-        q, k_cache, v_cache, base, tree_k, tree_v, mask, out, N, nh // nkv, d ** -0.5,
+    G = nh // nkv
+    # score rows per program: up to 64 (a tree of 15 nodes times G = 4 heads is one tile), so few
+    # variants compile; tl.dot needs inner sizes of at least 16: small heads and trees are padded
+    block_q = min(64, max(16, triton.next_power_of_2(M * G)))
+    tiles = triton.cdiv(M * G, block_q)
+    block_s, block_d = min(64, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
+    block_n = max(16, triton.next_power_of_2(N))
+    # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
+    splits = max(1, min(max_splits, MAX_SPLITS, triton.cdiv(S, block_s), triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
+    span = block_s * triton.cdiv(triton.cdiv(S, splits), block_s)
+    tree_split = triton.cdiv(S, span)  # the tree block's split index, after the cache's
+    block_splits = triton.next_power_of_2(tree_split + 1)
+    # per (token, head, split) statistics, block_splits slots each (one power-of-two tile for the
+    # merge); slots of splits past a row's base are never written nor read
+    m = torch.empty(B * M * nh * block_splits, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
+    _tree_partial_kernel[(B, nkv * tiles, tree_split + 1)](
+        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1), out.stride(1),
-        D=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_S=min(64, triton.next_power_of_2(S)),
-        BLOCK_N=triton.next_power_of_2(N))
+        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
+        D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
+        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32)
+    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, out.stride(1),
+                                      D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
 
 
-def tree_attention(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask):
+def tree_attention(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
     fn = tree_attention_triton if use_kernel(q) else tree_attention_reference
-    return fn(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask)
+    return fn(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias)

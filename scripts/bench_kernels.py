@@ -58,6 +58,27 @@ def cases():
     eta, us = torch.rand(1, 7, device=dev), torch.rand(1, device=dev)
     yield "block_sample [1,8,49152]", (lambda: block_sample_reference(drafts, None, p, eta, us)), \
         (lambda: block_sample_triton(drafts, None, p, eta, us))
+    from inference.tree import ancestor_mask
+    from kernels.decode_attention import decode_attention_triton
+    from kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_cache_bias
+
+    for B, N in ((1, 10), (1, 48), (16, 10)):
+        # a tree verify step (the root and N nodes, the block in the cache after the root at 1500)
+        # beside a chain verify step of as many queries through decode_attention
+        S = 2048
+        q = torch.randn(B, 9, N + 1, 64, device=dev, dtype=bf)
+        kc, vc = torch.randn(B, 3, S, 64, device=dev, dtype=bf), torch.randn(B, 3, S, 64, device=dev, dtype=bf)
+        base = torch.full((B,), 1500, device=dev)
+        parents = torch.arange(-1, N - 1, device=dev).expand(B, N) // 2  # a binary tree
+        mask = torch.cat([torch.zeros(B, 1, N, dtype=torch.bool, device=dev), ancestor_mask(parents)], 1)
+        bias = tree_cache_bias(base, mask, S, 3, bf)  # built once per forward on the torch path
+        a = (q, kc, vc, base, None, None, mask)
+        yield f"tree_attention [{B},{N + 1},9/3x64,S={S}]", (lambda a=a, bias=bias: tree_attention_reference(*a, bias)), \
+            (lambda a=a: tree_attention_triton(*a))
+        chain = base[:, None] + torch.arange(N + 1, device=dev)
+        # (this row's "torch" column is the tree kernel, its "triton" one decode_attention)
+        yield f"tree kernel vs chain decode [{B},{N + 1}]", (lambda a=a: tree_attention_triton(*a)), \
+            (lambda q=q, kc=kc, vc=vc, chain=chain: decode_attention_triton(q, kc, vc, chain))
     student = torch.randn(8192, 16384, device=dev, dtype=bf, requires_grad=True)
     teacher = torch.softmax(torch.randn(8192, 16384, device=dev), -1).to(bf)
     mask = torch.rand(8192, device=dev) > 0.3
@@ -87,7 +108,7 @@ def main():
     torch.manual_seed(0)
     rows = []
     for name, ref, kernel in cases():
-        if "soft_kl" not in name:
+        if "soft_kl" not in name and "chain" not in name:  # the chain row times two different attentions
             check(ref, kernel)
         t_ref, t_kernel = do_bench(ref, return_mode="median") * 1e3, do_bench(kernel, return_mode="median") * 1e3
         rows.append({"kernel": name, "torch_us": round(t_ref, 1), "triton_us": round(t_kernel, 1),

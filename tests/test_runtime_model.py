@@ -102,6 +102,51 @@ def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypa
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chains(tiny_target, monkeypatch):
+    """A tree verify step (`tree_mask=`: root at slot base, node i at base + 1 + i) over a ragged
+    cache: through the kernels (RoPE at the tree's slots, tree attention reading the block from
+    the cache) it gives the torch path's logits, aux features and cache; and each root-to-leaf
+    path's logits are those of a chain verify step feeding that path alone."""
+    import os
+
+    from inference.tree import ancestor_mask
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 40000, (2, 7), device=device)
+    base = torch.tensor([6, 3], device=device)  # row 1's slots 4..6 hold stale entries, never seen
+    parents = torch.tensor([[-1, -1, 0, 0, 2]], device=device).expand(2, -1)  # paths 0-2-4, 0-3, 1
+    depths = torch.tensor([[1, 1, 2, 2, 3]], device=device)
+    fed = torch.randint(0, 40000, (2, 6), device=device)  # the root, then the 5 nodes
+    positions = torch.cat([base[:, None], base[:, None] + depths], 1)
+    with torch.no_grad():
+        prefilled = rt.new_cache(2, 16)
+        rt(prompt, torch.arange(7, device=device).expand(2, 7), prefilled, causal_prefill=True)
+    results = []
+    for mode in ("0", "force"):
+        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+        cache = rt.new_cache(2, 16)
+        cache.k.copy_(prefilled.k)
+        cache.v.copy_(prefilled.v)
+        with torch.no_grad():
+            logits, aux = rt(fed, positions, cache, (0, 1), tree_mask=ancestor_mask(parents))
+        results.append((logits, aux, cache.k.clone(), cache.v.clone()))
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv("DRAFTSMITH_KERNELS", "0")
+    for path in ([0, 2, 4], [0, 3], [1]):
+        index = torch.tensor([0] + [1 + i for i in path], device=device)  # the root, then the path's nodes
+        cache = rt.new_cache(2, 16)
+        cache.k.copy_(prefilled.k)
+        cache.v.copy_(prefilled.v)
+        with torch.no_grad():
+            chain, _ = rt(fed[:, index], base[:, None] + torch.arange(len(index), device=device), cache)
+        torch.testing.assert_close(results[1][0][:, index], chain, rtol=1e-5, atol=1e-5)
+
+
 def test_causal_prefill_equals_the_masked_cache_path(tiny_target):
     rt = RuntimeModel.from_pretrained(tiny_target)
     ids = torch.randint(0, 40000, (3, 9))

@@ -1,5 +1,7 @@
 """The tree-attention kernel against its torch reference (on CPU through TRITON_INTERPRET=1,
-set in conftest), over odd shapes, GQA and each dtype; small shapes keep the interpreter fast."""
+set in conftest), over odd shapes, GQA and each dtype, with the tree block apart (a drafter's
+candidates) and in the cache after the root (the target's verify step); small shapes keep the
+interpreter fast."""
 import os
 
 import pytest
@@ -34,10 +36,30 @@ def operands(B, N, S, nh, nkv, d, dtype, seed):
     return q, k_cache, v_cache, base.to(device), tree_k, tree_v, mask
 
 
+def verify_operands(B, N, S, nh, nkv, d, dtype, seed):
+    """A verify step's operands: q for the root and its N nodes [B,nh,N+1,d], the nodes' K/V
+    written into the cache at base + 1 + j, the mask [B,N+1,N] with the root's row empty. Rows
+    range from base 0 to the block ending at the last slot. Also returns the block apart."""
+    q, k_cache, v_cache, _, tree_k, tree_v, mask = operands(B, N, S, nh, nkv, d, dtype, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.cat([torch.randn(B, nh, 1, d, generator=g).to(q.device, dtype), q], 2)
+    base = torch.randint(0, S - N, (B,), generator=g).to(q.device)
+    base[0], base[-1] = 0, S - 1 - N
+    for b in range(B):
+        k_cache[b, :, base[b] + 1: base[b] + 1 + N] = tree_k[b]
+        v_cache[b, :, base[b] + 1: base[b] + 1 + N] = tree_v[b]
+    mask = torch.cat([torch.zeros_like(mask[:, :1]), mask], 1)
+    return q, k_cache, v_cache, base, tree_k, tree_v, mask
+
+
+SHAPES = [(1, 1, 7, 4, 4, 64), (3, 5, 37, 9, 3, 48), (3, 13, 71, 4, 4, 48), (1, 13, 19, 9, 3, 64),
+          (2, 22, 150, 6, 2, 64)]  # the last: 5 cache chunks, 69 score rows (two tiles)
+DTYPES = [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]
+
+
 @needs_triton_backend
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("B,N,S,nh,nkv,d", [(1, 1, 7, 4, 4, 64), (3, 5, 37, 9, 3, 48), (3, 13, 71, 4, 4, 48),
-                                            (1, 13, 19, 9, 3, 64)])
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("B,N,S,nh,nkv,d", SHAPES)
 def test_tree_attention_kernel_matches_reference(dtype, tol, B, N, S, nh, nkv, d):
     args = operands(B, N, S, nh, nkv, d, dtype, seed=B * 100 + N * 10 + d)
     ref = tree_attention_reference(*args)
@@ -47,9 +69,38 @@ def test_tree_attention_kernel_matches_reference(dtype, tol, B, N, S, nh, nkv, d
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("B,N,S,nh,nkv,d", SHAPES)
+def test_tree_block_read_from_the_cache_matches_reference(dtype, tol, B, N, S, nh, nkv, d):
+    """The verify step's form (block in the cache, root first) against its reference, and that
+    reference against the form with the block apart (same keys, same masks)."""
+    q, k_cache, v_cache, base, tree_k, tree_v, mask = verify_operands(B, N, S, nh, nkv, d, dtype, seed=N + d)
+    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    assert got.shape == ref.shape == (B, N + 1, nh * d) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        apart = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, mask)
+        torch.testing.assert_close(ref, apart, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("max_splits", [1, 2])
+@pytest.mark.parametrize("B,N,S,nh,nkv,d", [(3, 5, 150, 9, 3, 48), (2, 22, 150, 6, 2, 64)])
+def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits, B, N, S, nh, nkv, d):
+    """Few splits of a long cache: each program runs its online softmax over several tiles."""
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(B, N, S, nh, nkv, d, torch.float32, seed=N)
+    for args in (operands(B, N, S, nh, nkv, d, torch.float32, seed=N), (q, k_cache, v_cache, base, None, None, mask)):
+        ref = tree_attention_reference(*args)
+        got = tree_attention_triton(*args, max_splits=max_splits)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton_backend
 def test_unseen_keys_are_never_read():
-    """Cache keys past the row's base and tree keys outside the mask row: poisoning them with
-    NaN changes nothing."""
+    """Cache keys past the row's base (past its tree block, when the block is in the cache):
+    poisoning them with NaN changes nothing. Tree keys outside a query's mask row are read by the
+    tile its query shares with others, but weigh exactly 0: any finite values change nothing."""
     q, k_cache, v_cache, base, tree_k, tree_v, mask = operands(3, 5, 37, 9, 3, 48, torch.float32, seed=7)
     got = tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, mask)
     beyond = torch.arange(37, device=base.device)[None, :] > base[:, None]  # [B,S]
@@ -61,9 +112,23 @@ def test_unseen_keys_are_never_read():
     solo = torch.eye(5, dtype=torch.bool, device=mask.device).expand(3, 5, 5)
     ref = tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, solo)
     tk2, tv2 = tree_k.clone(), tree_v.clone()
-    tk2[:, :, 1:], tv2[:, :, 1:] = float("nan"), float("nan")
+    tk2[:, :, 1:], tv2[:, :, 1:] = 1e3 * torch.randn_like(tk2[:, :, 1:]), 1e3 * torch.randn_like(tv2[:, :, 1:])
     out = tree_attention_triton(q, k_cache, v_cache, base, tk2, tv2, solo)
     assert torch.equal(out[:, 0], ref[:, 0])
+
+    # the block in the cache: NaN past it; the root sees none of it; node 0 (query 1) only itself
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(3, 5, 37, 9, 3, 48, torch.float32, seed=8)
+    solo = torch.cat([torch.zeros_like(mask[:, :1]), torch.eye(5, dtype=torch.bool).expand(3, 5, 5)], 1)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, solo)
+    slots = torch.arange(37)[None, :]
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    k2.transpose(1, 2)[slots > base[:, None] + 5] = float("nan")
+    v2.transpose(1, 2)[slots > base[:, None] + 5] = float("nan")
+    others = (slots > base[:, None] + 1) & (slots <= base[:, None] + 5)  # nodes 1..4
+    k2.transpose(1, 2)[others] = 1e3 * torch.randn_like(k2.transpose(1, 2)[others])
+    v2.transpose(1, 2)[others] = 1e3 * torch.randn_like(v2.transpose(1, 2)[others])
+    out = tree_attention_triton(q, k2, v2, base, None, None, solo)
+    assert torch.equal(out[:, :2], got[:, :2])
 
 
 def test_reference_equals_plain_attention_over_the_path():

@@ -108,6 +108,49 @@ def test_a_tree_keeps_its_candidates_in_range(tiny_target):
         EagleTreeProposer(_random_eagle3(hf), depth=2, top_k=3, total_tokens=40, batch=1, max_len=64)
 
 
+def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+    """float32, every runtime kernel on (the Triton interpreter on a CPU): the tree loop's verify
+    step through the RoPE kernel at the tree's slots and the tree-attention kernel (the block read
+    from the cache) emits what the torch path emits, with the same histograms, and both equal
+    plain greedy decoding; for trees mostly accepted deep down (the oracle) and a random drafter."""
+    import os
+
+    import kernels.tree_attention as tree_attention
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
+    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 3, 4, 3]]
+    max_new, eos = 8, (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, 16)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n, cuda_graphs=False)
+    cont = torch.tensor([o + [0] * (max_new - len(o)) for o in plain], device=device)
+    drafter = _random_eagle3(hf).to(device)
+    makers = {"oracle": lambda: OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=1),
+              "eagle3": lambda: EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts),
+                                                  max_len=n, target_config=rt.config)}
+    calls = []
+    kernel = tree_attention.tree_attention_triton
+    monkeypatch.setattr(tree_attention, "tree_attention_triton", lambda *a: calls.append(a[4]) or kernel(*a))
+    deep = 0
+    for name, make in makers.items():
+        results = []
+        for mode in ("0", "force"):
+            monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+            calls.clear()
+            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
+            results.append((outs, stats.row_histograms))
+            # through the kernel only when forced, with the tree block read from the cache
+            assert (len(calls) > 0) == (mode == "force") and all(k is None for k in calls), name
+        assert results[0] == results[1], name
+        assert results[0][0] == plain, name
+        if name == "oracle":
+            deep = sum(c for h in results[0][1] for c in h[2:])
+    assert deep > 0, "no tree was accepted two levels deep"
+
+
 @pytest.mark.slow
 def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer):
     """float32, zoo target, 20 real prompts in ragged batches of 5."""
