@@ -166,6 +166,7 @@ wait)
   if [ ! -f /tmp/regression-checked ]; then
     python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/ > /tmp/gpu-tests.log 2>&1
     grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" /tmp/gpu-tests.log | tail -12 | tee $R/regression.log
+    tail -c 200000 /tmp/gpu-tests.log > $R/gpu-tests.log  # a failure's traceback comes back too (session 11 kept only names)
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     # the device loop through every kernel (the kernels' CUDA builds) against its torch path
     python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py tests/test_tree_attention.py -k "kernel or tree" 2>&1 | tail -2 | tee -a $R/regression.log
