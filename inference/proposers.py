@@ -210,6 +210,8 @@ class SuffixProposer:
     aux_layers: tuple = ()
 
     def __init__(self, k: int, depth: int = 24, factor: float = 100.0, min_match: int = 1):
+        if k >= depth - 1:  # a match must leave k tokens below it in the trie
+            raise ValueError(f"suffix decoding drafting k={k} needs a trie deeper than k + 1, got depth={depth}")
         self.k, self.depth, self.factor, self.min_match = k, depth, factor, min_match
         self.global_trie = _SuffixTrie(depth)
         self._rows: list[tuple[_SuffixTrie, list[int], int]] = []  # (trie, active nodes, tokens seen)

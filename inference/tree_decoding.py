@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
-from inference.tree import ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, greedy_tree_verify, \
-    start_tree
+from inference.tree import Tree, ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, \
+    greedy_tree_verify, start_tree
 from kernels.tree_attention import tree_attention_reference
 from models.layers import apply_rope, rope_cos_sin
 
@@ -130,7 +130,15 @@ class TreeLoop(SpecLoop):
     path. Greedy only."""
 
     def draft_phase(self):
-        self.tree = self.proposer.draft_tree()
+        """The tree into static buffers: the first draft and the proposer's step are two graphs,
+        each allocating its own outputs, and the verify graph reads one set of tensors (without
+        the copy it would verify the first draft's tree at every step)."""
+        tree = self.proposer.draft_tree()
+        if getattr(self, "tree", None) is None or any(a.shape != b.shape for a, b in zip(self.tree, tree)):
+            self.tree = Tree(*(t.clone() for t in tree))  # the first, eager, draft: held by the loop
+        else:
+            for static, new in zip(self.tree, tree):
+                static.copy_(new)
 
     def verify_phase(self):
         tree, cache = self.tree, self.cache

@@ -212,7 +212,7 @@ bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per
   ;;
 unpack)  # every export whose parts are all here (they may span carried folders: drafter_parts.py stage)
   # a carried folder stays on the machine between calls: carry one per call, unpack after the last
-  for name in $(ls -d .dev*/*-parts 2> /dev/null | xargs -n1 basename | sort -u); do
+  for name in $(ls -d .dev*/*-parts 2> /dev/null | xargs -r -n1 basename | sort -u); do
     name=${name%-parts}
     [ -d /tmp/run-$name/export ] && continue
     mkdir -p /tmp/run-$name

@@ -122,6 +122,8 @@ def unpack(parts: Path | list[Path], export: Path, target: str) -> None:
     if not manifests:
         raise FileNotFoundError(f"no {MANIFEST} in {', '.join(map(str, folders))}")
     manifest = json.loads(manifests[0].read_text())
+    if any(json.loads(m.read_text()) != manifest for m in manifests[1:]):
+        raise ValueError(f"the folders hold parts of different exports ({', '.join(map(str, manifests))} differ)")
     if export.exists() and any(export.iterdir()):
         raise FileExistsError(f"{export}: exists and is not empty (nothing replaced)")
     chunks: dict[str, torch.Tensor] = {}
@@ -160,9 +162,14 @@ def unpack(parts: Path | list[Path], export: Path, target: str) -> None:
 def stage(parts: list[Path], into: Path, max_mib: float = 60.0, first: int = 3) -> list[Path]:
     """Copy the files of each parts folder into into/.devN/NAME-parts, N = first, first + 1, ...,
     a folder taking files until the next would pass max_mib (an export may span folders).
-    Returns the folders written; existing .devN folders are refused, not mixed into."""
+    Returns the folders written. Everything is checked before anything is copied (manifests,
+    sizes, one folder per export name, no existing .devN), and a failed copy removes what it wrote."""
     limit = max_mib * 2**20
-    written: list[Path] = []
+    names = [f.name for f in parts]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two parts folders share a name ({', '.join(sorted(n for n in set(names) if names.count(n) > 1))}): "
+                         "unpack could not tell their files apart")
+    plan: list[tuple[Path, Path]] = []  # (file, destination)
     n, used = first, 0.0
     for folder in parts:
         if not (folder / MANIFEST).is_file():
@@ -173,14 +180,20 @@ def stage(parts: list[Path], into: Path, max_mib: float = 60.0, first: int = 3) 
                 raise ValueError(f"{f}: {size / 2**20:.1f} MiB, more than --max-mib {max_mib}")
             if used and used + size > limit:
                 n, used = n + 1, 0.0
-            target = into / f".dev{n}"
-            if target not in written and target.exists():
-                raise FileExistsError(f"{target} exists: stage into a fresh --first")
-            (target / folder.name).mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, target / folder.name / f.name)
+            plan.append((f, into / f".dev{n}" / folder.name / f.name))
             used += size
-            if target not in written:
-                written.append(target)
+    written = list(dict.fromkeys(dest.parent.parent for _, dest in plan))
+    for folder in written:
+        if folder.exists():
+            raise FileExistsError(f"{folder} exists: stage into a fresh --first")
+    try:
+        for f, dest in plan:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, dest)
+    except BaseException:
+        for folder in written:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
     return written
 
 

@@ -92,3 +92,17 @@ def test_staged_over_several_folders_an_export_comes_back_whole(tmp_path):
         assert (tmp_path / "back" / f.name).read_bytes() == f.read_bytes(), f.name
     res = _run("stage", str(parts), "--into", str(tmp_path), "--first", "3")  # never mixed into existing folders
     assert res.returncode == 2 and "exists" in res.stderr
+
+
+def test_stage_refuses_two_exports_of_one_name_and_leaves_nothing_when_it_fails(tmp_path):
+    export = _mtp_export(tmp_path)
+    a, b = tmp_path / "a" / "mtp-parts", tmp_path / "b" / "mtp-parts"
+    for parts in (a, b):
+        assert _run("pack", str(export), str(parts), "--target", "tiny-random-llama").returncode == 0
+    res = _run("stage", str(a), str(b), "--into", str(tmp_path))
+    assert res.returncode == 2 and "share a name" in res.stderr
+    not_parts = tmp_path / "c" / "x-parts"
+    not_parts.mkdir(parents=True)
+    res = _run("stage", str(a), str(not_parts), "--into", str(tmp_path))  # the second is checked before any copy
+    assert res.returncode == 2 and "no parts.json" in res.stderr
+    assert not list(tmp_path.glob(".dev*"))

@@ -113,6 +113,35 @@ def test_device_loop_equals_the_host_loop_for_every_device_proposer(tiny):
     assert partly >= 3, "no proposer had chains that were partly accepted: the check would miss an off-by-one"
 
 
+def test_phases_hand_each_other_the_same_tensors_every_step(tiny):
+    """On a GPU the first draft, the verify step and the proposer's step are separate CUDA graphs:
+    what one phase leaves for the next (drafts, q, a draft tree) must sit in
+    the same tensors whichever graph wrote it, or a replay reads what an earlier graph left (the
+    graphed tree loop verified its first tree at every step). Checked here by identity, eagerly,
+    for what two graphs write (the drafts: the first draft's graph and the proposer's); what
+    only the verify graph writes keeps its addresses in that graph's pool."""
+    from inference.tree_decoding import EagleTreeProposer
+
+    hf, rt, prompts = tiny
+    max_new, eos = 8, (rt.config.vocab_size - 1,)
+    n = cache_size(prompts, max_new, 8)
+    drafters = _random_drafters(hf)
+    makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config)) for name, d in drafters.items()}
+    makers["ngram-gpu"] = lambda: GpuNgramProposer(4, len(prompts), n, max_n=3)
+    makers["tree"] = lambda: EagleTreeProposer(drafters["eagle3"], 3, 2, 5, len(prompts), n, rt.config)
+    for name, make in makers.items():
+        generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n)
+        loop = next(v for key, v in reversed(rt._workspace.items()) if key[0] == "spec")
+        handed = lambda: [v for v in (getattr(loop, "drafts", None), getattr(loop, "q", None),
+                                      *getattr(loop, "tree", ())) if isinstance(v, torch.Tensor)]
+        with torch.no_grad():
+            loop.draft_phase()
+            first = handed()
+            loop.verify_phase()
+            loop.proposer_phase()
+        assert first and all(a is b for a, b in zip(first, handed())), name
+
+
 def test_rows_that_finish_apart_keep_every_cache_write_inside_its_row(tiny):
     """Synthetic acceptance (each draft taken with probability 0.8) makes rows overshoot their
     budget in their last step at different times: the loop cuts each row at its budget, and the
