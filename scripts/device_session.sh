@@ -214,7 +214,8 @@ unpack)  # every export whose parts are all here (they may span carried folders:
   # a carried folder stays on the machine between calls: carry one per call, unpack after the last
   for name in $(ls -d .dev*/*-parts 2> /dev/null | xargs -r -n1 basename | sort -u); do
     name=${name%-parts}
-    [ -d /tmp/run-$name/export ] && continue
+    # a run of this name trained in this lease (or unpacked already) keeps its own export
+    [ -d /tmp/run-$name ] && { echo "$name: /tmp/run-$name exists, its carried parts left packed"; continue; }
     mkdir -p /tmp/run-$name
     python3 scripts/drafter_parts.py unpack .dev*/$name-parts /tmp/run-$name/export --target smollm2-135m-instruct
   done
