@@ -226,10 +226,10 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
     assert stats.device_loop and all(0 <= t < rt.config.vocab_size for o in outs for t in o)
 
 
-def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
-    """float32, every runtime kernel on (the Triton interpreter on a CPU): the device loop with
-    the EAGLE-3, MTP and DFlash proposers (RoPE written at slots, decode attention, fused emission)
-    emits what it emits through the torch references, with the same histograms."""
+def kernel_case(tiny_target, k: int):
+    """The kernels-against-torch cases' setup (skipped without CUDA or TRITON_INTERPRET=1): the
+    tiny target in float32 on the kernels' device, two ragged prompts, their cache size for k
+    drafts and plain greedy's outputs. → (device, hf, rt, prompts, max_new, eos, max_len, plain)"""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -239,8 +239,16 @@ def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monk
     rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 3, 4, 3]]
     max_new, eos = 8, (rt.config.vocab_size - 1,)
-    n = cache_size(prompts, max_new, 3)
+    n = cache_size(prompts, max_new, k)
     plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n, cuda_graphs=False)
+    return device, hf, rt, prompts, max_new, eos, n, plain
+
+
+def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+    """float32, every runtime kernel on (the Triton interpreter on a CPU): the device loop with
+    the EAGLE-3, MTP and DFlash proposers (RoPE written at slots, decode attention, fused emission)
+    emits what it emits through the torch references, with the same histograms."""
+    device, hf, rt, prompts, max_new, eos, n, plain = kernel_case(tiny_target, 3)
     drafters = _random_drafters(hf)
     makers = {name: (lambda d=drafters[name].to(device): drafter_proposer(d, 3, len(prompts), n, rt.config))
               for name in ("eagle3", "mtp", "dflash")}

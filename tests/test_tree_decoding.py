@@ -113,19 +113,10 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
     step through the RoPE kernel at the tree's slots and the tree-attention kernel (the block read
     from the cache) emits what the torch path emits, with the same histograms, and both equal
     plain greedy decoding; for trees mostly accepted deep down (the oracle) and a random drafter."""
-    import os
-
     import kernels.tree_attention as tree_attention
+    from tests.test_spec_loop import kernel_case
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    rt = RuntimeModel.from_pretrained(tiny_target, device=device)
-    prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 3, 4, 3]]
-    max_new, eos = 8, (rt.config.vocab_size - 1,)
-    n = cache_size(prompts, max_new, 16)
-    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n, cuda_graphs=False)
+    device, hf, rt, prompts, max_new, eos, n, plain = kernel_case(tiny_target, 16)
     cont = torch.tensor([o + [0] * (max_new - len(o)) for o in plain], device=device)
     drafter = _random_eagle3(hf).to(device)
     makers = {"oracle": lambda: OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=1),
