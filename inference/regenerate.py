@@ -216,8 +216,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
-    seeded = _continue_from(continue_from, path, shard, finished, conversations) if continue_from else 0
-    finished = read_finished(path)
+    seeded = _continue_from(continue_from, path, shard, finished, conversations) if continue_from else 0  # adds to finished
     todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
     summary = {"conversations": len(conversations), "already_done": len(finished), "continued_from": seeded,
                "written": 0, "generated_tokens": 0, "loops_cut": 0}

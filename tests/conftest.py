@@ -21,6 +21,15 @@ except ImportError:
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
 
+def kernel_device() -> str:
+    """Where the Triton kernels run: "cuda", or "cpu" under TRITON_INTERPRET=1; skips otherwise."""
+    if torch.cuda.is_available():
+        return "cuda"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    return "cpu"
+
+
 @pytest.fixture(scope="session")
 def tiny_target() -> str:
     from models.zoo import resolve_target

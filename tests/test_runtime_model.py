@@ -3,6 +3,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference.model import RuntimeModel
+from tests.conftest import kernel_device
 
 
 def _check_against_hf(path, prompts_ids, atol):
@@ -82,11 +83,7 @@ def test_cuda_graph_step_equals_eager(tiny_target):
 def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
     """The whole model with every runtime kernel (Triton interpreter on CPU) gives the logits
     and cache of the torch references, for a ragged prefill and a decode step."""
-    import os
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device()
     rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     torch.manual_seed(2)
     ids = torch.randint(0, 40000, (2, 7), device=device)
@@ -107,13 +104,9 @@ def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chain
     cache: through the kernels (RoPE at the tree's slots, tree attention reading the block from
     the cache) it gives the torch path's logits, aux features and cache; and each root-to-leaf
     path's logits are those of a chain verify step feeding that path alone."""
-    import os
-
     from inference.tree import ancestor_mask
 
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device()
     rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     torch.manual_seed(4)
     prompt = torch.randint(0, 40000, (2, 7), device=device)

@@ -13,6 +13,7 @@ from inference.engine import cache_size, generate
 from inference.model import RuntimeModel
 from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, drafter_proposer
 from inference.verify import NO_DRAFT
+from tests.conftest import kernel_device
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
@@ -230,11 +231,7 @@ def kernel_case(tiny_target, k: int):
     """The kernels-against-torch cases' setup (skipped without CUDA or TRITON_INTERPRET=1): the
     tiny target in float32 on the kernels' device, two ragged prompts, their cache size for k
     drafts and plain greedy's outputs. → (device, hf, rt, prompts, max_new, eos, max_len, plain)"""
-    import os
-
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = kernel_device()
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     rt = RuntimeModel.from_pretrained(tiny_target, device=device)
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6, 7], [3, 4, 3, 4, 3]]
