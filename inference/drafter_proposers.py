@@ -10,9 +10,11 @@ import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
 from kernels.argmax import argmax_rows
+from kernels.chain_state import advance_inputs, keep_entry
 from kernels.decode_attention import decode_attention
+from kernels.lm_head_argmax import norm_lm_head_argmax
 from kernels.rejection_sample import inverse_cdf
-from kernels.rms_norm import rms_norm
+from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
 from models.eagle3 import Eagle3Drafter
@@ -67,7 +69,7 @@ class Eagle3Proposer(HostLoopInterface):
         self.hidden = torch.zeros(batch, cfg.hidden_size, dtype=p.dtype, device=p.device)  # drafter output at t0
         self.drafts = torch.zeros(batch, k, dtype=torch.long, device=p.device)
         self.q = torch.zeros(batch, k, cfg.vocab_size, dtype=torch.float32, device=p.device)  # sampled drafts' q
-        self.offsets = torch.arange(k + 1, device=p.device)  # static: no arange launched per step
+        self.chain_positions = torch.zeros(batch, k, dtype=torch.long, device=p.device)  # the next chain's positions
 
     def _run(self, tokens, hidden, positions):
         """tokens [B,q], hidden [B,q,H], positions [B,q] → output hidden [B,q,H], caching K/V."""
@@ -83,18 +85,16 @@ class Eagle3Proposer(HostLoopInterface):
 
         return self.drafter.step(tokens, hidden, positions, attend)
 
-    def _step0(self, tokens, aux, positions, last_index):
-        """Step-0 entries of `tokens` [B,q] with target features `aux` [B,q,n*Ht] at `positions`;
-        → (hidden, position) of each row's entry at `last_index` [B]."""
+    def _step0(self, tokens, aux, positions):
+        """Step-0 entries of `tokens` [B,q] with target features `aux` [B,q,n*Ht] at `positions`
+        → the drafter's output hidden [B,q,H] (K/V cached)."""
         aux = aux.to(self.drafter.fc.weight.dtype)
         if self.fused and self.drafter.config.norm_before_fc:  # the fused norm kernel: one launch, not seven
             norm = self.drafter.input_norm
             fused = self.drafter.fc(rms_norm(aux, norm.weight, norm.eps)[0])
         else:
             fused = self.drafter.fuse(aux)
-        out = self._run(tokens, fused, positions)
-        pick = last_index[:, None]  # [B,1]: gathers, one launch each
-        return out.gather(1, pick[..., None].expand(-1, 1, out.shape[-1]))[:, 0], positions.gather(1, pick)[:, 0]
+        return self._run(tokens, fused, positions)
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):
@@ -105,9 +105,10 @@ class Eagle3Proposer(HostLoopInterface):
         for b, p in enumerate(prompts):  # entry t pairs token t_{t+1} with feature g_t
             tokens[b, : len(p)] = torch.as_tensor(list(p[1:]) + [first[b]], device=dev)
         last_index = torch.as_tensor([len(p) - 1 for p in prompts], device=dev)
-        hidden, last = self._step0(tokens, aux, torch.arange(T, device=dev).expand(B, T), last_index)
-        self.hidden.copy_(hidden)
-        self.last.copy_(last)
+        positions = torch.arange(T, device=dev).expand(B, T)
+        out = self._step0(tokens, aux, positions)
+        everyone = torch.ones(B, dtype=torch.bool, device=dev)
+        keep_entry(out, positions.contiguous(), last_index, everyone, self.hidden, self.last, self.chain_positions)
 
     @torch.no_grad()
     def draft(self) -> torch.Tensor:
@@ -125,21 +126,25 @@ class Eagle3Proposer(HostLoopInterface):
     def _chain(self, temperature, generator):
         hidden = self.hidden[:, None]
         B = hidden.shape[0]
-        positions = self.last[:, None] + 1 + self.offsets[None, : self.k]  # [B,k]: the chain's positions
+        positions = self.chain_positions  # [B,k]: last + 1 .. last + k, written by begin / advance
+        fused_head = self.fused and not temperature and self.drafter.lm_head.bias is None
         for s in range(self.k):
-            if self.fused:  # drafter.logits with the fused norm kernel
-                normed, _ = rms_norm(hidden, self.drafter.norm.weight, self.drafter.norm.eps)
-                logits = self.drafter.lm_head(normed)[:, -1]  # [B,Vd]
+            if fused_head:  # norm, lm_head and argmax (mapped to target ids) into the chain's column: two launches
+                norm_lm_head_argmax(hidden[:, -1], self.drafter.norm.weight, self.drafter.norm.eps,
+                                    self.drafter.lm_head.weight, self.drafts[:, s], self.draft_ids)
             else:
-                logits = self.drafter.logits(hidden)[:, -1]
-            if temperature:
-                probs = torch.softmax(logits.float() / temperature, -1)
-                u = torch.rand(B, device=probs.device, generator=generator)
-                d = self.draft_ids[inverse_cdf(probs, u)]
-                self.q[:, s].index_copy_(1, self.draft_ids, probs)  # other columns stay 0
-                self.drafts[:, s] = d
-            else:  # argmax, mapped to target ids, written into the chain's column: one kernel pair
-                argmax_rows(logits, self.drafts[:, s], self.draft_ids)
+                if self.fused:  # drafter.logits with the fused norm kernel
+                    normed, _ = rms_norm(hidden, self.drafter.norm.weight, self.drafter.norm.eps)
+                    logits = self.drafter.lm_head(normed)[:, -1]  # [B,Vd]
+                else:
+                    logits = self.drafter.logits(hidden)[:, -1]
+                if temperature:
+                    probs = torch.softmax(logits.float() / temperature, -1)
+                    u = torch.rand(B, device=probs.device, generator=generator)
+                    self.q[:, s].index_copy_(1, self.draft_ids, probs)  # other columns stay 0
+                    self.drafts[:, s] = self.draft_ids[inverse_cdf(probs, u)]
+                else:  # argmax, mapped to target ids, written into the chain's column: one kernel pair
+                    argmax_rows(logits, self.drafts[:, s], self.draft_ids)
             if s + 1 < self.k:
                 hidden = self._run(self.drafts[:, s : s + 1], hidden, positions[:, s : s + 1])
 
@@ -149,13 +154,9 @@ class Eagle3Proposer(HostLoopInterface):
         accepted drafts the next tokens are d_1..d_n, bonus, so entries t = N-1 .. N-1+n pair
         (next token, feature of the fed token at t). Rows not `active` keep their place, so
         their (ignored) entries never run past the cache."""
-        q = fed.shape[1]
-        nxt = torch.cat([fed[:, 1:], bonus[:, None]], 1).scatter(1, accepted[:, None], bonus[:, None])
-        offsets = self.offsets[:q] if q <= self.offsets.numel() else torch.arange(q, device=fed.device)
-        positions = (self.last + 1)[:, None] + offsets
-        hidden, last = self._step0(nxt, aux, positions, accepted)
-        torch.where(active[:, None], hidden, self.hidden, out=self.hidden)
-        torch.where(active, last, self.last, out=self.last)
+        nxt, positions = advance_inputs(fed, bonus, accepted, self.last)  # [B,q] each
+        out = self._step0(nxt, aux, positions)  # [B,q,H]
+        keep_entry(out, positions, accepted, active, self.hidden, self.last, self.chain_positions)
 
 
 def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
@@ -165,9 +166,12 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     d = p.drafter
     layer, cfg = d.layers[0], d.config
     H = hidden.shape[-1]
-    both = hidden.new_empty(*hidden.shape[:-1], 2 * H)  # [B,q,2H]: the normed embedding first, then the normed hidden
-    rms_norm(d.embed_tokens.weight, layer.input_layernorm.weight, layer.input_layernorm.eps, ids=tokens, out=both[..., :H])
-    normed, _ = rms_norm(hidden, layer.hidden_norm.weight, layer.hidden_norm.eps, out=both[..., H:])
+    if layer.input_layernorm.eps != layer.hidden_norm.eps:
+        raise ValueError("EAGLE-3 layer: the embedding's and the hidden state's norms need the same eps")
+    # [B,q,2H]: the normed embedding first, then the normed hidden (one launch)
+    both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
+                         layer.hidden_norm.eps)
+    normed = both[..., H:]
     qkv = F.linear(both, p.qkv_weight)
     q = rope_cache(qkv, positions, d.inv_freq, p.k_cache, p.v_cache, cfg.num_attention_heads, cfg.num_key_value_heads)
     attn = layer.self_attn.o_proj(decode_attention(q, p.k_cache, p.v_cache, positions))  # [B,q,H]

@@ -130,6 +130,67 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return rms_norm_reference(x, weight, eps, residual, **where)
 
 
+# ----------------------------------------------------------------------------- an EAGLE layer's two input norms
+def rms_norm_pair_reference(table: torch.Tensor, ids: torch.Tensor, table_weight: torch.Tensor, x: torch.Tensor,
+                            x_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """EAGLE-3's layer input: [rms_norm(table[ids]) * table_weight, rms_norm(x) * x_weight]
+    side by side, ids [...], x [..., H] → [..., 2H] in x's dtype."""
+    H = x.shape[-1]
+    both = x.new_empty(*x.shape[:-1], 2 * H)
+    rms_norm_reference(table, table_weight, eps, ids=ids, out=both[..., :H])
+    rms_norm_reference(x, x_weight, eps, out=both[..., H:])
+    return both
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_pair_kernel(table_ptr, ids_ptr, tw_ptr, x_ptr, xw_ptr, out_ptr, H, eps, stride_t, stride_x,
+                              BLOCK: tl.constexpr):
+        """One (row, half): half 0 normalises table row ids[row], half 1 row `row` of x; each is
+        written into its half of out's row [2H]."""
+        row = tl.program_id(0).to(tl.int64)
+        half = tl.program_id(1)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < H
+        if half == 0:
+            h = tl.load(table_ptr + tl.load(ids_ptr + row) * stride_t + cols, mask=inside, other=0.0)
+            w = tl.load(tw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        else:
+            h = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
+            w = tl.load(xw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        hf = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / H + eps)
+        normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * 2 * H + half * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def rms_norm_pair_triton(table, ids, table_weight, x, x_weight, eps):
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    H = x.shape[-1]
+    if table.shape[-1] != H or table_weight.shape != (H,) or x_weight.shape != (H,) or ids.shape != x.shape[:-1]:
+        raise ValueError(f"rms_norm_pair: table {tuple(table.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}, "
+                         f"weights {tuple(table_weight.shape)} / {tuple(x_weight.shape)}")
+    x2 = x.reshape(-1, H)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    ids2 = ids.reshape(-1).contiguous()
+    table2 = table if table.stride(-1) == 1 else table.contiguous()
+    both = torch.empty(x2.shape[0], 2 * H, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _rms_norm_pair_kernel[(x2.shape[0], 2)](table2, ids2, table_weight, x2, x_weight, both, H, eps,
+                                                table2.stride(0), x2.stride(0), BLOCK=triton.next_power_of_2(H))
+    return both.view(*x.shape[:-1], 2 * H)
+
+
+def rms_norm_pair(table, ids, table_weight, x, x_weight, eps) -> torch.Tensor:
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere: one
+    launch for the two norms an EAGLE-3 layer starts with."""
+    fn = rms_norm_pair_triton if use_kernel(x) else rms_norm_pair_reference
+    return fn(table, ids, table_weight, x, x_weight, eps)
+
+
 # ----------------------------------------------------------------------------- per-head norms
 def head_norm_reference(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int, nkv: int) -> torch.Tensor:
     """In place: qkv [..., (nh + nkv + rest) * d] holds nh query heads, then nkv key heads (then
