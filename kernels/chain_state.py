@@ -79,8 +79,8 @@ def advance_inputs_triton(fed, bonus, accepted, last):
     if bonus.shape != (B,) or accepted.shape != (B,) or last.shape != (B,):
         raise ValueError(f"advance_inputs: fed {tuple(fed.shape)} with bonus {tuple(bonus.shape)}, accepted "
                          f"{tuple(accepted.shape)}, last {tuple(last.shape)}: need [B,q] and three [B]")
-    if fed.stride(-1) != 1:
-        fed = fed.contiguous()
+    # per-row inputs are read at row offsets: a strided view (a column of a bigger tensor) is copied
+    fed, bonus, accepted, last = (t.contiguous() for t in (fed, bonus, accepted, last))
     nxt = torch.empty(B, q, dtype=fed.dtype, device=fed.device)
     positions = torch.empty(B, q, dtype=last.dtype, device=fed.device)
     if B:
@@ -99,6 +99,9 @@ def keep_entry_triton(out, positions, accepted, active, hidden, last, chain_posi
                          f"{tuple(hidden.shape)}, last {tuple(last.shape)}, chain {tuple(chain_positions.shape)}")
     if out.stride(-1) != 1 or hidden.stride(-1) != 1 or positions.stride(-1) != 1 or chain_positions.stride(-1) != 1:
         raise ValueError("keep_entry: every tensor needs a unit stride along its last dimension")
+    if not last.is_contiguous():  # updated in place: a copy would lose the update
+        raise ValueError("keep_entry: last must be contiguous (it is updated in place)")
+    accepted, active = accepted.contiguous(), active.contiguous()
     if B:
         _keep_entry_kernel[(B,)](out, positions, accepted, active, hidden, last, chain_positions, H, K,
                                  out.stride(0), out.stride(1), positions.stride(0), hidden.stride(0),
