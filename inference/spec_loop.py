@@ -147,10 +147,17 @@ class SpecLoop:
             events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
         phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
         while timing["launched"] < max_steps:
-            if bool(self.done.all()):  # one host sync per check_every steps
+            # one host sync per check: the most tokens an unfinished row may still emit (0: all
+            # done). A step emits at most k + 1 tokens, so a row with r left needs at least
+            # ceil(r / (k + 1)) more steps: launching up to that many never runs a step after
+            # every row has reached its budget (rows that end at an end-of-sequence token can
+            # still leave up to check_every - 1 steps over)
+            left = int(torch.where(self.done, 0, self.budget - self.n_out).max())
+            if left <= 0:
                 break
             timing["syncs"] += 1
-            for i in range(check_every):
+            steps = max(1, min(check_every, -(-left // (self.k + 1)), max_steps - timing["launched"]))
+            for i in range(steps):
                 for j, (index, phase, name) in enumerate(phases):
                     if cuda:
                         events[i][j].record()
@@ -163,11 +170,11 @@ class SpecLoop:
                 if cuda:
                     events[i][2].record()
             if cuda:
-                events[-1][2].synchronize()
-                for e in events:
+                events[steps - 1][2].synchronize()
+                for e in events[:steps]:
                     timing["verify"] += e[0].elapsed_time(e[1]) / 1e3
                     timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
-            timing["launched"] += check_every
+            timing["launched"] += steps
         timing["syncs"] += 1  # the read of the outputs
         return timing
 
