@@ -196,6 +196,31 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
     return records, generated
 
 
+def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops):
+    """regenerate_batch, then the runtime's caches and graphs released (every batch has shapes of
+    its own); a batch that runs out of device memory is answered again in two halves (nothing of
+    the failed attempt is kept: records are written only for answered batches)."""
+    import torch
+
+    from inference.graphs import release_workspace
+
+    try:
+        return regenerate_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops)
+    except torch.OutOfMemoryError:
+        if len(conversations) == 1:
+            raise
+        release_workspace(model)
+        half = len(conversations) // 2
+        print(f"out of device memory with {len(conversations)} conversations a batch: answering them in two halves")
+        first, n1 = _answer_batch(model, tokenizer, conversations[:half], max_new_tokens, max_length, generate_fn,
+                                  keep_loops)
+        second, n2 = _answer_batch(model, tokenizer, conversations[half:], max_new_tokens, max_length, generate_fn,
+                                   keep_loops)
+        return first + second, n1 + n2
+    finally:
+        release_workspace(model)
+
+
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
                device: str | None = None, generate_fn=None, keep_loops: bool = False,
@@ -234,8 +259,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for start in range(0, len(todo), batch_size):
             ids = todo[start : start + batch_size]
-            records, n = regenerate_batch(model, tokenizer, [conversations[i] for i in ids], max_new_tokens,
-                                          max_length, generate_fn, keep_loops)
+            records, n = _answer_batch(model, tokenizer, [conversations[i] for i in ids], max_new_tokens, max_length,
+                                       generate_fn, keep_loops)
             f.write("".join(json.dumps({"id": i, **r}, ensure_ascii=False) + "\n" for i, r in zip(ids, records)))
             f.flush()
             os.fsync(f.fileno())

@@ -185,3 +185,26 @@ def test_continued_answers_may_hold_line_separators(tmp_path):
                          max_length=512, continue_from=carried)
     assert summary["continued_from"] == len(lines) and summary["written"] == 4 - len(lines)
     assert read_finished(tmp_path / "new" / "conversations.jsonl") == {0, 1, 2, 3}
+
+
+def test_a_batch_out_of_device_memory_is_answered_in_halves(tmp_path):
+    """Device memory running out for a batch of 4 conversations: answered 2 and 2 (down to 1
+    where needed), the same answers as a run that never ran out, each written once."""
+    import torch
+
+    source, _ = _sharegpt_file(tmp_path)
+    biggest = []
+
+    def small_device(model, prompts, *args, **kwargs):  # holds at most 2 rows
+        biggest.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test)")
+        return generate(model, prompts, *args, **kwargs)
+
+    settings = dict(batch_size=4, max_new_tokens=6, max_length=512)
+    regenerate("tiny-random-llama", str(source), tmp_path / "small", generate_fn=small_device, **settings)
+    regenerate("tiny-random-llama", str(source), tmp_path / "large", **settings)
+    small, large = ([json.loads(line) for line in (tmp_path / name / "conversations.jsonl").read_text().splitlines()]
+                    for name in ("small", "large"))
+    assert max(biggest) == 4 and sorted(r["id"] for r in small) == [0, 1, 2, 3, 4]
+    assert sorted(small, key=lambda r: r["id"]) == sorted(large, key=lambda r: r["id"])
