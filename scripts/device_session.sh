@@ -11,7 +11,8 @@
 #   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
-#                                                     # (staged here by scripts/drafter_parts.py stage; one .devN a call)
+#                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
+#                                                     # call that carries parts: they are gathered in /tmp between calls)
 # (a drafter trained in one session can be benched in a later one: copy $OUT/NAME-parts into an
 # ignored .devN folder here and carry it; scripts/drafter_parts.py checks every tensor on the way)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
@@ -132,8 +133,10 @@ part2)
     [ ${#carried[@]} -gt 0 ] && cp /tmp/regen/carried.jsonl $REGEN || echo "error: REGEN_MINUTES=0 and no regenerated answers carried"
   else
     nshard=${REGEN_SHARDS:-$((2 * NGPU))}
-    # 512 conversations a batch for two shards per GPU, fewer for more (session 11: four shards of
-    # 512 on one H200 held ~34 GiB each, and three ran out of memory)
+    # 512 conversations a batch for two shards per GPU, fewer for more (sessions 11 and 12: four
+    # shards on one H200 ran out of memory, at 512 and at 256 a batch, each holding 40-55 GiB: the
+    # runtime kept the caches and graphs of every batch shape; regeneration now releases them
+    # after each batch and answers a batch that still runs out in two halves)
     per_gpu=$(( (nshard + NGPU - 1) / NGPU ))
     regen_batch=$(( 1024 / per_gpu < 512 ? 1024 / per_gpu : 512 ))
     for i in $(seq 0 $((nshard - 1))); do
@@ -210,14 +213,20 @@ bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per
     python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct
   done
   ;;
-unpack)  # every export whose parts are all here (they may span carried folders: drafter_parts.py stage)
-  # a carried folder stays on the machine between calls: carry one per call, unpack after the last
-  for name in $(ls -d .dev*/*-parts 2> /dev/null | xargs -r -n1 basename | sort -u); do
-    name=${name%-parts}
+unpack)  # every carried .devN/NAME-parts, gathered under /tmp/parts; an export unpacked once all its parts are there
+  # the carried folders do not stay on the machine between calls (session 12: a drafter staged
+  # over .dev4 and .dev5 never met its other half); /tmp does, so each call copies its parts there
+  for d in .dev*/*-parts; do
+    [ -d "$d" ] || continue
+    mkdir -p /tmp/parts/$(basename $d) && cp $d/* /tmp/parts/$(basename $d)/
+  done
+  for d in /tmp/parts/*-parts; do
+    [ -d "$d" ] || continue
+    name=$(basename $d); name=${name%-parts}
     # a run of this name trained in this lease (or unpacked already) keeps its own export
     [ -d /tmp/run-$name ] && { echo "$name: /tmp/run-$name exists, its carried parts left packed"; continue; }
-    mkdir -p /tmp/run-$name
-    python3 scripts/drafter_parts.py unpack .dev*/$name-parts /tmp/run-$name/export --target smollm2-135m-instruct
+    # a missing part stops unpack before it writes anything: carry the rest in a later call
+    python3 scripts/drafter_parts.py unpack $d /tmp/run-$name/export --target smollm2-135m-instruct 2>&1 | tail -1
   done
   ;;
 final | validate)

@@ -118,9 +118,9 @@ def test_unseen_keys_are_never_read():
 
     # the block in the cache: NaN past it; the root sees none of it; node 0 (query 1) only itself
     q, k_cache, v_cache, base, _, _, mask = verify_operands(3, 5, 37, 9, 3, 48, torch.float32, seed=8)
-    solo = torch.cat([torch.zeros_like(mask[:, :1]), torch.eye(5, dtype=torch.bool).expand(3, 5, 5)], 1)
+    solo = torch.cat([torch.zeros_like(mask[:, :1]), torch.eye(5, dtype=torch.bool, device=mask.device).expand(3, 5, 5)], 1)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, solo)
-    slots = torch.arange(37)[None, :]
+    slots = torch.arange(37, device=base.device)[None, :]
     k2, v2 = k_cache.clone(), v_cache.clone()
     k2.transpose(1, 2)[slots > base[:, None] + 5] = float("nan")
     v2.transpose(1, 2)[slots > base[:, None] + 5] = float("nan")
@@ -136,9 +136,9 @@ def test_reference_equals_plain_attention_over_the_path():
     as a causal forward over those tokens would."""
     B, N, S, nh, d = 1, 3, 6, 2, 8
     q, k_cache, v_cache, _, tree_k, tree_v, _ = operands(B, N, S, nh, nh, d, torch.float32, seed=3)
-    base = torch.tensor([3])
+    base = torch.tensor([3], device=q.device)  # (a GPU run puts the operands on the GPU)
     parents = torch.tensor([[-1, -1, 0]])  # node 2 under node 0; node 1 is a sibling of node 0
-    out = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, ancestor_mask(parents))
+    out = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, ancestor_mask(parents).to(q.device))
     keys = torch.cat([k_cache[:, :, :4], tree_k[:, :, [0, 2]]], 2)
     values = torch.cat([v_cache[:, :, :4], tree_v[:, :, [0, 2]]], 2)
     att = torch.softmax(q[:, :, 2:3] @ keys.transpose(-1, -2) / d ** 0.5, -1) @ values  # [B,nh,1,d]
