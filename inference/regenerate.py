@@ -209,16 +209,15 @@ def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, g
     except torch.OutOfMemoryError:
         if len(conversations) == 1:
             raise
-        release_workspace(model)
-        half = len(conversations) // 2
-        print(f"out of device memory with {len(conversations)} conversations a batch: answering them in two halves")
-        first, n1 = _answer_batch(model, tokenizer, conversations[:half], max_new_tokens, max_length, generate_fn,
-                                  keep_loops)
-        second, n2 = _answer_batch(model, tokenizer, conversations[half:], max_new_tokens, max_length, generate_fn,
-                                   keep_loops)
-        return first + second, n1 + n2
+        # the halves run after this clause: inside it, the traceback's frames would still hold
+        # the failed attempt's cache and logits
     finally:
         release_workspace(model)
+    half = len(conversations) // 2
+    print(f"out of device memory with {len(conversations)} conversations a batch: answering them in two halves")
+    first, n1 = _answer_batch(model, tokenizer, conversations[:half], max_new_tokens, max_length, generate_fn, keep_loops)
+    second, n2 = _answer_batch(model, tokenizer, conversations[half:], max_new_tokens, max_length, generate_fn, keep_loops)
+    return first + second, n1 + n2
 
 
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,

@@ -226,7 +226,7 @@ unpack)  # every carried .devN/NAME-parts, gathered under /tmp/parts; an export 
     # a run of this name trained in this lease (or unpacked already) keeps its own export
     [ -d /tmp/run-$name ] && { echo "$name: /tmp/run-$name exists, its carried parts left packed"; continue; }
     # a missing part stops unpack before it writes anything: carry the rest in a later call
-    python3 scripts/drafter_parts.py unpack $d /tmp/run-$name/export --target smollm2-135m-instruct 2>&1 | tail -1
+    python3 scripts/drafter_parts.py unpack $d /tmp/run-$name/export --target smollm2-135m-instruct 2>&1 | tail -4
   done
   ;;
 final | validate)
