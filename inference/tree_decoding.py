@@ -16,8 +16,9 @@ The target's verify step runs through the kernels as a chain's does (inference/m
 `tree_mask=`): RoPE with the cache write at the tree's slots (kernels/rope_cache.py), then
 kernels/tree_attention.py, which reads the tree block straight from the cache slots after the
 root and its own mask row per query, with no dense mask over the cache; on a CPU the torch
-references run instead. The drafter's tree steps still attend through the torch reference (its
-candidates live in a separate buffer), and the tree step runs eagerly unless TREES_GRAPHED
+references run instead. The drafter's tree steps run through the same kernels (paired input
+norms, the tree-attention kernel over its cache and its candidate buffer, the fused norms and
+SwiGLU of chains), and the tree step runs eagerly unless TREES_GRAPHED
 (inference/spec_loop.py) says its CUDA graphs were checked on a GPU.
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.tree import Tree, ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, \
     greedy_tree_verify, start_tree
-from kernels.tree_attention import tree_attention_reference
+from kernels.rms_norm import rms_norm, rms_norm_pair
+from kernels.silu_mul import swiglu_into
+from kernels.tree_attention import tree_attention
 from models.layers import apply_rope, rope_cos_sin
 
 
@@ -80,7 +83,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     cand_hidden = hidden.new_zeros(B, candidates, H)
     rows = torch.arange(B, device=hidden.device)[:, None]
     state = start_tree(B, hidden.device)
-    logprobs = torch.log_softmax(d.logits(hidden[:, None]).float(), -1)  # [B,1,Vd]: after the root
+    logprobs = _draft_logprobs(d, hidden[:, None])  # [B,1,Vd]: after the root
     for level in range(depth):
         if level:  # run the drafter on the frontier (its nodes are at this depth)
             frontier = state.frontier  # [B,F] candidate indices
@@ -93,7 +96,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             h = _tree_step(p, state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible, cand_k,
                            cand_v, k_cache, v_cache, last)
             cand_hidden[rows, frontier] = h
-            logprobs = torch.log_softmax(d.logits(h).float(), -1)  # [B,F,Vd]
+            logprobs = _draft_logprobs(d, h)  # [B,F,Vd]
         top = logprobs.topk(top_k, dim=-1)
         state = expand_depth(state, p.draft_ids[top.indices], top.values, top_k)
     return finalize(state, total_tokens, last + 1)
@@ -108,20 +111,29 @@ def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, vi
     and to the visible candidates. → hidden [B,F,H]."""
     d = p.drafter
     layer, cfg = d.layers[0], d.config
-    B, F_, _ = parent_hidden.shape
+    B, F_, H = parent_hidden.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    normed = layer.hidden_norm(parent_hidden)
-    embeds = layer.input_layernorm(d.embed_tokens(tokens).to(parent_hidden.dtype))
-    q, k, v = F.linear(torch.cat([embeds, normed], -1), p.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
+    # [B,F,2H]: the normed embedding, then the normed parent hidden (one launch on a GPU)
+    both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, parent_hidden,
+                         layer.hidden_norm.weight, layer.hidden_norm.eps)
+    q, k, v = F.linear(both, p.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
     q, k, v = (x.view(B, F_, -1, hd).transpose(1, 2) for x in (q, k, v))
     cos, sin = rope_cos_sin(d.inv_freq, positions, q.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     index = frontier[:, None, :, None].expand(B, nkv, F_, hd)
     cand_k.scatter_(2, index, k.to(cand_k.dtype))
     cand_v.scatter_(2, index, v.to(cand_v.dtype))
-    attn = layer.self_attn.o_proj(tree_attention_reference(q, k_cache, v_cache, last, cand_k, cand_v, visible))
-    h = (normed if layer.norm_before_residual else parent_hidden) + attn
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    attn = layer.self_attn.o_proj(tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, visible))
+    residual = both[..., H:] if layer.norm_before_residual else parent_hidden
+    post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
+    return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
+
+
+def _draft_logprobs(d, hidden):
+    """hidden [B,F,H] → log-probabilities [B,F,Vd] over the draft vocabulary (the final norm
+    through the kernel on a GPU)."""
+    normed, _ = rms_norm(hidden, d.norm.weight, d.norm.eps)
+    return torch.log_softmax(d.lm_head(normed).float(), -1)
 
 
 class TreeLoop(SpecLoop):
@@ -156,8 +168,7 @@ class TreeLoop(SpecLoop):
         # the accepted path's entries move from their tree slots to the slots after the root
         src, dst, valid = compaction_index(path, base)
         valid = valid & active[:, None]
-        for layer in range(cache.k.shape[0]):
-            compact_cache(cache.k[layer], cache.v[layer], src, dst, valid)
+        compact_cache(cache.k, cache.v, src, dst, valid)  # every layer at once: [L,B,nkv,S,d]
         # the proposer takes in the path like a chain: [root, path tokens] with their features
         index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)  # [B,D+1]
         self.fed = torch.cat([root, path_tokens.clamp_min(0)], 1)

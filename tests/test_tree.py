@@ -216,6 +216,14 @@ def test_compact_cache_moves_exactly_the_accepted_entries():
     src, dst, valid = compaction_index(torch.tensor([[2, 4, -1], [-1, -1, -1]]), torch.tensor([0, 6]))
     compact_cache(k, k.clone(), src, dst, valid)
     assert k[:, 0, :, 0].tolist() == [[0, 3, 5, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    # a target's layers stacked [L,B,nkv,S,d], moved at once: each layer as if moved alone
+    layers = torch.randn(3, 2, 2, 8, 4, generator=g)
+    before, alone = layers.clone(), layers.clone()
+    for layer in alone:
+        compact_cache(layer, layer.clone(), src, dst, valid)
+    compact_cache(layers, layers.clone(), src, dst, valid)
+    assert torch.equal(layers, alone)
+    assert torch.equal(layers[:, 0, :, 1], before[:, 0, :, 3]) and torch.equal(layers[:, 1], before[:, 1])
 
 
 # ---------------------------------------------------------------------------- tree sampling
