@@ -143,9 +143,19 @@ class SpecLoop:
             t0 = time.perf_counter()
             self._phase(0, self.draft_phase)
             timing["launch"] += time.perf_counter() - t0
-        if cuda:
-            events = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
+        if cuda:  # two sets, used in turn: a group's events are read while the next group runs
+            events = [[[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
+                      for _ in range(2)]
         phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
+        unread = None  # (events, steps) of the group launched last, timed after the next launch
+
+        def read(group):
+            group_events, n = group
+            group_events[n - 1][2].synchronize()  # (done already, unless the loop ended on max_steps)
+            for e in group_events[:n]:
+                timing["verify"] += e[0].elapsed_time(e[1]) / 1e3
+                timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
+
         while timing["launched"] < max_steps:
             # one host sync per check: the most tokens an unfinished row may still emit (0: all
             # done). A step emits at most k + 1 tokens, so a row with r left needs at least
@@ -157,10 +167,11 @@ class SpecLoop:
                 break
             timing["syncs"] += 1
             steps = max(1, min(check_every, -(-left // (self.k + 1)), max_steps - timing["launched"]))
+            group = events[timing["syncs"] % 2] if cuda else None
             for i in range(steps):
                 for j, (index, phase, name) in enumerate(phases):
                     if cuda:
-                        events[i][j].record()
+                        group[i][j].record()
                     t0 = time.perf_counter()
                     self._phase(index, phase)
                     elapsed = time.perf_counter() - t0
@@ -168,13 +179,14 @@ class SpecLoop:
                     if not cuda:
                         timing[name] += elapsed
                 if cuda:
-                    events[i][2].record()
-            if cuda:
-                events[steps - 1][2].synchronize()
-                for e in events[:steps]:
-                    timing["verify"] += e[0].elapsed_time(e[1]) / 1e3
-                    timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
+                    group[i][2].record()
+            if cuda:  # the previous group's times, read while this one runs (the GPU never waits on it)
+                if unread is not None:
+                    read(unread)
+                unread = (group, steps)
             timing["launched"] += steps
+        if unread is not None:
+            read(unread)
         timing["syncs"] += 1  # the read of the outputs
         return timing
 
