@@ -55,6 +55,9 @@ class Eagle3Proposer(HostLoopInterface):
         p = drafter.fc.weight
         self.fused = isinstance(drafter, Eagle3Drafter)
         if self.fused:
+            layer = drafter.layers[0]
+            if layer.input_layernorm.eps != layer.hidden_norm.eps:  # rms_norm_pair normalises both at once
+                raise ValueError("EAGLE-3 drafter: the embedding's and the hidden state's norms need the same eps")
             # q, k, v in one matmul, as the runtime model stores them ([2H] → [(nh + 2 nkv) d])
             attn = drafter.layers[0].self_attn
             self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
@@ -166,8 +169,6 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     d = p.drafter
     layer, cfg = d.layers[0], d.config
     H = hidden.shape[-1]
-    if layer.input_layernorm.eps != layer.hidden_norm.eps:
-        raise ValueError("EAGLE-3 layer: the embedding's and the hidden state's norms need the same eps")
     # [B,q,2H]: the normed embedding first, then the normed hidden (one launch)
     both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
                          layer.hidden_norm.eps)

@@ -113,8 +113,6 @@ def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, vi
     layer, cfg = d.layers[0], d.config
     B, F_, H = parent_hidden.shape
     nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    if layer.input_layernorm.eps != layer.hidden_norm.eps:
-        raise ValueError("EAGLE-3 layer: the embedding's and the hidden state's norms need the same eps")
     # [B,F,2H]: the normed embedding, then the normed parent hidden (one launch on a GPU)
     both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, parent_hidden,
                          layer.hidden_norm.weight, layer.hidden_norm.eps)
