@@ -88,11 +88,17 @@ def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | N
         raise RuntimeError("triton is not installed")
     if x.dim() != 2 or out.shape != x.shape[:1] or out.dtype != torch.long:
         raise ValueError(f"argmax of x {tuple(x.shape)} into out {tuple(out.shape)} {out.dtype}: need [R,V] and [R] int64")
-    best, index, nsplit = argmax_chunks(x)
-    if x.shape[0]:
-        _argmax_merge_kernel[(x.shape[0],)](best, index, ids if ids is not None else index, out, nsplit,
-                                            out.stride(0), HAS_IDS=ids is not None,
-                                            BLOCK_S=triton.next_power_of_2(nsplit))
+    best, index, _ = argmax_chunks(x)
+    return merge_chunks_into(best, index, out, ids)
+
+
+def merge_chunks_into(best: torch.Tensor, index: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None):
+    """Second launch: each row's chunks (best, index [R,NSPLIT]) → out[r] (mapped through ids);
+    also the merge of kernels/lm_head_argmax.py, whose chunks are lm_head slices."""
+    R, nsplit = best.shape
+    if R:
+        _argmax_merge_kernel[(R,)](best, index, ids if ids is not None else index, out, nsplit, out.stride(0),
+                                   HAS_IDS=ids is not None, BLOCK_S=triton.next_power_of_2(nsplit))
     return out
 
 

@@ -30,7 +30,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.argmax import _argmax_merge_kernel
+    from kernels.argmax import merge_chunks_into
 except ImportError:
     triton = None
 
@@ -114,9 +114,7 @@ def norm_lm_head_argmax_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, 
         _norm_gemv_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             hidden, norm_weight, weight, best, index, R, V, H, eps, hidden.stride(0), weight.stride(0), nsplit,
             IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H)
-        _argmax_merge_kernel[(R,)](best, index, ids if ids is not None else index, out, nsplit, out.stride(0),
-                                   HAS_IDS=ids is not None, BLOCK_S=triton.next_power_of_2(nsplit))
-    return out
+    return merge_chunks_into(best, index, out, ids)
 
 
 def norm_lm_head_argmax(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
