@@ -155,14 +155,15 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         stats.new_tokens = sum(len(o) for o in outputs)
         stats.steps = max(len(o) for o in outputs) - 1
         return outputs, stats
-    nxt = first.tolist()  # the proposers begin from the host's copy of each row's first token
     if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
-        outputs = device_speculation(model, cache, proposer, prompts, aux, nxt, max_new_tokens, eos_ids, max_len, stats,
+        # the first tokens stay on the device (no host sync before the proposer begins)
+        outputs = device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
                                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.new_tokens = sum(len(o) for o in outputs)
         return outputs, stats
+    nxt = first.tolist()  # the host loop's proposers begin from the host's copy of each row's first token
     with record_function("draftsmith.host_loop"):
         outputs = host_speculation(model, cache, proposer, prompts, aux, nxt, k, max_new_tokens, eos_ids, stats, cuda_graphs,
                                    temperature, top_k, top_p, verification, generator)

@@ -112,13 +112,14 @@ class SpecLoop:
     # ------------------------------------------------------------------ a whole generation
     def reset(self, prompts: list[list[int]], first: torch.Tensor, max_new_tokens: int):
         """Prompts and each row's first token (from the prefill) into the buffers."""
-        B = len(prompts)
-        lengths = torch.as_tensor([len(p) for p in prompts], device=self.tokens.device)
-        padded = torch.zeros(B, max(len(p) for p in prompts), dtype=torch.long)
+        B, dev = len(prompts), self.tokens.device
+        pin = dev.type == "cuda"  # pinned: the copies are queued behind the prefill, no host sync
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long, pin_memory=pin).to(dev, non_blocking=pin)
+        padded = torch.zeros(B, max(len(p) for p in prompts), dtype=torch.long, pin_memory=pin)
         for b, p in enumerate(prompts):
             padded[b, : len(p)] = torch.as_tensor(p)
         self.tokens.zero_()
-        self.tokens[:, : padded.shape[1]] = padded.to(self.tokens.device)
+        self.tokens[:, : padded.shape[1]].copy_(padded, non_blocking=pin)
         self.tokens.scatter_(1, lengths[:, None], first[:, None])
         self.length.copy_(lengths + 1)
         self.n_out.fill_(1)
@@ -128,11 +129,21 @@ class SpecLoop:
         self.row_steps.zero_()
 
     def run(self, max_steps: int, check_every: int) -> dict:
-        """Steps until every row is done (read every `check_every` steps): a first draft, then
-        per step the verify graph and the proposer's graph, two replays. Returns the device time
-        of the proposer's work (advance and draft) and of the verify steps (CUDA events on a GPU,
-        the host clock on a CPU), the host's time launching them, the steps launched and the
-        host syncs."""
+        """Steps until every row is done: a first draft, then per step the verify graph and the
+        proposer's graph, two replays, launched in groups of up to `check_every` steps. Returns
+        the device time of the proposer's work (advance and draft) and of the verify steps (CUDA
+        events on a GPU, the host clock on a CPU), the host's time launching them, the steps
+        launched and the host syncs.
+
+        How many steps a group launches: a step emits at most k + 1 tokens per row, so a row with
+        r tokens left needs at least ceil(r / (k + 1)) more steps; launching no more than that
+        never runs a step after every row has reached its budget. On a GPU the host learns r
+        without leaving the GPU idle: before a group's last step the loop copies r to the host
+        (pinned memory, an event), waits for that copy while the last step runs, and takes
+        r - (k + 1) (a floor of what is left after the last step) for the next group, which it
+        launches behind the last step. Only when that floor reaches 0 does it read the exact
+        value with the GPU drained (the last checks of an answer). A row that ends at an
+        end-of-sequence token in a group's last step costs the steps of the next group."""
         timing = {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
         cuda = self.tokens.device.type == "cuda"
         drafted = False
@@ -146,29 +157,35 @@ class SpecLoop:
         if cuda:  # two sets, used in turn: a group's events are read while the next group runs
             events = [[[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
                       for _ in range(2)]
+            left_host = torch.zeros((), dtype=torch.long, pin_memory=True)
+            left_copied = torch.cuda.Event()
         phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
+        per_step = self.k + 1  # the most tokens a step emits per row
         unread = None  # (events, steps) of the group launched last, timed after the next launch
+        floor = 0  # tokens some unfinished row is sure to need after the steps launched (0: read the exact value)
+        groups = 0
 
         def read(group):
             group_events, n = group
-            group_events[n - 1][2].synchronize()  # (done already, unless the loop ended on max_steps)
+            group_events[n - 1][2].synchronize()  # (the next group is queued already: the GPU does not wait)
             for e in group_events[:n]:
                 timing["verify"] += e[0].elapsed_time(e[1]) / 1e3
                 timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
 
         while timing["launched"] < max_steps:
-            # one host sync per check: the most tokens an unfinished row may still emit (0: all
-            # done). A step emits at most k + 1 tokens, so a row with r left needs at least
-            # ceil(r / (k + 1)) more steps: launching up to that many never runs a step after
-            # every row has reached its budget (rows that end at an end-of-sequence token can
-            # still leave up to check_every - 1 steps over)
-            left = int(torch.where(self.done, 0, self.budget - self.n_out).max())
-            if left <= 0:
-                break
-            timing["syncs"] += 1
-            steps = max(1, min(check_every, -(-left // (self.k + 1)), max_steps - timing["launched"]))
-            group = events[timing["syncs"] % 2] if cuda else None
+            if floor > 0:
+                left = floor
+            else:  # the most tokens an unfinished row may still emit (0: all done), with the GPU drained
+                left = int(self._left())
+                timing["syncs"] += 1
+                if left <= 0:
+                    break
+            steps = max(1, min(check_every, -(-left // per_step), max_steps - timing["launched"]))
+            group = events[groups % 2] if cuda else None
             for i in range(steps):
+                if cuda and i == steps - 1:  # what the rows still need before the last step, on its way to the host
+                    left_host.copy_(self._left(), non_blocking=True)
+                    left_copied.record()
                 for j, (index, phase, name) in enumerate(phases):
                     if cuda:
                         group[i][j].record()
@@ -180,15 +197,23 @@ class SpecLoop:
                         timing[name] += elapsed
                 if cuda:
                     group[i][2].record()
-            if cuda:  # the previous group's times, read while this one runs (the GPU never waits on it)
-                if unread is not None:
+            timing["launched"] += steps
+            groups += 1
+            if cuda:
+                if unread is not None:  # the previous group's times, read while this one runs
                     read(unread)
                 unread = (group, steps)
-            timing["launched"] += steps
+                left_copied.synchronize()  # the GPU is running the group's last step meanwhile
+                timing["syncs"] += 1
+                floor = int(left_host) - per_step
         if unread is not None:
             read(unread)
         timing["syncs"] += 1  # the read of the outputs
         return timing
+
+    def _left(self) -> torch.Tensor:
+        """The most tokens an unfinished row may still emit (a 0-dim device tensor; 0: all done)."""
+        return torch.where(self.done, 0, self.budget - self.n_out).max()
 
     def _phase(self, i, fn):
         if self.graphs is not None:
@@ -211,11 +236,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     `stats` and returns the outputs. `first` [B] holds each row's first token."""
     B, k = len(prompts), proposer.k
     device = model.embed_tokens.weight.device
-    with record_function("draftsmith.proposer_begin"):
-        proposer.begin(prompts, aux, first)
-        if device.type == "cuda":  # the setup ends here: its time is reported apart
-            torch.cuda.synchronize(device)
-    setup_end = time.perf_counter()
+    first = torch.as_tensor(first, device=device)  # [B]
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, kernels_mode())
     tree = getattr(proposer, "tree", False)
@@ -226,8 +247,16 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     make = TreeLoop if tree else SpecLoop
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
                                            verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))
+    with record_function("draftsmith.proposer_begin"):
+        if cuda_graphs and device.type == "cuda" and hasattr(proposer, "begin_graphed"):
+            proposer.begin_graphed(prompts, aux, first)  # one replay, its inputs queued behind the prefill
+        else:
+            proposer.begin(prompts, aux, first.tolist())
     with record_function("draftsmith.loop_reset"):
-        loop.reset(prompts, torch.as_tensor(first, device=device), max_new_tokens)
+        loop.reset(prompts, first, max_new_tokens)
+        if device.type == "cuda":  # the setup ends here: its time is reported apart
+            torch.cuda.synchronize(device)
+    setup_end = time.perf_counter()
     with record_function("draftsmith.loop_run"):
         timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
     with record_function("draftsmith.read_outputs"):

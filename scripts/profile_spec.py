@@ -39,6 +39,10 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--trace", action="store_true", help="also profile one answer of plain, EAGLE-3 k=4, Medusa and DFlash "
                     "(torch.profiler): the top host and device ops, the engine's named ranges; traces to --out")
+    ap.add_argument("--rows", default="", help="only the rows whose names contain one of these comma-separated "
+                    "strings (plain always runs: the ratios' base)")
+    ap.add_argument("--trace-rows", default="plain,EAGLE-3 k=4,Medusa k=4,DFlash k=7",
+                    help="the rows --trace profiles (comma-separated names)")
     args = ap.parse_args(argv)
     from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.model import RuntimeModel
@@ -77,6 +81,8 @@ def main(argv=None):
     rows["Medusa k=4"] = drafter_proposer(medusa, 4, 1, max_len, rt.config)
     rows["MTP k=3"] = drafter_proposer(mtp, 3, 1, max_len, rt.config)
     rows["DFlash k=7"] = drafter_proposer(dflash, 7, 1, max_len, rt.config)
+    wanted = [w for w in args.rows.split(",") if w]
+    rows = {n: p for n, p in rows.items() if n == "plain" or not wanted or any(w in n for w in wanted)}
 
     def run(proposer):
         total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None,
@@ -119,7 +125,7 @@ def main(argv=None):
         r.update(tokens_per_s=tps, vs_plain=tps / plain, tau=tau)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.trace:
-        for name in ("plain", "EAGLE-3 k=4", "Medusa k=4", "DFlash k=7"):
+        for name in (n for n in args.trace_rows.split(",") if n in rows):
             trace(rows[name], name, prompts[0], rt, args, max_len, verification)
     (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
                                                                  "rows": results}, indent=2))

@@ -122,3 +122,37 @@ def test_lossless_with_eagle3_proposer_on_real_prompts(tokenizer):
         proposer = Eagle3Proposer(drafter, 3, len(batch), cache_size(batch, 16, 3), target_config=rt.config)
         spec.extend(generate(rt, batch, 16, proposer=proposer, eos_ids=eos)[0])
     assert spec == plain
+
+
+def test_begin_over_a_wider_buffer_with_stale_features_changes_nothing(tiny_target):
+    """What the captured begin runs (`begin_graphed` on a GPU): the prompts padded to a bucket
+    wider than the longest, the features past each prompt stale. Entries at those positions are
+    overwritten before any query reads them, so every step drafts the same chains."""
+    from inference.drafter_proposers import _shifted_prompts
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = _drafter_for(hf, norm_before_fc=True)
+    rt = RuntimeModel.from_pretrained(tiny_target)
+
+    class Drafts(Eagle3Proposer):
+        def draft(self):
+            self.seen = getattr(self, "seen", []) + [super().draft().clone()]
+            return self.drafts
+
+    class WideBegin(Drafts):
+        def begin(self, prompts, aux, first):
+            B, T, W = aux.shape
+            shifted, last_index = _shifted_prompts(prompts, T + 37)
+            stale = 5 * torch.randn(B, T + 37, W)
+            stale[:, :T] = aux
+            self._begin(shifted, stale, last_index, torch.as_tensor(first), torch.arange(T + 37).expand(B, -1))
+
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)]
+    runs = []
+    for make in (Drafts, WideBegin):
+        proposer = make(drafter, 4, batch=3, max_len=128, target_config=rt.config)
+        outputs, _ = generate(rt, prompts, 24, proposer=proposer, max_len=128)
+        runs.append((outputs, torch.stack(proposer.seen)))
+    assert runs[0][0] == runs[1][0]
+    assert len(runs[0][1]) >= 6 and torch.equal(runs[0][1], runs[1][1])
