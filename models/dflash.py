@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
-from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
 
@@ -106,6 +106,8 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    _apply = keep_rope_float32  # inv_freq stays float32 through .to(bfloat16), as in training
+
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg

@@ -23,7 +23,7 @@ from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left, ttt_attend
-from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
 
 @dataclass
@@ -48,6 +48,8 @@ class Eagle1Layer(nn.Module):
 
 class Eagle1Drafter(nn.Module):
     aux_layer_ids: list[int] = []  # reads the target's final hidden state only
+
+    _apply = keep_rope_float32  # inv_freq stays float32 through .to(bfloat16), as in training
 
     def __init__(self, cfg: Eagle1Config):
         super().__init__()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
-from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, rope_cos_sin, rope_inv_freq
+from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
 
@@ -88,6 +88,8 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 class Eagle3Drafter(nn.Module):
+    _apply = keep_rope_float32  # inv_freq stays float32 through .to(bfloat16), as in training
+
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.config = cfg

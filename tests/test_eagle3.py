@@ -136,3 +136,26 @@ def test_ttt_attention_matches_dense_mask_reference_with_gradients(steps, T):
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, [q, *ks, *vs], g), torch.autograd.grad(ref, [q, *ks, *vs], g)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_drafters_keep_rope_frequencies_float32_when_cast():
+    """A drafter cast to bfloat16 for serving keeps the float32 RoPE frequencies it trained with
+    (rounded, they turn keys 300 positions apart by up to about 0.3 rad)."""
+    from transformers import LlamaConfig
+
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.eagle1 import Eagle1Config, Eagle1Drafter
+    from models.layers import rope_inv_freq
+    from models.mtp import MTPConfig, MTPDrafter
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, rope_theta=100000.0)
+    drafters = [Eagle3Drafter(Eagle3Config.from_target(cfg, 128)), Eagle1Drafter(Eagle1Config.from_target(cfg, 128)),
+                MTPDrafter(MTPConfig.from_target(cfg, 128, num_modules=2)),
+                DFlashDrafter(DFlashConfig.from_target(cfg, 300, mask_token_id=0, num_layers=1, block_size=4))]
+    exact = rope_inv_freq(16, 100000.0)
+    assert not torch.equal(exact.to(torch.bfloat16).float(), exact)  # a cast would round them
+    for d in drafters:
+        d = d.to(torch.bfloat16)
+        assert d.inv_freq.dtype == torch.float32 and torch.equal(d.inv_freq, exact), type(d).__name__
+        assert next(d.parameters()).dtype == torch.bfloat16  # everything else is cast
