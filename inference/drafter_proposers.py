@@ -14,6 +14,7 @@ from inference.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
 from kernels.argmax import argmax_rows
 from kernels.chain_state import advance_inputs, keep_entry
 from kernels.decode_attention import decode_attention
+from kernels.gemv import gemv, one_row, swiglu_gemv
 from kernels.lm_head_argmax import norm_lm_head_argmax
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm, rms_norm_pair
@@ -65,6 +66,9 @@ class Eagle3Proposer(HostLoopInterface):
             self.qkv_weight = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).detach()
             mlp = drafter.layers[0].mlp
             self.gate_up_weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach()
+            # the one-row GEMV kernels of a chain step add no biases (Llama-style drafters have none)
+            self.one_row_kernels = all(m.bias is None for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                                   mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         heads = cfg.num_key_value_heads if self.fused else cfg.num_attention_heads  # EAGLE-1's attend sees expanded heads
         shape = (batch, heads, max_len, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=p.dtype, device=p.device)
@@ -227,12 +231,17 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
                          layer.hidden_norm.eps)
     normed = both[..., H:]
-    qkv = F.linear(both, p.qkv_weight)
+    chain_step = p.one_row_kernels and one_row(both)  # batch 1, one token: the GEMV kernels (kernels/gemv.py)
+    qkv = gemv(both, p.qkv_weight) if chain_step else F.linear(both, p.qkv_weight)
     q = rope_cache(qkv, positions, d.inv_freq, p.k_cache, p.v_cache, cfg.num_attention_heads, cfg.num_key_value_heads)
-    attn = layer.self_attn.o_proj(decode_attention(q, p.k_cache, p.v_cache, positions))  # [B,q,H]
+    attn = decode_attention(q, p.k_cache, p.v_cache, positions)  # [B,q,H]
+    o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
+    attn = gemv(attn, o_proj.weight) if chain_step else o_proj(attn)
     residual = normed if layer.norm_before_residual else hidden
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
-    return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
+    if chain_step:  # h += down(silu(gate) * up), the product formed as the down projection reads it
+        return swiglu_gemv(gemv(post, p.gate_up_weight), down.weight, h, out=h)
+    return swiglu_into(h, post, p.gate_up_weight, down)  # h + MLP(post)
 
 
 class MedusaProposer(HostLoopInterface):

@@ -82,16 +82,15 @@ def main(argv=None):
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6]]
     max_len = cache_size(prompts, 16, args.k)
     rows = {}
-    run = spec_loop.SpecLoop.run
 
-    def counting_run(self, max_steps, check_every):  # one verify and one proposer phase, counted, then the loop
+    def counting_run(self, max_steps, check_every):  # one verify and one proposer phase, counted; no more steps
         self.draft_phase()
         for phase in ("verify_phase", "proposer_phase"):
             launches.clear()
             with LaunchCounter() as ops:
                 getattr(self, phase)()
             rows[(name, phase)] = (sum(ops.ops.values()), launches["triton"], ops.ops.most_common(5))
-        return run(self, max_steps, check_every)
+        return {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 1, "syncs": 1}
 
     spec_loop.SpecLoop.run = counting_run
     proposers = {n: (lambda d=d: drafter_proposer(d, args.k, 1, max_len, rt.config)) for n, d in _random_drafters(hf).items()}

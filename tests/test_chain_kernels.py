@@ -103,3 +103,49 @@ def test_chain_bookkeeping_matches_reference(dev, B, q, k, H):
             assert torch.equal(a, b), trial
         assert torch.equal(ref[0][~active], state[0][~active])  # finished rows keep their state
 
+
+
+@pytest.mark.parametrize("N,K,swiglu,with_residual,dtype", [
+    (960, 1152, False, False, torch.bfloat16),  # the EAGLE-3 drafter's q/k/v projection (2H -> (nh + 2 nkv) d)
+    (576, 1536, True, True, torch.bfloat16),  # its down projection, the residual added
+    (3072, 576, False, False, torch.float32),  # its gate_up projection: 16 rows a program
+    (37, 70, True, True, torch.float32),  # ragged: a partial row block and a partial K block
+    (5, 300, False, True, torch.float32),
+    (37, 70, False, False, torch.bfloat16),
+])
+def test_gemv_matches_reference(dev, dtype, N, K, swiglu, with_residual):
+    from kernels.gemv import gemv_reference, gemv_triton, swiglu_gemv_reference, swiglu_gemv_triton
+
+    g = torch.Generator().manual_seed(N + K)
+    x = torch.randn(1, 1, 2 * K if swiglu else K, generator=g).to(dev, dtype)
+    w = (torch.randn(N, K, generator=g) / K ** 0.5).to(dev, dtype)
+    res = torch.randn(1, 1, N, generator=g).to(dev, dtype) if with_residual else None
+    run, ref = (swiglu_gemv_triton, swiglu_gemv_reference) if swiglu else (gemv_triton, gemv_reference)
+    got = run(x, w, res)
+    want = ref(x.float(), w.float(), None if res is None else res.float())
+    assert got.shape == (1, 1, N) and got.dtype == dtype
+    # float32: summation order only; bfloat16: one rounding of the output (the interpreter truncates)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    if swiglu and dtype == torch.bfloat16:  # the reference rounds silu and the product as the kernel does
+        want = ref(x, w, res).float()
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_gemv_adds_into_its_own_residual(dev):
+    """out = residual: h += x @ W.T in place, as the chain's down projection writes it."""
+    from kernels.gemv import swiglu_gemv_reference, swiglu_gemv_triton
+
+    g = torch.Generator().manual_seed(0)
+    gate_up, w = torch.randn(1, 2 * 96, generator=g).to(dev), torch.randn(64, 96, generator=g).to(dev)
+    h = torch.randn(1, 64, generator=g).to(dev)
+    want = swiglu_gemv_reference(gate_up, w, h.clone())
+    out = swiglu_gemv_triton(gate_up, w, h, out=h)
+    assert out.data_ptr() == h.data_ptr()
+    torch.testing.assert_close(h, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemv_refuses_more_than_one_row(dev):
+    from kernels.gemv import gemv_triton
+
+    with pytest.raises(ValueError, match="one row of 8"):
+        gemv_triton(torch.randn(2, 8, device=dev), torch.randn(4, 8, device=dev))

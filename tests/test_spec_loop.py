@@ -261,3 +261,34 @@ def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monk
         assert results[0][0] == plain, name
         accepted += sum(n * c for h in results[0][1] for n, c in enumerate(h))
     assert accepted > 0  # emission of accepted drafts went through the kernel too
+
+
+
+def test_eagle3_chain_step_through_the_one_row_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+    """Batch 1, one token (a chain step): the EAGLE-3 layer runs its projections through
+    kernels/gemv.py (one row; the down projection reads silu(gate) * up and adds the residual in
+    place) and, float32, computes what the torch path computes, cache entries included."""
+    import kernels.gemv
+    from inference.drafter_proposers import _eagle3_layer
+
+    device = kernel_device()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = _random_drafters(hf)["eagle3"].to(device)
+    launches = []
+    launch = kernels.gemv._launch
+    monkeypatch.setattr(kernels.gemv, "_launch", lambda *a, **kw: launches.append(kw["swiglu"]) or launch(*a, **kw))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.tensor([[17]], device=device)
+    hidden = torch.randn(1, 1, drafter.config.hidden_size, generator=g).to(device)
+    results = []
+    for mode in ("0", "force"):
+        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+        p = drafter_proposer(drafter, 3, 1, 16, None)
+        assert p.one_row_kernels
+        torch.manual_seed(1)
+        p.k_cache.normal_(), p.v_cache.normal_()  # earlier entries the step attends to
+        out = _eagle3_layer(p, tokens, hidden.clone(), torch.tensor([[5]], device=device))
+        results.append((out, p.k_cache.clone(), p.v_cache.clone()))
+    assert launches == [False, False, False, True]  # q/k/v, o, gate_up, then down with silu(gate) * up
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

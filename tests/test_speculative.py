@@ -67,8 +67,8 @@ def test_lossless_greedy_on_real_prompts_with_ragged_batches(tokenizer):
     from models.zoo import resolve_target
 
     model = RuntimeModel.from_pretrained(resolve_target("smollm2-135m-instruct"), dtype=torch.float32)
-    prompts = _real_prompts(tokenizer)
-    assert len(prompts) >= 20
+    prompts = _real_prompts(tokenizer, 6, 6)  # 12 ragged prompts (20 took 2-4 minutes of CI's 2 cores)
+    assert len(prompts) == 12
     eos = (tokenizer.eos_token_id,)
     plain = []
     for i in range(0, len(prompts), 5):  # plain greedy, batches of 5 ragged prompts
@@ -83,7 +83,7 @@ def test_lossless_greedy_on_real_prompts_with_ragged_batches(tokenizer):
             accepted += sum(n * c for n, c in enumerate(stats.histogram))
         assert got == plain, f"batch {batch}, k {k}"
         assert accepted > 0, "the n-gram proposer had drafts accepted, so verification was exercised"
-    assert sum(len(o) for o in plain) > 20 * 5
+    assert sum(len(o) for o in plain) > 12 * 5
 
 
 def test_plain_runtime_greedy_equals_transformers_generate(tiny_target):
@@ -260,8 +260,8 @@ def test_vectorised_ngram_drafts_equal_the_kmp_proposer():
 
 @pytest.mark.slow
 def test_every_proposer_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer):
-    """float32, zoo target, 20+ real prompts in ragged batches of 5: each proposer's output
-    equals plain greedy output. Drafters are freshly initialised from the target (random
+    """float32, zoo target, 10 real prompts (MT-bench and ShareGPT) in ragged batches of 5: each
+    proposer's output equals plain greedy output. Drafters are freshly initialised from the target (random
     where they train), so this checks verification and bookkeeping, not acceptance."""
     from transformers import AutoConfig
 
@@ -292,7 +292,7 @@ def test_every_proposer_is_lossless_on_real_prompts_with_the_zoo_target(tokenize
                 torch.nn.init.normal_(p, std=0.02)
         d.init_from_target(target.model, *keep_all)
         d.eval()
-    prompts = _real_prompts(tokenizer)
+    prompts = _real_prompts(tokenizer, 5, 5)  # (20 took 3-6 minutes of CI's 2 cores)
     eos = (tokenizer.eos_token_id,)
     plain = []
     for i in range(0, len(prompts), 5):
