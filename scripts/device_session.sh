@@ -10,6 +10,10 @@
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 #   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
+#   bash scripts/device_session.sh fsdp [STEPS]       # carry .dev2 (after part1): configs/eagle3.yaml plain and with
+#                                                     # trainer.strategy=fsdp, STEPS steps each (default 40) on the
+#                                                     # carried answers, both exported; FSDP's export checked, resumed
+#                                                     # STEPS/2 more and exported again; the exports compared (issue 22)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -205,6 +209,26 @@ bench)
     --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
+  collect
+  ;;
+fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side
+  steps=${1:-40}
+  [ -f $REGEN ] || { mkdir -p /tmp/regen; gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN; }
+  common=(--config configs/eagle3.yaml trainer.max_steps=$steps checkpoint_every_n_steps=$((steps / 2))
+          data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.num_sequences=16 data.num_workers=1 trainer.enable_progress_bar=false)
+  python3 -m train "${common[@]}" out_dir=/tmp/fsdp-plain > $R/fsdp-plain.log 2>&1 &
+  plain_pid=$!
+  python3 -m train "${common[@]}" out_dir=/tmp/fsdp-fsdp trainer.strategy=fsdp > $R/fsdp-fsdp.log 2>&1
+  wait $plain_pid  # (a bare wait would wait for the collector too)
+  grep -a -h "predicted acceptance\|Error\|error" $R/fsdp-plain.log $R/fsdp-fsdp.log | tail -6
+  python3 -m export.check /tmp/fsdp-fsdp/export 2>&1 | tail -1
+  python3 scripts/compare_exports.py /tmp/fsdp-plain/export /tmp/fsdp-fsdp/export
+  # resumed under FSDP from its last checkpoint, STEPS/2 more, exported again and checked
+  python3 -m train "${common[@]}" out_dir=/tmp/fsdp-fsdp trainer.strategy=fsdp trainer.max_steps=$((steps + steps / 2)) \
+    --resume /tmp/fsdp-fsdp/checkpoints/last.ckpt > $R/fsdp-resume.log 2>&1
+  grep -a -h "predicted acceptance\|Error\|error\|global_step\|Restored" $R/fsdp-resume.log | tail -4
+  python3 -c "import torch; c = torch.load('/tmp/fsdp-fsdp/checkpoints/last.ckpt', weights_only=True); print('resumed to step', c['global_step'])"
+  python3 -m export.check /tmp/fsdp-fsdp/export 2>&1 | tail -1
   collect
   ;;
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)

@@ -164,8 +164,11 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         check_run_folder(out_dir, cfg.to_dict(), resume, overwrite)
     if resume is not None:
         load_checkpoint(resume)  # weights_only: a hostile or truncated file stops here, before any load
-    L.seed_everything(cfg.seed, workers=True)
     trainer = build_trainer(cfg, out_dir)  # Trainer errors (bad arguments) come before any load
+    # seeded after the Trainer: on a GPU, building the FSDP strategy's Trainer drew from the
+    # global generator, so the drafter's random initialisation differed from a plain run's
+    # (session 12: every randomly initialised tensor apart by up to twice its init bound)
+    L.seed_everything(cfg.seed, workers=True)
 
     target_path = resolve_target(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(target_path)
