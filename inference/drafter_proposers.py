@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from inference.device_proposer import HostLoopInterface, check_drafter_fits
-from inference.graphs import capture_graph
+from inference.graphs import capture_graph, kernels_mode
 from inference.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
 from kernels.argmax import argmax_rows
 from kernels.chain_state import advance_inputs, keep_entry
 from kernels.decode_attention import decode_attention
-from kernels.gemv import gemv, one_row, swiglu_gemv
+from kernels.gemv import gemv, one_row, one_row_mode, swiglu_gemv
 from kernels.lm_head_argmax import norm_lm_head_argmax
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm, rms_norm_pair
@@ -79,7 +79,8 @@ class Eagle3Proposer(HostLoopInterface):
         self.drafts = torch.zeros(batch, k, dtype=torch.long, device=p.device)
         self.q = torch.zeros(batch, k, cfg.vocab_size, dtype=torch.float32, device=p.device)  # sampled drafts' q
         self.chain_positions = torch.zeros(batch, k, dtype=torch.long, device=p.device)  # the next chain's positions
-        self._begin_steps = {}  # (rows, width, aux width, dtype) → the captured begin and its input buffers
+        self._begin_steps = {}  # (rows, width, aux width, dtype, kernels) → the captured begin and its input buffers
+        self._begin_pool = None  # one memory pool for all of them (see begin_graphed)
 
     def _run(self, tokens, hidden, positions):
         """tokens [B,q], hidden [B,q,H], positions [B,q] → output hidden [B,q,H], caching K/V."""
@@ -127,7 +128,8 @@ class Eagle3Proposer(HostLoopInterface):
         width = -(-T // PREFILL_BUCKET) * PREFILL_BUCKET
         if width > self.k_cache.shape[2] or B * width > PREFILL_GRAPH_MAX_TOKENS:
             return self.begin(prompts, aux, first)
-        step = self._begin_steps.get((B, width, W, aux.dtype))
+        key = (B, width, W, aux.dtype, kernels_mode(), one_row_mode())
+        step = self._begin_steps.get(key)
         shifted, last_index = _shifted_prompts(prompts, width)
         if step is None:
             dev = self.last.device
@@ -138,8 +140,17 @@ class Eagle3Proposer(HostLoopInterface):
                     "positions": torch.arange(width, device=dev).expand(B, width)}
             _fill_begin(step, shifted, aux, last_index, first)
             run = lambda: self._begin(step["ids"], step["aux"], step["last"], step["first"], step["positions"])  # noqa: E731
-            step["graph"] = capture_graph(run, warmup=1)  # the warm-up is the real begin; the graph repeats it
-            self._begin_steps[(B, width, W, aux.dtype)] = step
+            # every begin graph shares one pool: a graph's pool keeps its peak (the attention's
+            # scratch over the whole width), and one pool per width grew by gigabytes over a
+            # bench of long prompts on an 8B-shaped drafter (review, session 13). Sharing is safe:
+            # a begin leaves nothing in the pool (its results go to the proposer's state, its
+            # inputs live outside it) and begins never run concurrently
+            if self._begin_pool is None:
+                self._begin_pool = torch.cuda.graph_pool_handle()
+            step["graph"] = capture_graph(run, warmup=1, pool=self._begin_pool)  # the warm-up is the real begin
+            self._begin_steps[key] = step
+            while len(self._begin_steps) > BEGIN_GRAPHS:  # least recently captured out: its input buffers freed
+                self._begin_steps.pop(next(iter(self._begin_steps)))
             return
         _fill_begin(step, shifted, aux, last_index, first)
         step["graph"].replay()
@@ -199,6 +210,9 @@ class Eagle3Proposer(HostLoopInterface):
         nxt, positions = advance_inputs(fed, bonus, accepted, self.last)  # [B,q] each
         out = self._step0(nxt, aux, positions)  # [B,q,H]
         keep_entry(out, positions, accepted, active, self.hidden, self.last, self.chain_positions)
+
+
+BEGIN_GRAPHS = 16  # captured begins kept per proposer (one per rows × prompt-width bucket)
 
 
 def _shifted_prompts(prompts, width: int):

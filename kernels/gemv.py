@@ -81,7 +81,10 @@ def _launch(x, weight, residual, out, swiglu: bool):
     x = x.contiguous()
     if out is None:
         out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
-    # about 100-250 programs: 4 rows each for N <= 1,023, up to 16 for larger N
+    elif out.numel() != N or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be one contiguous row of {N} on {x.device}, got shape {tuple(out.shape)}")
+    # rows per program: the largest power of 2 not above N / 128, 1 to 16, so about 128-256
+    # programs share a large N (N = 576 or 960: 4 rows, 144 or 240 programs; 3,072: 16 rows, 192)
     BLOCK_N = max(1, min(16, triton.next_power_of_2(N // 128 + 1) // 2))
     grid = (triton.cdiv(N, BLOCK_N),)
     _gemv_kernel[grid](x, weight, residual if residual is not None else out, out, N, K, weight.stride(0),
@@ -99,6 +102,11 @@ def swiglu_gemv_triton(gate_up, weight, residual=None, out=None):
 
 # DRAFTSMITH_GEMV=0 leaves one-row products to cuBLAS (a side-by-side measurement of these kernels)
 ENABLED = os.environ.get("DRAFTSMITH_GEMV", "1") != "0"
+
+
+def one_row_mode() -> bool:
+    """Whether the one-row kernels are on (part of a captured graph's identity)."""
+    return ENABLED
 
 
 def one_row(x: torch.Tensor) -> bool:

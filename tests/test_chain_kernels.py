@@ -149,3 +149,12 @@ def test_gemv_refuses_more_than_one_row(dev):
 
     with pytest.raises(ValueError, match="one row of 8"):
         gemv_triton(torch.randn(2, 8, device=dev), torch.randn(4, 8, device=dev))
+
+
+def test_gemv_refuses_an_out_that_is_not_one_contiguous_row(dev):
+    from kernels.gemv import gemv_triton
+
+    x, w = torch.randn(1, 8, device=dev), torch.randn(6, 8, device=dev)
+    for out in (torch.empty(1, 5, device=dev), torch.empty(6, 2, device=dev)[:, 0]):
+        with pytest.raises(ValueError, match="out must be one contiguous row of 6"):
+            gemv_triton(x, w, out=out)
