@@ -165,9 +165,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     if resume is not None:
         load_checkpoint(resume)  # weights_only: a hostile or truncated file stops here, before any load
     trainer = build_trainer(cfg, out_dir)  # Trainer errors (bad arguments) come before any load
-    # seeded after the Trainer: on a GPU, building the FSDP strategy's Trainer drew from the
-    # global generator, so the drafter's random initialisation differed from a plain run's
-    # (session 12: every randomly initialised tensor apart by up to twice its init bound)
+    # seeded after the Trainer, so that nothing a strategy draws while it is built can change
+    # the drafter's random initialisation (a suspect, not the cause, of the GPU FSDP test's
+    # difference: BENCHMARKS.md, session 13)
     L.seed_everything(cfg.seed, workers=True)
 
     target_path = resolve_target(cfg.target)
