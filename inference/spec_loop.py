@@ -240,8 +240,9 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, kernels_mode())
     tree = getattr(proposer, "tree", False)
-    if tree and (temperature > 0 or verification.startswith("synthetic:")):
-        raise ValueError("draft trees verify greedily for now (temperature 0)")
+    if tree and (verification != "standard" and temperature > 0 or verification.startswith("synthetic:")):
+        raise ValueError(f"draft trees sample by recursive rejection over their candidates (standard verification), "
+                         f"not {verification!r}")
     if tree:
         from inference.tree_decoding import TreeLoop
     make = TreeLoop if tree else SpecLoop

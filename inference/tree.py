@@ -207,7 +207,12 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
 
     Exactness needs the kept siblings to be a prefix of their draw order: a rerank that drops
     an earlier-drawn sibling but keeps a later one (finalize by score) biases the result, so a
-    sampled tree must be pruned by whole draw-order suffixes."""
+    sampled tree must be pruned by whole draw-order suffixes.
+
+    draft_probs None: every child is a fixed candidate (an EAGLE-2 tree: top-k by score, then
+    reranked), tried in index order as a point mass: accepted with probability p(x), on
+    rejection p <- p without x, renormalised. Exact for any candidates chosen before the target
+    is read, whatever their order or pruning."""
     B, N = tree_tokens.shape
     D, K = u_accept.shape[1], u_accept.shape[2]
     rows = torch.arange(B, device=tree_tokens.device)
@@ -216,7 +221,8 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
     path = torch.full((B, D), -1, dtype=torch.long, device=tree_tokens.device)
     source = target_probs[:, 0].float()  # [B,V] where the next token comes from
     for d in range(D):
-        p, q = target_probs[rows, cur + 1].float(), draft_probs[rows, cur + 1].float()
+        p = target_probs[rows, cur + 1].float()
+        q = None if draft_probs is None else draft_probs[rows, cur + 1].float()
         children = (parents == cur[:, None]) & alive[:, None]  # [B,N]
         rank = children.long().cumsum(1) - 1
         moved = torch.zeros_like(alive)
@@ -227,10 +233,14 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
             token = tree_tokens.gather(1, child[:, None])  # [B,1]
             tried = is_r.any(1) & ~moved & (token[:, 0] >= 0)  # empty slots are skipped
             x = token.clamp_min(0)
-            ok = tried & (u_accept[:, d, r] * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1))
+            q_x = 1.0 if q is None else q.gather(1, x).squeeze(1)  # a fixed candidate: a point mass
+            ok = tried & (u_accept[:, d, r] * q_x < p.gather(1, x).squeeze(1))
             nxt, moved = torch.where(ok, child, nxt), moved | ok
             rejected = (tried & ~ok)[:, None]
-            p, q = torch.where(rejected, _residual(p, q), p), torch.where(rejected, _without(q, x), q)
+            if q is None:  # max(p - onehot(x), 0) renormalised: p without x
+                p = torch.where(rejected, _without(p, x), p)
+            else:
+                p, q = torch.where(rejected, _residual(p, q), p), torch.where(rejected, _without(q, x), q)
         stop = alive & ~moved
         source = torch.where(stop[:, None], p, source)
         path[:, d] = torch.where(moved, nxt, -1)

@@ -28,8 +28,9 @@ import torch.nn.functional as F
 
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
+from inference.verify import sampling_probs
 from inference.tree import Tree, ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, \
-    greedy_tree_verify, start_tree
+    greedy_tree_verify, start_tree, tree_rejection_verify
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.silu_mul import swiglu_into
 from kernels.tree_attention import tree_attention
@@ -139,7 +140,8 @@ def _draft_logprobs(d, hidden):
 class TreeLoop(SpecLoop):
     """The device loop with a tree per step: `k` is the tree's depth (the most drafts a step
     accepts), drafting is `proposer.draft_tree()`, verification the tree's longest matching
-    path. Greedy only."""
+    path (greedy) or recursive rejection over the tree's candidates (T > 0: the target's
+    distribution exactly, inference/tree.py: tree_rejection_sample)."""
 
     def draft_phase(self):
         """The tree into static buffers: the first draft and the proposer's step are two graphs,
@@ -161,7 +163,12 @@ class TreeLoop(SpecLoop):
         # the root and node i are written at slots base and base + 1 + i; every query sees the
         # cache up to the root, node i also its ancestors and itself (the model builds the rest)
         logits, aux = self.model(fed, positions, cache, self.aux_layers, tree_mask=tree.mask)
-        path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
+        if self.temperature > 0:  # the nodes are fixed candidates (top-k by score): sampled exactly over them
+            probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
+            path, accepted, bonus = tree_rejection_verify(tree.tokens, tree.parents, None, probs, self.generator,
+                                                          max_depth=self.k, max_children=getattr(self.proposer, "top_k", None))
+        else:
+            path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
         path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]
         active = ~self.done
         self.emit(path_tokens, accepted, bonus)

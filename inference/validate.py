@@ -143,7 +143,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     predicted = Prediction.from_dict(raw, f"{prov_path}: predicted_acceptance") if raw else None
     if tree is not None:  # held to its own promise, found once the drafter is known to draft trees
         if temperature > 0:
-            raise ValueError(f"--tree: draft trees verify greedily for now (--temperature 0, not {temperature:g})")
+            raise ValueError(f"--tree: a tree's promise is greedy for now (--temperature 0, not {temperature:g}; the runtime samples trees)")
         if k and k != tree[0]:
             raise ValueError(f"-k {k} and --tree {tree[0]},{tree[1]},{tree[2]}: a tree's depth is its k (leave -k out)")
         k = tree[0]

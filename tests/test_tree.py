@@ -285,3 +285,34 @@ def test_tree_sampling_on_a_chain_equals_chain_rejection_sampling():
     q_tree = torch.cat([q, torch.full((B, 1, V), 1.0 / V)], 1)  # [B,k+1,V]: q after the root and each node
     path, length, tree_next = tree_rejection_sample(drafts, chain, q_tree, p, u_accept[:, :, None], u_sample)
     assert torch.equal(length, accepted) and torch.equal(tree_next, nxt)
+
+
+def test_tree_sampling_over_fixed_candidates_reproduces_the_target_distribution():
+    """EAGLE-2 trees hold fixed candidates (top-k by score, reranked), not draws: tried as point
+    masses (draft_probs None) they still emit the target's distribution. Chi-square over 120,000
+    draws for the first token and the second given the most frequent accepted one; the candidates are
+    the draft's most likely tokens, so the target's likely tokens are often missing from them."""
+    V, rows = 6, 120_000
+    g = torch.Generator().manual_seed(1)
+    p_root = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.22, 0.28])
+    q_root = torch.tensor([0.40, 0.30, 0.15, 0.08, 0.05, 0.02])
+    p_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    q_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    first = q_root.topk(3).indices.expand(rows, 3)  # the same three candidates in every row
+    second = q_next[first].topk(2, dim=-1).indices.reshape(rows, 6)
+    tokens = torch.cat([first, second], 1)
+    parents = torch.tensor([-1, -1, -1, 0, 0, 1, 1, 2, 2]).expand(rows, 9)
+    target = torch.cat([p_root.expand(rows, 1, V), p_next[first], p_next[second]], 1)
+    path, length, nxt = tree_rejection_verify(tokens, parents, None, target, generator=g, max_depth=3, max_children=3)
+    assert (length == 0).float().mean() > 0.05 and (length == 2).float().mean() > 0.05  # all outcomes occur
+    out = emitted(tokens, path, length, nxt, 2)
+    assert chi_square_p(torch.bincount(out[:, 0], minlength=V), p_root) > 0.01
+    mode = int(torch.bincount(out[length >= 1, 0]).argmax())  # the most frequent accepted candidate
+    second_token = out[(out[:, 0] == mode) & (length >= 1), 1]
+    assert second_token.numel() > 5_000
+    assert chi_square_p(torch.bincount(second_token, minlength=V), p_next[mode]) > 0.01
+    # the same trees verified as if they were draws from q are biased: the test can fail
+    wrong = tree_rejection_verify(tokens, parents, torch.cat([q_root.expand(rows, 1, V), q_next[first],
+                                                              torch.full((rows, 6, V), 1 / V)], 1), target,
+                                  generator=g, max_depth=3, max_children=3)
+    assert chi_square_p(torch.bincount(emitted(tokens, *wrong, 1)[:, 0], minlength=V), p_root) < 1e-6

@@ -185,3 +185,31 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
         graphed, graphed_stats = generate(rt, prompts, max_new, proposer=graphed_proposer, eos_ids=eos, max_len=n)
         assert graphed == eager == plain
         assert graphed_stats.row_histograms == eager_stats.row_histograms
+
+
+def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temperature(tiny_target):
+    """T > 0: the tree loop verifies by recursive rejection over the tree's candidates
+    (inference/tree.py: its chi-square tests). At T = 1e-4 the target's distribution is its
+    argmax, so the oracle's trees (plain greedy's continuation among the candidates) give plain
+    greedy's outputs, accepted two levels deep and more; a random EAGLE-3 tree at T = 1 runs."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)]
+    eos, max_new = (rt.config.vocab_size - 1,), 20
+    n = cache_size(prompts, max_new, 16)
+    plain, _ = generate(rt, prompts, max_new, eos_ids=eos, max_len=n)
+    width = max(len(o) for o in plain)
+    cont = torch.tensor([o + [0] * (width - len(o)) for o in plain])
+    g = torch.Generator().manual_seed(0)
+    outs, stats = generate(rt, prompts, max_new, proposer=OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=0),
+                           eos_ids=eos, max_len=n, temperature=1e-4, generator=g)
+    assert stats.device_loop and outs == plain
+    assert sum(stats.histogram[2:]) > 5
+    proposer = EagleTreeProposer(_random_eagle3(hf), depth=3, top_k=3, total_tokens=10, batch=3, max_len=n,
+                                 target_config=rt.config)
+    outs, stats = generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=1.0, generator=g)
+    assert [len(o) for o in outs] == [max_new] * 3 or any(o[-1] in eos for o in outs)
+    assert all(0 <= t < rt.config.vocab_size for o in outs for t in o) and stats.steps > 0
+    with pytest.raises(ValueError, match="standard verification"):
+        generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=1.0, verification="block")

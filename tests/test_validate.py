@@ -255,7 +255,7 @@ def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_p
     # one line each: a tree not promised, sampling, a drafter that drafts no trees
     medusa = _random_exports(tmp_path)[1]
     for extra, phrase in ((["--tree", "3,2,6"], "--tree 3,2,6: the export promises no such tree (it promises 2,2,4)"),
-                          (["--tree", "2,2,4", "--temperature", "1"], "draft trees verify greedily for now"),
+                          (["--tree", "2,2,4", "--temperature", "1"], "a tree's promise is greedy for now"),
                           (["--tree", "2,2,9"], "--tree 2,2,9: nodes at most the 6 candidates"),
                           (["--tree", "2,2,4", "--drafter", medusa, "--target", "tiny-random-llama"],
                            "draft trees are drafted by EAGLE-3 drafters for now")):
