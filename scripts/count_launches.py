@@ -5,7 +5,7 @@ GPU, where a small model's step is bound by its number of kernels (2-4 µs each)
 
 Runs the device loop on the tiny random target (float32, `TRITON_INTERPRET=1
 DRAFTSMITH_KERNELS=force`, so every runtime kernel runs as on a GPU) with random drafters of
-each family, and counts, in one verify phase and one proposer phase (advance, then draft),
+each family and an EAGLE-2 tree (depth 4, top-k 4, 24 nodes), and counts, in one verify phase and one proposer phase (advance, then draft),
 the aten ops that launch work and the Triton kernel launches.
 """
 from __future__ import annotations
@@ -72,6 +72,7 @@ def main(argv=None):
     from inference.engine import cache_size, generate
     from inference.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
+    from inference.tree_decoding import EagleTreeProposer
     from models.zoo import resolve_target
     from tests.test_spec_loop import _random_drafters
 
@@ -95,8 +96,14 @@ def main(argv=None):
     spec_loop.SpecLoop.run = counting_run
     proposers = {n: (lambda d=d: drafter_proposer(d, args.k, 1, max_len, rt.config)) for n, d in _random_drafters(hf).items()}
     proposers["ngram-gpu"] = lambda: GpuNgramProposer(args.k, 1, max_len)
+    # an EAGLE-2 tree of the bench's smallest setting (depth 4, top-k 4, 24 nodes): its cache holds 25 verify slots
+    tree_len = cache_size(prompts, 16, 24)
+    eagle = _random_drafters(hf)["eagle3"]
+    proposers["eagle3-tree"] = lambda: EagleTreeProposer(eagle, depth=4, top_k=4, total_tokens=24, batch=1,
+                                                         max_len=tree_len, target_config=rt.config)
+    lengths = {"eagle3-tree": tree_len}
     for name, make in proposers.items():
-        generate(rt, prompts, 8, proposer=make(), max_len=max_len)
+        generate(rt, prompts, 8, proposer=make(), max_len=lengths.get(name, max_len))
     if args.json:
         import json
 
