@@ -240,9 +240,10 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, kernels_mode())
     tree = getattr(proposer, "tree", False)
-    if tree and (verification != "standard" and temperature > 0 or verification.startswith("synthetic:")):
-        raise ValueError(f"draft trees sample by recursive rejection over their candidates (standard verification), "
-                         f"not {verification!r}")
+    if tree and verification.startswith("synthetic:"):
+        raise ValueError(f"draft trees verify against the target, not {verification!r}")
+    if tree and temperature > 0 and verification != "standard":
+        raise ValueError(f"draft trees sample with one target draw per node (standard verification), not {verification!r}")
     if tree:
         from inference.tree_decoding import TreeLoop
     make = TreeLoop if tree else SpecLoop

@@ -192,6 +192,23 @@ def greedy_tree_verify(tree_tokens, parents, target_choice, max_depth: int | Non
     return _path_of(leaf, on_path, depths, max_depth), length, bonus
 
 
+def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | None = None):
+    """Exact sampling from the target over a tree of fixed candidates (chosen from the draft
+    alone: an EAGLE-2 tree, top-k by score, reranked, pruned): one draw from the target after
+    the root and after every node, then the longest path whose every node is its parent's draw.
+
+    target_probs [B,N+1,V] (after the root, then after node i at i+1), u [B,N+1] uniforms.
+    At the root the draw s ~ p_root is the next token whatever the tree holds; when s is one
+    of the root's children the step moves there and its own draw comes next, otherwise s is
+    the bonus: the target sampled token by token, the tree only saying how far one verify
+    step reaches. Needs distinct sibling tokens (top-k ids are): with two equal siblings the
+    deeper match would be preferred. Returns (path [B,max_depth], length [B], bonus [B]), as
+    `greedy_tree_verify`, whose matching it is."""
+    B, N1, V = target_probs.shape
+    choice = inverse_cdf(target_probs.reshape(B * N1, V).float(), u.reshape(B * N1)).view(B, N1)
+    return greedy_tree_verify(tree_tokens, parents, choice, max_depth)
+
+
 def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
     """Multi-candidate speculative sampling over a tree from given uniforms (SpecInfer-style
     recursive rejection), exact for the target's distribution when each node's children were
@@ -207,12 +224,7 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
 
     Exactness needs the kept siblings to be a prefix of their draw order: a rerank that drops
     an earlier-drawn sibling but keeps a later one (finalize by score) biases the result, so a
-    sampled tree must be pruned by whole draw-order suffixes.
-
-    draft_probs None: every child is a fixed candidate (an EAGLE-2 tree: top-k by score, then
-    reranked), tried in index order as a point mass: accepted with probability p(x), on
-    rejection p <- p without x, renormalised. Exact for any candidates chosen before the target
-    is read, whatever their order or pruning."""
+    sampled tree must be pruned by whole draw-order suffixes."""
     B, N = tree_tokens.shape
     D, K = u_accept.shape[1], u_accept.shape[2]
     rows = torch.arange(B, device=tree_tokens.device)
@@ -221,8 +233,7 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
     path = torch.full((B, D), -1, dtype=torch.long, device=tree_tokens.device)
     source = target_probs[:, 0].float()  # [B,V] where the next token comes from
     for d in range(D):
-        p = target_probs[rows, cur + 1].float()
-        q = None if draft_probs is None else draft_probs[rows, cur + 1].float()
+        p, q = target_probs[rows, cur + 1].float(), draft_probs[rows, cur + 1].float()
         children = (parents == cur[:, None]) & alive[:, None]  # [B,N]
         rank = children.long().cumsum(1) - 1
         moved = torch.zeros_like(alive)
@@ -233,14 +244,10 @@ def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_acc
             token = tree_tokens.gather(1, child[:, None])  # [B,1]
             tried = is_r.any(1) & ~moved & (token[:, 0] >= 0)  # empty slots are skipped
             x = token.clamp_min(0)
-            q_x = 1.0 if q is None else q.gather(1, x).squeeze(1)  # a fixed candidate: a point mass
-            ok = tried & (u_accept[:, d, r] * q_x < p.gather(1, x).squeeze(1))
+            ok = tried & (u_accept[:, d, r] * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1))
             nxt, moved = torch.where(ok, child, nxt), moved | ok
             rejected = (tried & ~ok)[:, None]
-            if q is None:  # max(p - onehot(x), 0) renormalised: p without x
-                p = torch.where(rejected, _without(p, x), p)
-            else:
-                p, q = torch.where(rejected, _residual(p, q), p), torch.where(rejected, _without(q, x), q)
+            p, q = torch.where(rejected, _residual(p, q), p), torch.where(rejected, _without(q, x), q)
         stop = alive & ~moved
         source = torch.where(stop[:, None], p, source)
         path[:, d] = torch.where(moved, nxt, -1)

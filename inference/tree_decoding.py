@@ -1,6 +1,6 @@
-"""Draft trees in the device loop (greedy): an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree,
-the target verifies every node in one forward under the tree mask, the longest matching
-root-to-leaf path is accepted, and the path's K/V entries move into place in the target's cache.
+"""Draft trees in the device loop: an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree, the
+target verifies every node in one forward under the tree mask, the longest matching
+root-to-leaf path is accepted (greedy, or at T > 0 along one draw from the target per node), and the path's K/V entries move into place in the target's cache.
 
 Shapes: B rows, N tree nodes (`total_tokens`), D depth, K children kept per depth (`top_k`),
 C = K + (D-1) K^2 candidates drafted, S cache slots, H hidden, Vd draft vocabulary.
@@ -30,7 +30,7 @@ from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
 from inference.tree import Tree, ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, \
-    greedy_tree_verify, start_tree, tree_rejection_verify
+    greedy_tree_verify, sampled_tree_verify, start_tree
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.silu_mul import swiglu_into
 from kernels.tree_attention import tree_attention
@@ -140,8 +140,8 @@ def _draft_logprobs(d, hidden):
 class TreeLoop(SpecLoop):
     """The device loop with a tree per step: `k` is the tree's depth (the most drafts a step
     accepts), drafting is `proposer.draft_tree()`, verification the tree's longest matching
-    path (greedy) or recursive rejection over the tree's candidates (T > 0: the target's
-    distribution exactly, inference/tree.py: tree_rejection_sample)."""
+    path (greedy), or at T > 0 the longest path along one draw from the target after each
+    node (the target's distribution exactly: inference/tree.py, sampled_tree_verify)."""
 
     def draft_phase(self):
         """The tree into static buffers: the first draft and the proposer's step are two graphs,
@@ -163,10 +163,10 @@ class TreeLoop(SpecLoop):
         # the root and node i are written at slots base and base + 1 + i; every query sees the
         # cache up to the root, node i also its ancestors and itself (the model builds the rest)
         logits, aux = self.model(fed, positions, cache, self.aux_layers, tree_mask=tree.mask)
-        if self.temperature > 0:  # the nodes are fixed candidates (top-k by score): sampled exactly over them
+        if self.temperature > 0:  # one draw from the target after the root and each node, matched down the tree
             probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
-            path, accepted, bonus = tree_rejection_verify(tree.tokens, tree.parents, None, probs, self.generator,
-                                                          max_depth=self.k, max_children=getattr(self.proposer, "top_k", None))
+            u = torch.rand(probs.shape[:2], device=probs.device, generator=self.generator)
+            path, accepted, bonus = sampled_tree_verify(tree.tokens, tree.parents, probs, u, max_depth=self.k)
         else:
             path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
         path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]

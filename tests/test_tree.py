@@ -287,32 +287,39 @@ def test_tree_sampling_on_a_chain_equals_chain_rejection_sampling():
     assert torch.equal(length, accepted) and torch.equal(tree_next, nxt)
 
 
-def test_tree_sampling_over_fixed_candidates_reproduces_the_target_distribution():
-    """EAGLE-2 trees hold fixed candidates (top-k by score, reranked), not draws: tried as point
-    masses (draft_probs None) they still emit the target's distribution. Chi-square over 120,000
-    draws for the first token and the second given the most frequent accepted one; the candidates are
-    the draft's most likely tokens, so the target's likely tokens are often missing from them."""
+
+def test_sampled_tree_verify_over_fixed_candidates_reproduces_the_target_distribution():
+    """EAGLE-2 trees hold fixed candidates (top-k by score, reranked), not draws: one draw from
+    the target per node, matched down the tree, emits the target's distribution. Chi-square
+    over 120,000 draws for the first token, the second given the most frequent accepted first,
+    and the third given both (past the tree's depth: the bonus after a whole path). The
+    candidates are the draft's likeliest tokens, so the target's likeliest are often missing."""
+    from inference.tree import sampled_tree_verify
+
     V, rows = 6, 120_000
     g = torch.Generator().manual_seed(1)
     p_root = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.22, 0.28])
     q_root = torch.tensor([0.40, 0.30, 0.15, 0.08, 0.05, 0.02])
-    p_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
+    p_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)  # after a token: depends on it alone
     q_next = torch.softmax(torch.randn(V, V, generator=g) * 1.5, -1)
     first = q_root.topk(3).indices.expand(rows, 3)  # the same three candidates in every row
     second = q_next[first].topk(2, dim=-1).indices.reshape(rows, 6)
     tokens = torch.cat([first, second], 1)
     parents = torch.tensor([-1, -1, -1, 0, 0, 1, 1, 2, 2]).expand(rows, 9)
     target = torch.cat([p_root.expand(rows, 1, V), p_next[first], p_next[second]], 1)
-    path, length, nxt = tree_rejection_verify(tokens, parents, None, target, generator=g, max_depth=3, max_children=3)
+    u = torch.rand(rows, 10, generator=g)
+    path, length, nxt = sampled_tree_verify(tokens, parents, target, u, max_depth=3)
     assert (length == 0).float().mean() > 0.05 and (length == 2).float().mean() > 0.05  # all outcomes occur
-    out = emitted(tokens, path, length, nxt, 2)
+    out = emitted(tokens, path, length, nxt, 3)
     assert chi_square_p(torch.bincount(out[:, 0], minlength=V), p_root) > 0.01
     mode = int(torch.bincount(out[length >= 1, 0]).argmax())  # the most frequent accepted candidate
-    second_token = out[(out[:, 0] == mode) & (length >= 1), 1]
-    assert second_token.numel() > 5_000
-    assert chi_square_p(torch.bincount(second_token, minlength=V), p_next[mode]) > 0.01
-    # the same trees verified as if they were draws from q are biased: the test can fail
-    wrong = tree_rejection_verify(tokens, parents, torch.cat([q_root.expand(rows, 1, V), q_next[first],
-                                                              torch.full((rows, 6, V), 1 / V)], 1), target,
-                                  generator=g, max_depth=3, max_children=3)
-    assert chi_square_p(torch.bincount(emitted(tokens, *wrong, 1)[:, 0], minlength=V), p_root) < 1e-6
+    given = (out[:, 0] == mode) & (length >= 1)
+    assert given.sum() > 5_000 and chi_square_p(torch.bincount(out[given, 1], minlength=V), p_next[mode]) > 0.01
+    deep = (length == 2) & given & (out[:, 1] == int(torch.bincount(out[(length == 2) & given, 1]).argmax()))
+    assert deep.sum() > 2_000
+    assert chi_square_p(torch.bincount(out[deep, 2], minlength=V), p_next[int(out[deep, 1][0])]) > 0.01
+    # the same draws matched against the parent's distribution (rows shifted by one) are biased
+    shifted = torch.cat([target[:, :1], target[:, :-1]], 1)
+    wrong = emitted(tokens, *sampled_tree_verify(tokens, parents, shifted, u, max_depth=2), 2)
+    wrong_given = (wrong[:, 0] == mode) & (sampled_tree_verify(tokens, parents, shifted, u, max_depth=2)[1] >= 1)
+    assert chi_square_p(torch.bincount(wrong[wrong_given, 1], minlength=V), p_next[mode]) < 1e-6

@@ -188,8 +188,8 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
 
 
 def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temperature(tiny_target):
-    """T > 0: the tree loop verifies by recursive rejection over the tree's candidates
-    (inference/tree.py: its chi-square tests). At T = 1e-4 the target's distribution is its
+    """T > 0: the tree loop matches one draw from the target per node down the tree
+    (inference/tree.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
     argmax, so the oracle's trees (plain greedy's continuation among the candidates) give plain
     greedy's outputs, accepted two levels deep and more; a random EAGLE-3 tree at T = 1 runs."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
@@ -209,7 +209,7 @@ def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temper
     proposer = EagleTreeProposer(_random_eagle3(hf), depth=3, top_k=3, total_tokens=10, batch=3, max_len=n,
                                  target_config=rt.config)
     outs, stats = generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=1.0, generator=g)
-    assert [len(o) for o in outs] == [max_new] * 3 or any(o[-1] in eos for o in outs)
+    assert all(len(o) == max_new or (0 < len(o) < max_new and o[-1] in eos) for o in outs)
     assert all(0 <= t < rt.config.vocab_size for o in outs for t in o) and stats.steps > 0
     with pytest.raises(ValueError, match="standard verification"):
         generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=1.0, verification="block")
