@@ -1,6 +1,7 @@
 """Draft trees in the device loop: an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree, the
 target verifies every node in one forward under the tree mask, the longest matching
-root-to-leaf path is accepted (greedy, or at T > 0 along one draw from the target per node), and the path's K/V entries move into place in the target's cache.
+root-to-leaf path is accepted (greedy, or at T > 0 along one draw from the target per node),
+and the path's K/V entries move into place in the target's cache.
 
 Shapes: B rows, N tree nodes (`total_tokens`), D depth, K children kept per depth (`top_k`),
 C = K + (D-1) K^2 candidates drafted, S cache slots, H hidden, Vd draft vocabulary.

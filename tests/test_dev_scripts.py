@@ -1,0 +1,38 @@
+"""The measurement scripts the device sessions run: scripts/compare_exports.py (issue 22's
+plain-against-FSDP check) and scripts/trace_kernels.py (a profiler trace kernel by kernel)."""
+import gzip
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from scripts.compare_exports import main as compare_exports
+from scripts.trace_kernels import main as trace_kernels
+
+
+def test_compare_exports_passes_bf16_noise_and_names_a_tensor_over_the_tolerance(tmp_path, capsys):
+    a, b, c = (tmp_path / n for n in "abc")
+    for folder in (a, b, c):
+        folder.mkdir()
+    w = torch.randn(4, 8, dtype=torch.bfloat16)
+    save_file({"fc.weight": w, "ids": torch.arange(3)}, a / "model.safetensors")
+    save_file({"fc.weight": w + 0.01, "ids": torch.arange(3)}, b / "model.safetensors")
+    save_file({"fc.weight": w + 0.5, "ids": torch.arange(3)}, c / "model.safetensors")
+    assert compare_exports([str(a), str(b)]) == 0
+    assert compare_exports([str(a), str(c)]) == 1 and "over 0.02: ['fc.weight']" in capsys.readouterr().out
+    assert compare_exports([str(a), str(tmp_path / "none")]) == 2
+
+
+def test_trace_kernels_sums_kernels_and_gaps_inside_a_named_range(tmp_path, capsys):
+    events = [{"cat": "user_annotation", "name": "draftsmith.proposer_begin", "ts": 0, "dur": 100},
+              {"cat": "user_annotation", "name": "draftsmith.loop_run", "ts": 200, "dur": 1000},
+              {"cat": "kernel", "name": "_rms_norm_kernel", "ts": 10, "dur": 2},
+              {"cat": "kernel", "name": "gemv", "ts": 50, "dur": 5},  # a 38 µs gap: the GPU waited for the host
+              {"cat": "kernel", "name": "gemv", "ts": 300, "dur": 4}]  # in the next range: left out
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace_kernels([str(path), "--range", "draftsmith.proposer_begin"])
+    out = capsys.readouterr().out
+    assert out.startswith("2 kernels, 0.007 ms busy of 0.045 ms") and "gaps >= 20 µs: 1, 0.038 ms" in out
+    assert "      1        5.0     5.00  gemv" in out
