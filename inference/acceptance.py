@@ -34,6 +34,19 @@ def acceptance_from_histogram(hist) -> dict:
     return Acceptance.from_histogram(hist).to_dict()
 
 
+def cap_answer_spans(loss_mask: torch.Tensor, max_new_tokens: int | None) -> torch.Tensor:
+    """[B,T] answer mask → the same with every answer span (a run of answer tokens) cut to its
+    first `max_new_tokens` tokens: the answers a server that stops there would have served
+    (None: unchanged). The walks then start and end chains exactly as for served answers."""
+    if max_new_tokens is None:
+        return loss_mask
+    answer = loss_mask.bool()
+    index = torch.arange(answer.shape[1], device=answer.device).expand_as(answer)
+    opens = answer & ~torch.nn.functional.pad(answer, (1, 0))[:, :-1]  # first token of a span
+    span_start = torch.where(opens, index, 0).cummax(1).values  # [B,T] where the current span opened
+    return (answer & (index - span_start < max_new_tokens)).to(loss_mask.dtype)
+
+
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                         features=None, greedy=None, window: int = 128, per_turn: bool = False) -> torch.Tensor:

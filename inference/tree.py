@@ -42,6 +42,7 @@ class TreeCandidates(NamedTuple):
     depths: torch.Tensor  # [B,C]
     frontier: torch.Tensor  # [B,F] candidate indices to expand (-1 = the root itself)
     frontier_scores: torch.Tensor  # [B,F]
+    ancestors: torch.Tensor  # [B,C,C] bool: candidate i is j or descends from j (`ancestor_mask` of parents)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,8 @@ def start_tree(batch: int, device=None) -> TreeCandidates:
     empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
     return TreeCandidates(empty, empty, empty.float(), empty,
                           torch.full((batch, 1), -1, dtype=torch.long, device=device),
-                          torch.zeros(batch, 1, device=device))
+                          torch.zeros(batch, 1, device=device),
+                          torch.zeros(batch, 0, 0, dtype=torch.bool, device=device))
 
 
 def expand_depth(state: TreeCandidates, child_tokens, child_logprobs, top_k: int) -> TreeCandidates:
@@ -95,7 +97,20 @@ def expand_depth(state: TreeCandidates, child_tokens, child_logprobs, top_k: int
                           torch.cat([state.parents, parents], 1),
                           torch.cat([state.scores, scores], 1),
                           torch.cat([state.depths, depths], 1),
-                          C + order, scores.gather(1, order))
+                          C + order, scores.gather(1, order),
+                          extend_ancestors(state.ancestors, parents))
+
+
+def extend_ancestors(ancestors: torch.Tensor, new_parents: torch.Tensor) -> torch.Tensor:
+    """[B,C,C] ancestor matrix of C candidates, [B,n] parents of n new ones (candidate indices
+    < C, -1 = the root) → [B,C+n,C+n]: a new candidate's row is its parent's row plus itself.
+    Kept level by level, so a tree's mask costs a few gathers instead of `ancestor_mask`'s
+    log2(N) matmuls at every depth (launches are what a tree step on a GPU pays for)."""
+    B, C, _ = ancestors.shape
+    n = new_parents.shape[1]
+    rows = ancestors.gather(1, new_parents.clamp_min(0)[..., None].expand(B, n, C)) & (new_parents >= 0)[..., None]
+    eye = torch.eye(n, dtype=torch.bool, device=ancestors.device).expand(B, n, n)
+    return torch.cat([torch.nn.functional.pad(ancestors, (0, n)), torch.cat([rows, eye], 2)], 1)
 
 
 def finalize(state: TreeCandidates, total_tokens: int, base_positions: torch.Tensor) -> Tree:
@@ -115,7 +130,11 @@ def finalize(state: TreeCandidates, total_tokens: int, base_positions: torch.Ten
     node_of.scatter_(1, kept, torch.arange(total_tokens, device=kept.device).expand(B, -1))
     parent_cand = state.parents.gather(1, kept)
     parents = torch.where(parent_cand >= 0, node_of.gather(1, parent_cand.clamp_min(0)), -1)
-    return _tree(state.tokens.gather(1, kept), parents, state.depths.gather(1, kept), base_positions)
+    # every kept node's ancestors are kept: the mask is the candidates' one at the kept rows and columns
+    mask = state.ancestors.gather(1, kept[..., None].expand(B, total_tokens, C))
+    mask = mask.gather(2, kept[:, None, :].expand(B, total_tokens, total_tokens))
+    depths = state.depths.gather(1, kept)
+    return Tree(state.tokens.gather(1, kept), parents, depths, mask, base_positions[:, None] + depths)
 
 
 def select_tree(root_logprobs, child_logprobs_fn, depth: int, top_k: int, total_tokens: int,
@@ -170,18 +189,19 @@ def _path_of(leaf, on_path, depths, max_depth: int):
     return torch.where(at.any(-1), node, -1) if N else node
 
 
-def greedy_tree_verify(tree_tokens, parents, target_choice, max_depth: int | None = None):
+def greedy_tree_verify(tree_tokens, parents, target_choice, max_depth: int | None = None, ancestors=None):
     """Greedy acceptance of the longest matching root-to-leaf path.
 
     target_choice [B,N+1]: the target's argmax after the root (column 0) and after node i
     (column i+1). Node i matches when its token is its parent's target choice; it is accepted
     when it and all its ancestors match. The deepest accepted node wins (the lowest index among
     equals). Returns path [B,max_depth] (node indices by depth, -1 padded; max_depth defaults to
-    N), length [B] and bonus [B]: the target's choice after the last accepted node."""
+    N), length [B] and bonus [B]: the target's choice after the last accepted node.
+    ancestors: the tree's mask [B,N,N] when the caller has it (`ancestor_mask(parents)`)."""
     B, N = tree_tokens.shape
     max_depth = N if max_depth is None else max_depth
     match = tree_tokens == target_choice.gather(1, parents + 1)  # [B,N]
-    anc = ancestor_mask(parents)
+    anc = ancestor_mask(parents) if ancestors is None else ancestors
     accepted = ~(anc & ~match[:, None, :]).any(-1)  # [B,N]
     depths = anc.sum(-1)
     reach = torch.where(accepted, depths, 0)
@@ -192,7 +212,7 @@ def greedy_tree_verify(tree_tokens, parents, target_choice, max_depth: int | Non
     return _path_of(leaf, on_path, depths, max_depth), length, bonus
 
 
-def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | None = None):
+def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | None = None, ancestors=None):
     """Exact sampling from the target over a tree of fixed candidates (chosen from the draft
     alone: an EAGLE-2 tree, top-k by score, reranked, pruned): one draw from the target after
     the root and after every node, then the longest path whose every node is its parent's draw.
@@ -206,7 +226,7 @@ def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | 
     `greedy_tree_verify`, whose matching it is."""
     B, N1, V = target_probs.shape
     choice = inverse_cdf(target_probs.reshape(B * N1, V).float(), u.reshape(B * N1)).view(B, N1)
-    return greedy_tree_verify(tree_tokens, parents, choice, max_depth)
+    return greedy_tree_verify(tree_tokens, parents, choice, max_depth, ancestors)
 
 
 def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_accept, u_sample):

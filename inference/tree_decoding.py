@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
-from inference.tree import Tree, ancestor_mask, compact_cache, compaction_index, expand_depth, finalize, \
+from inference.tree import Tree, compact_cache, compaction_index, expand_depth, finalize, \
     greedy_tree_verify, sampled_tree_verify, start_tree
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.silu_mul import swiglu_into
@@ -91,9 +91,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             frontier = state.frontier  # [B,F] candidate indices
             parent = state.parents.gather(1, frontier)
             parent_hidden = torch.where((parent >= 0)[..., None], cand_hidden[rows, parent.clamp_min(0)], hidden[:, None])
-            sees = ancestor_mask(state.parents).gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
-            visible = torch.zeros(B, frontier.shape[1], candidates, dtype=torch.bool, device=sees.device)
-            visible[..., : sees.shape[2]] = sees
+            sees = state.ancestors.gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
+            visible = F.pad(sees, (0, candidates - sees.shape[2]))  # [B,F,C]: nothing drafted later is seen
             positions = (last + level)[:, None].expand_as(frontier)
             h = _tree_step(p, state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible, cand_k,
                            cand_v, k_cache, v_cache, last)
@@ -167,9 +166,9 @@ class TreeLoop(SpecLoop):
         if self.temperature > 0:  # one draw from the target after the root and each node, matched down the tree
             probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
             u = torch.rand(probs.shape[:2], device=probs.device, generator=self.generator)
-            path, accepted, bonus = sampled_tree_verify(tree.tokens, tree.parents, probs, u, max_depth=self.k)
+            path, accepted, bonus = sampled_tree_verify(tree.tokens, tree.parents, probs, u, self.k, tree.mask)
         else:
-            path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), max_depth=self.k)
+            path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), self.k, tree.mask)
         path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]
         active = ~self.done
         self.emit(path_tokens, accepted, bonus)

@@ -60,10 +60,17 @@ def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
 
 
 def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
-             per_category: dict, tolerance: float, temperature: float = 0.0, turns: dict | None = None) -> list[str]:
+             per_category: dict, tolerance: float, temperature: float = 0.0, turns: dict | None = None,
+             budgets: tuple | None = None, export: str = "EXPORT") -> list[str]:
     """Plain sentences saying where predicted and measured part, and what that points at.
-    turns: `turn_mix` output, when both sides know their turns."""
+    turns: `turn_mix` output, when both sides know their turns. budgets: (tokens per answer the
+    promise walked, None = whole answers; tokens per answer served)."""
     lines = []
+    if budgets is not None and budgets[0] != budgets[1]:
+        walked = "whole answers" if budgets[0] is None else f"the first {budgets[0]} tokens of each answer"
+        lines.append(f"Answer budget: the promise walked {walked} but answers were served up to {budgets[1]} tokens; "
+                     "acceptance climbs along an answer, so promise the served budget: "
+                     f"`python -m train.promise {export} eval.max_new_tokens={budgets[1]}`.")
     tp, tm, tr = predicted["tau"], measured["tau"], replay_answers["tau"]
     runtime_gap = (tm - tr) / tr if tr else 0.0
     data_gap = (tr - tp) / tp if tp else 0.0
@@ -229,9 +236,17 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         tree=None if tree is None else {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2],
                                         "verify_tokens_per_step": tree[2] + 1},
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
-                                 {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns)))
+                                 {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
+                                 (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
+                                 str(folder))))
     write_report(report, Path(out))
     return report.to_dict()
+
+
+def promised_budget(provenance: dict) -> int | None:
+    """Tokens per answer the export's promise walked (eval.max_new_tokens; None: whole answers,
+    as every promise made before that setting)."""
+    return ((provenance.get("training_config") or {}).get("eval") or {}).get("max_new_tokens")
 
 
 def _tokens_per_s(records: list[dict]) -> float:

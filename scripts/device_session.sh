@@ -7,6 +7,7 @@
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
+#   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval]: those validations alone, in parallel
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 #   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
@@ -14,6 +15,8 @@
 #                                                     # trainer.strategy=fsdp, STEPS steps each (default 40) on the
 #                                                     # carried answers, both exported; FSDP's export checked, resumed
 #                                                     # STEPS/2 more and exported again; the exports compared (issue 22)
+#   bash scripts/device_session.sh promise NAME...    # carry .dev2: each unpacked export's promise made again for
+#                                                     # answers served up to 256 tokens (python -m train.promise)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -91,6 +94,19 @@ pids=()  # background jobs of this call that it waits for
 ( while sleep 30; do collect; done ) > /dev/null 2>&1 &
 collector=$!
 trap 'kill $collector 2> /dev/null' EXIT
+
+# Validations (`vt NAME[@label] ARGS`, `bg` the same in the background): each serves questions for
+# VAL_MINUTES (spread over the categories), then replays and reports on those; two CPU threads
+# each, since a dozen run at once. timeout is only a backstop. VAL_BATCH questions are served
+# together (VAL_BATCH=1: one at a time, as in session 4)
+V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3}
+   --batch-size ${VAL_BATCH:-16} --tolerance ${VAL_TOLERANCE:-0.05})
+vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
+       OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
+       --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
+n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
+bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & pids+=($!); n_vt=$((n_vt + 1)); }
+val_summary() { for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|Turns:\|gap\|reference\|error" "$f" | head -5; done; }
 
 date -u +'call start %H:%M:%S'
 case $what in
@@ -231,6 +247,20 @@ fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and da
   python3 -m export.check /tmp/fsdp-fsdp/export 2>&1 | tail -1
   collect
   ;;
+promise)  # NAME...: each carried export's promise made again (python -m train.promise) on the carried
+  # regenerated answers, for answers served up to 256 tokens, over PROMISE_SEQS held-out conversations
+  # (default 256: all 161 of the 7,424 conversations; 64 were too few: BENCHMARKS.md, session 14); in parallel
+  [ -f $REGEN ] || { mkdir -p /tmp/regen; gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN; }
+  for name in "$@"; do
+    [ -d /tmp/run-$name/export ] || { echo "$name: no export"; continue; }
+    python3 -m train.promise /tmp/run-$name/export data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.max_new_tokens=256 \
+      eval.num_sequences=${PROMISE_SEQS:-256} --no-progress > $R/promise-$name.log 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/promise-$name.log | tail -5; cp /tmp/run-$name/export/draftsmith.json $R/$name-draftsmith.json 2>/dev/null; done
+  collect
+  ;;
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)
   kill $collector 2> /dev/null  # no results.tgz: a file fewer
   for name in "$@"; do
@@ -269,16 +299,6 @@ final | validate)
   [ -n "${ALONGSIDE:-}" ] && start_runs "$ALONGSIDE" "${ALONGSIDE_MINUTES:-3}"
   # T = 0 for each trained export on mt-bench (both turns), T = 1 standard and block for EAGLE-3,
   # DFlash and MTP, HumanEval at T = 0 for the three; all in parallel (each is bound by its host loop, not by the GPU)
-  # Each serves questions for VAL_MINUTES (spread over the categories), then replays and reports
-  # on those; two CPU threads each, since a dozen run at once. timeout is only a backstop.
-  # VAL_BATCH questions are served together (VAL_BATCH=1: one at a time, as in session 4)
-  V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3}
-     --batch-size ${VAL_BATCH:-16})
-  vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
-         OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
-         --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
-  n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
-  bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & pids+=($!); n_vt=$((n_vt + 1)); }
   # EAGLE-3 at T = 0 with the reference rows: VAL_REF_PROMPTS questions (6 per category), so
   # that the n-gram and suffix rows, served after it on the same questions, fit the call too
   # (EAGLE-3 on the original answers on those very questions: regenerated against original)
@@ -295,7 +315,21 @@ final | validate)
   for n in eagle3 dflash mtp; do bg $n@humaneval --dataset humaneval --num-prompts 164; done
   wait "${pids[@]}"  # the validations and any ALONGSIDE runs
   [ -n "${ALONGSIDE:-}" ] && train_summary
-  for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|runtime gap\|reference\|error" "$f" | head -4; done
+  val_summary
+  collect
+  ;;
+serve)  # SPEC...: NAME[@t1-standard | @t1-block | @humaneval] each served in parallel on all VAL_PROMPTS (80)
+  # MT-bench questions (or all 164 HumanEval problems) against its promise (issue 21)
+  for spec in "$@"; do
+    case $spec in
+      *@t1-standard) bg $spec --temperature 1 --verification standard ;;
+      *@t1-block) bg $spec --temperature 1 --verification block ;;
+      *@humaneval) bg $spec --dataset humaneval --num-prompts 164 ;;
+      *) bg $spec ;;
+    esac
+  done
+  wait "${pids[@]}"
+  val_summary
   collect
   ;;
 esac

@@ -129,3 +129,12 @@ def test_predicted_acceptance_splits_first_answers_from_follow_up_turns(tiny_tar
     assert split[1].tolist() == (alone[0] + alone[1]).tolist()
     assert split.sum(0).tolist() == walk([first, *follow_ups], per_turn=False).tolist()
     assert split[0].sum() > 0 and split[1].sum() > 0
+
+
+def test_cap_answer_spans_keeps_the_served_part_of_each_answer():
+    from inference.acceptance import cap_answer_spans
+
+    mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1], [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
+    assert cap_answer_spans(mask, 2).tolist() == [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1], [1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert cap_answer_spans(mask, 3).sum(1).tolist() == [7, 6]
+    assert cap_answer_spans(mask, 100).tolist() == mask.tolist() and cap_answer_spans(mask, None) is mask

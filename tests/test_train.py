@@ -36,6 +36,23 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
         assert len(e["a"]) == 3 and 1.0 <= e["tau"] <= 4.0 and e["tau_se"] >= 0
         assert e["num_chains"] == e["per_turn"]["1"]["num_chains"] + e["per_turn"]["2+"]["num_chains"] > 0
         assert abs(sum(e["histogram"]) - e["num_chains"]) < 1e-6  # expected counts, one per chain
+    # the promise made again for another answer budget and temperature, without training
+    from train.promise import main as promise_main
+
+    prov_path = out / "export" / "draftsmith.json"
+    before = prov_path.read_bytes()
+    assert promise_main([str(out / "export"), "optim.lr=1", "--no-progress"]) == 2  # not a serving setting
+    assert promise_main([str(out / "export"), "eval.max_new_tokens=0", "--no-progress"]) == 2
+    assert prov_path.read_bytes() == before
+    old = json.loads(before)["predicted_acceptance"]
+    assert promise_main([str(out / "export"), "eval.max_new_tokens=3", "eval.temperatures=[0]", "--no-progress"]) == 0
+    prov = json.loads(prov_path.read_text())
+    new = prov["predicted_acceptance"]
+    assert prov["training_config"]["eval"]["max_new_tokens"] == 3 and prov["training_config"]["eval"]["temperatures"] == [0]
+    assert prov["promise_history"][-1]["tau"] == old["tau"] and prov["promise_history"][-1]["eval"]["max_new_tokens"] == 256
+    assert not new.get("sampled") and new["k"] == 3
+    # three answer tokens leave at most two anchors per answer: far fewer chains than whole answers
+    assert 0 < new["num_chains"] < old["num_chains"]
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "export" / "draftsmith.json").read_text())["drafter_config"]["aux_layer_ids"]]

@@ -76,6 +76,8 @@ def test_select_tree_keeps_parents_before_children_on_random_scores():
             top = torch.log_softmax(logits, -1).topk(top_k, dim=-1)
             new_scores = state.frontier_scores[:, :, None] + top.values.clamp_max(0)
             state = expand_depth(state, top.indices, top.values, top_k)
+            # the ancestor matrix kept level by level is the closure of the parent relation
+            assert torch.equal(state.ancestors, ancestor_mask(state.parents))
             # the frontier is the best top_k new candidates, lower index first on ties
             for b in range(B):
                 flat = new_scores[b].flatten().tolist()

@@ -103,6 +103,17 @@ def test_diagnosis_separates_runtime_and_data_gaps():
     assert any("a_1" in line for line in data) and any(line.startswith("Lowest categories: writing") for line in data)
 
 
+def test_diagnosis_names_a_promise_made_for_another_answer_budget():
+    def acc(tau):
+        return {"tau": tau, "a": [0.5]}
+
+    lines = diagnose(acc(2.0), acc(1.8), acc(1.8), None, {}, 0.1, budgets=(None, 256), export="runs/x/export")
+    assert lines[0].startswith("Answer budget: the promise walked whole answers but answers were served up to 256")
+    assert "python -m train.promise runs/x/export eval.max_new_tokens=256" in lines[0]
+    assert not any("Answer budget" in line for line in diagnose(acc(2.0), acc(1.8), acc(1.8), None, {}, 0.1,
+                                                                 budgets=(256, 256)))
+
+
 def test_turn_mix_weighs_the_promise_as_served():
     from inference.validate import turn_mix
 

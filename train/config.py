@@ -125,6 +125,13 @@ class EvalConfig:
     every turn, as validation serves them. A cap is cheaper but keeps only the start of a long
     conversation (mostly its first answer), so its promise weighs turns and answer positions
     unlike what is served."""
+    max_new_tokens: int | None = 256
+    """The serving budget per answer the promise is made for: chains are walked only in the
+    first max_new_tokens tokens of each held-out answer, as a server that stops an answer there
+    serves them (`inference.validate --max-new-tokens`, default 256). Acceptance climbs along an
+    answer (EAGLE-3 on regenerated ShareGPT: tau 2.25 in an answer's first 32 tokens, 3.51 at
+    128-255, 4.47 at 256-511), so a promise over whole answers over-promises capped serving
+    (docs/acceptance.md). None: whole answers."""
     max_length: int = 1024
     every_n_steps: int = 200
     """Validation (loss, accuracy, predicted acceptance) every N training steps."""
@@ -276,6 +283,22 @@ def parse_override(text: str) -> tuple[str, object]:
     return key.strip(), value
 
 
+def config_from_dict(tree: dict, overrides: list[str]) -> RunConfig:
+    """A checked RunConfig from a config tree (a recipe's YAML, or the training_config an
+    export keeps) with dotted overrides applied."""
+    import copy
+
+    tree = copy.deepcopy(tree)
+    for text in overrides:
+        key, value = parse_override(text)
+        set_dotted(tree, key, value)
+    cfg = _build(RunConfig, tree, "")
+    from train.config_checks import validate  # (it reads the dataclasses above)
+
+    validate(cfg)
+    return cfg
+
+
 def load_config(path: str | None, overrides: list[str]) -> RunConfig:
     tree: dict = {}
     if path is not None:
@@ -286,14 +309,7 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-    for text in overrides:
-        key, value = parse_override(text)
-        set_dotted(tree, key, value)
-    cfg = _build(RunConfig, tree, "")
-    from train.config_checks import validate  # (it reads the dataclasses above)
-
-    validate(cfg)
-    return cfg
+    return config_from_dict(tree, overrides)
 
 
 def max_time_seconds(value) -> float:

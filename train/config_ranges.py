@@ -126,6 +126,7 @@ RANGES = [
     ("eval.k", positive_int, "a positive integer"),
     ("eval.num_sequences", positive_int, "a positive integer"),
     ("eval.anchors_per_sequence", optional(positive_int), "a positive integer or null"),
+    ("eval.max_new_tokens", optional(positive_int), "a positive integer or null"),
     ("eval.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
     ("eval.every_n_steps", positive_int, "a positive integer"),
     ("eval.trees", draft_trees, "a list of [depth, top_k, total_tokens], positive integers with total_tokens at most "

@@ -7,7 +7,7 @@ import time
 import lightning as L
 import torch
 
-from inference.acceptance import predicted_histogram
+from inference.acceptance import cap_answer_spans, predicted_histogram
 from inference.sampled_acceptance import VERIFICATIONS, sampled_histogram, setting_key
 from models.acceptance import Acceptance, HeldoutPrediction, Prediction, Promise
 from models.methods import predictor_of
@@ -242,6 +242,8 @@ class DrafterModule(L.LightningModule):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
         out, teacher, greedy = self._target_pass(ids)
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
+        # the promise's walks see each answer as served: cut at the serving budget (eval.max_new_tokens)
+        loss_mask = cap_answer_spans(loss_mask, self.evaluation.max_new_tokens)
         self.log("val/loss", total, prog_bar=True, batch_size=ids.shape[0])
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
