@@ -129,9 +129,9 @@ class EvalConfig:
     """The serving budget per answer the promise is made for: chains are walked only in the
     first max_new_tokens tokens of each held-out answer, as a server that stops an answer there
     serves them (`inference.validate --max-new-tokens`, default 256). Acceptance climbs along an
-    answer (EAGLE-3 on regenerated ShareGPT: tau 2.25 in an answer's first 32 tokens, 3.51 at
-    128-255, 4.47 at 256-511), so a promise over whole answers over-promises capped serving
-    (docs/acceptance.md). None: whole answers."""
+    answer (EAGLE-3 on held-out regenerated ShareGPT: tau 2.3 in an answer's first 32 tokens,
+    3.3 at tokens 128-255, 4.1 at 256-511), so a promise over whole answers over-promises capped serving
+    (README, "The answer budget"). None: whole answers."""
     max_length: int = 1024
     every_n_steps: int = 200
     """Validation (loss, accuracy, predicted acceptance) every N training steps."""
