@@ -3,6 +3,11 @@ greedy answer, so a drafter trains on the text it will see when serving.
 
     python -m inference.regenerate --target smollm2-135m-instruct --dataset sharegpt --out regen/sharegpt \
         [--limit N] [--batch-size 64] [--max-new-tokens 512] [--max-length 2048] [--max-minutes M] [--shard I/N]
+        [--temperature T --seed S] [--heldout-only 0.02]
+
+Answers sampled at T (`--temperature T`), of the held-out conversations alone (`--heldout-only`
+at training's data.heldout_fraction), are the text the promise at T walks (training's
+eval.sampled_answers): serving at T walks the target's samples, not its greedy answers.
 
 Turns are answered in order through the runtime, a batch of conversations at a time (turn r of
 every conversation in the batch, then turn r+1 after those answers). A conversation stops at
@@ -131,11 +136,12 @@ def loop_start(ids: list[int], max_period: int = 256, min_repeat_tokens: int = 3
 
 
 def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_tokens: int, max_length: int,
-                     generate_fn=None, keep_loops: bool = False) -> tuple[list[dict], int]:
+                     generate_fn=None, keep_loops: bool = False, sampling: dict | None = None) -> tuple[list[dict], int]:
     """Answer every assistant turn of these conversations, turn by turn, batched across them.
 
     Returns (one output record per conversation, number of tokens generated); a record whose
-    last answer was a loop cut to its first copy carries "loop_cut": tokens removed."""
+    last answer was a loop cut to its first copy carries "loop_cut": tokens removed.
+    sampling: {"temperature", "generator"} to sample the answers instead (None: greedy)."""
     from data.chat import encode_prompt
     from inference.engine import generate
 
@@ -166,7 +172,7 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
             rows.append(i)
         if not rows:
             break
-        outputs, _ = generate_fn(model, prompts, max_new_tokens, eos_ids=(eos,))
+        outputs, _ = generate_fn(model, prompts, max_new_tokens, eos_ids=(eos,), **(sampling or {}))
         still_open = []
         for i, ids in zip(rows, outputs):
             ended = bool(ids) and ids[-1] == eos
@@ -196,7 +202,7 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
     return records, generated
 
 
-def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops):
+def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops, sampling=None):
     """regenerate_batch, then the runtime's caches and graphs released (every batch has shapes of
     its own); a batch that runs out of device memory is answered again in two halves (nothing of
     the failed attempt is kept: records are written only for answered batches)."""
@@ -205,7 +211,8 @@ def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, g
     from inference.graphs import release_workspace
 
     try:
-        return regenerate_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops)
+        return regenerate_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops,
+                                sampling)
     except torch.OutOfMemoryError:
         if len(conversations) == 1:
             raise
@@ -215,15 +222,22 @@ def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, g
         release_workspace(model)
     half = len(conversations) // 2
     print(f"out of device memory with {len(conversations)} conversations a batch: answering them in two halves")
-    first, n1 = _answer_batch(model, tokenizer, conversations[:half], max_new_tokens, max_length, generate_fn, keep_loops)
-    second, n2 = _answer_batch(model, tokenizer, conversations[half:], max_new_tokens, max_length, generate_fn, keep_loops)
+    first, n1 = _answer_batch(model, tokenizer, conversations[:half], max_new_tokens, max_length, generate_fn, keep_loops,
+                              sampling)
+    second, n2 = _answer_batch(model, tokenizer, conversations[half:], max_new_tokens, max_length, generate_fn, keep_loops,
+                               sampling)
     return first + second, n1 + n2
 
 
 def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, batch_size: int = 64,
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
                device: str | None = None, generate_fn=None, keep_loops: bool = False,
-               shard: tuple[int, int] = (0, 1), continue_from: Path | None = None) -> dict:
+               shard: tuple[int, int] = (0, 1), continue_from: Path | None = None, temperature: float = 0.0,
+               seed: int = 0, heldout_only: float | None = None) -> dict:
+    """Answer the conversations (the module's docstring). temperature > 0: answers sampled at
+    that temperature (seeded; a resumed run draws on from a fresh seed, so it is reproducible
+    only when run whole). heldout_only: only the conversations training holds out at that
+    data.heldout_fraction (by prompt hash), e.g. answers sampled at T for the promise at T."""
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -234,14 +248,19 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
     out = Path(out)
     settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
-                "max_length": max_length, "decoding": "greedy", "loops": "kept" if keep_loops else "cut to one copy",
-                "shard": f"{shard[0]}/{shard[1]}"}
+                "max_length": max_length, "decoding": f"sampled at T = {temperature:g}, seed {seed}" if temperature else "greedy",
+                "loops": "kept" if keep_loops else "cut to one copy", "shard": f"{shard[0]}/{shard[1]}",
+                **({"heldout_only": heldout_only} if heldout_only else {})}
     conversations = load_conversations(dataset, limit)  # a wrong --dataset fails here, before --out is written
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
     seeded = _continue_from(continue_from, path, shard, finished, conversations) if continue_from else 0  # adds to finished
     todo = [i for i in range(shard[0], len(conversations), shard[1]) if i not in finished]
+    if heldout_only:
+        from data.chat import _is_heldout
+
+        todo = [i for i in todo if _is_heldout(conversations[i], heldout_only)]
     summary = {"conversations": len(conversations), "already_done": len(finished), "continued_from": seeded,
                "written": 0, "generated_tokens": 0, "loops_cut": 0}
     if not todo:
@@ -253,13 +272,15 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     folder = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = load_runtime(folder, dtype=dtype, device=device)
+    sampling = {"temperature": temperature, "generator": torch.Generator(device=device).manual_seed(seed)} \
+        if temperature > 0 else None
     t0 = time.time()
     stopped_early = False
     with open(path, "a", encoding="utf-8") as f, tqdm(total=len(todo), desc="regenerating", unit="conv") as bar:
         for start in range(0, len(todo), batch_size):
             ids = todo[start : start + batch_size]
             records, n = _answer_batch(model, tokenizer, [conversations[i] for i in ids], max_new_tokens, max_length,
-                                       generate_fn, keep_loops)
+                                       generate_fn, keep_loops, sampling)
             f.write("".join(json.dumps({"id": i, **r}, ensure_ascii=False) + "\n" for i, r in zip(ids, records)))
             f.flush()
             os.fsync(f.fileno())
@@ -283,8 +304,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
 
 def main(argv=None) -> int:
-    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, positive, \
-        resolve_device
+    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
+        positive, resolve_device
 
     ap = Parser(prog="python -m inference.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
@@ -299,6 +320,12 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", default="0/1", help="I/N: answer only the conversations whose index is I modulo N")
     ap.add_argument("--continue-from", default=None, help="an earlier run's conversations.jsonl (same settings): "
                     "its conversations are kept and not answered again")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy answers; > 0: answers sampled at this temperature (for the promise at T: "
+                         "eval.sampled_answers)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the sampled answers")
+    ap.add_argument("--heldout-only", type=float, default=None, metavar="FRACTION",
+                    help="only the conversations training holds out at this data.heldout_fraction (e.g. 0.02)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -307,7 +334,9 @@ def main(argv=None) -> int:
 
     try:
         check_ranges(args, {"batch_size": positive, "max_new_tokens": positive, "max_length": positive, "limit": positive,
-                            "max_minutes": positive})
+                            "max_minutes": positive, "temperature": not_negative, "heldout_only": positive})
+        if args.heldout_only is not None and args.heldout_only >= 1:
+            raise CliError(f"--heldout-only {args.heldout_only:g}: a fraction below 1 (training's data.heldout_fraction)")
         args.device = resolve_device(args.device)
         check_output_folder(args.out, SETTINGS)
         if args.continue_from and not Path(args.continue_from).is_file():
@@ -334,7 +363,8 @@ def main(argv=None) -> int:
     try:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
                    args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard,
-                   continue_from=Path(args.continue_from) if args.continue_from else None)
+                   continue_from=Path(args.continue_from) if args.continue_from else None,
+                   temperature=args.temperature, seed=args.seed, heldout_only=args.heldout_only)
     except (DataError, AssetError, ValueError, OSError, KeyError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@
 #                                                     # carried answers, both exported; FSDP's export checked, resumed
 #                                                     # STEPS/2 more and exported again; the exports compared (issue 22)
 #   bash scripts/device_session.sh promise NAME...    # carry .dev2: each unpacked export's promise made again for
-#                                                     # answers served up to 256 tokens (python -m train.promise)
+#                                                     # answers served up to 256 tokens (python -m train.promise),
+#                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -250,11 +251,19 @@ fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and da
 promise)  # NAME...: each carried export's promise made again (python -m train.promise) on the carried
   # regenerated answers, for answers served up to 256 tokens, over PROMISE_SEQS held-out conversations
   # (default 256: all 161 of the 7,424 conversations; 64 were too few: BENCHMARKS.md, session 14); in parallel
+  # The promise at T = 1 walks answers sampled at T = 1 (eval.sampled_answers): the held-out
+  # conversations' answers sampled once here (SAMPLED=0: the greedy answers, as session 14 did)
   [ -f $REGEN ] || { mkdir -p /tmp/regen; gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN; }
+  sampled=()
+  if [ "${SAMPLED:-1}" = 1 ]; then
+    python3 -m inference.regenerate --dataset $REGEN --out /tmp/regen-t1 --temperature 1 --heldout-only 0.02 \
+      --batch-size 256 > $R/regen-t1.log 2>&1; grep -a "wrote\|error" $R/regen-t1.log | tail -2
+    sampled=("eval.sampled_answers={1: /tmp/regen-t1/conversations.jsonl}")
+  fi
   for name in "$@"; do
     [ -d /tmp/run-$name/export ] || { echo "$name: no export"; continue; }
     python3 -m train.promise /tmp/run-$name/export data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.max_new_tokens=256 \
-      eval.num_sequences=${PROMISE_SEQS:-256} --no-progress > $R/promise-$name.log 2>&1 &
+      eval.num_sequences=${PROMISE_SEQS:-256} "${sampled[@]}" --no-progress > $R/promise-$name.log 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"

@@ -208,3 +208,26 @@ def test_a_batch_out_of_device_memory_is_answered_in_halves(tmp_path):
                     for name in ("small", "large"))
     assert max(biggest) == 4 and sorted(r["id"] for r in small) == [0, 1, 2, 3, 4]
     assert sorted(small, key=lambda r: r["id"]) == sorted(large, key=lambda r: r["id"])
+
+
+def test_sampled_answers_of_the_heldout_conversations_alone(tmp_path):
+    """--temperature T --heldout-only F: answers sampled at T (seeded: the same seed, the same
+    answers; not the greedy ones) for exactly the conversations training holds out at F."""
+    from data.chat import _is_heldout
+    from data.sources import load_conversations
+
+    source, _ = _sharegpt_file(tmp_path, n=40)
+    convs = load_conversations(str(source))
+    want = [i for i, c in enumerate(convs) if _is_heldout(c, 0.2)]
+    assert 0 < len(want) < len(convs)
+    common = dict(limit=None, batch_size=8, max_new_tokens=8, max_length=512, heldout_only=0.2)
+
+    def answers(out, **kw):
+        regenerate("tiny-random-llama", str(source), tmp_path / out, **common, **kw)
+        rows = [json.loads(line) for line in (tmp_path / out / "conversations.jsonl").read_text().splitlines()]
+        return {r["id"]: r.get("messages") for r in rows}
+
+    a, b, greedy = answers("a", temperature=1.0, seed=5), answers("b", temperature=1.0, seed=5), answers("greedy")
+    assert sorted(a) == sorted(greedy) == want
+    assert a == b and a != greedy
+    assert json.loads((tmp_path / "a" / "regenerate.json").read_text())["decoding"] == "sampled at T = 1, seed 5"

@@ -53,6 +53,31 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
     assert not new.get("sampled") and new["k"] == 3
     # three answer tokens leave at most two anchors per answer: far fewer chains than whole answers
     assert 0 < new["num_chains"] < old["num_chains"]
+    # the promise at T = 1 walked on answers sampled at T = 1 (eval.sampled_answers): here the
+    # held-out answers cut to two words, so it walks far fewer chains than the greedy text
+    from data.chat import _is_heldout
+
+    rows = [json.loads(line) for line in open(chat_file)]
+    for r in rows:
+        if _is_heldout(r["messages"], 0.1):
+            for m in r["messages"]:
+                if m["role"] == "assistant":
+                    m["content"] = " ".join(m["content"].split()[:2])
+    sampled_file = tmp_path / "sampled.jsonl"
+    sampled_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert promise_main([str(out / "export"), "eval.sampled_answers={0.5: " + str(sampled_file) + "}", "--no-progress"]) == 2
+    assert promise_main([str(out / "export"), "eval.temperatures=[0,1]", "eval.max_new_tokens=null", "--no-progress"]) == 0
+    greedy_text = json.loads(prov_path.read_text())["predicted_acceptance"]
+    on_greedy = {s["verification"]: s for s in greedy_text["sampled"]}
+    assert promise_main([str(out / "export"), "eval.temperatures=[0,1]", "eval.sampled_answers={1: " + str(sampled_file) + "}",
+                         "eval.max_new_tokens=null", "--no-progress"]) == 0
+    prov = json.loads(prov_path.read_text())
+    on_sampled = {s["verification"]: s for s in prov["predicted_acceptance"]["sampled"]}
+    assert prov["training_config"]["eval"]["sampled_answers"] == {"1.0": str(sampled_file)}
+    for v in ("standard", "block"):
+        assert 0 < on_sampled[v]["num_chains"] < on_greedy[v]["num_chains"]
+    # the greedy promise walks the greedy answers either way
+    assert prov["predicted_acceptance"]["histogram"] == greedy_text["histogram"]
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "export" / "draftsmith.json").read_text())["drafter_config"]["aux_layer_ids"]]
@@ -186,6 +211,13 @@ def test_eval_temperatures_are_checked(chat_file, tmp_path):
     for bad in ([], [-1.0], [1.0, 1.0], ["hot"]):
         with pytest.raises(ConfigError, match="eval.temperatures"):
             load_config(None, tiny_overrides(chat_file, tmp_path, **{"eval.temperatures": bad}))
+    # answers sampled at T, for the promise at T: keys are temperatures > 0 the promise is made for
+    assert load_config(None, tiny_overrides(chat_file, tmp_path) + ["eval.sampled_answers={1: a.jsonl}"]
+                       ).eval.sampled_answers == {1.0: "a.jsonl"}
+    for bad, why in (("{0: a.jsonl}", "serve no promise"), ("{0.7: a.jsonl}", "serve no promise"),
+                     ("{hot: a.jsonl}", "keys are numbers"), ("[a.jsonl]", "expected a mapping")):
+        with pytest.raises(ConfigError, match=f"eval.sampled_answers.*{why}"):
+            load_config(None, tiny_overrides(chat_file, tmp_path) + [f"eval.sampled_answers={bad}"])
 
 
 def test_a_rehearsal_keeps_nothing_so_the_real_run_can_follow(chat_file, tmp_path):

@@ -143,6 +143,13 @@ class EvalConfig:
     """Serving temperatures the promise is made for. 0: the greedy promise (always made, the top
     level of predicted_acceptance); each T > 0 adds a sampled promise for standard and block
     verification (`sampled` in predicted_acceptance, inference/sampled_acceptance.py)."""
+    sampled_answers: dict[float, str] = field(default_factory=dict)
+    """{T: data set}: the same conversations with answers sampled from the target at T
+    (`python -m inference.regenerate --temperature T --heldout-only`), walked for the promise at
+    that temperature instead of the greedy answers. Serving at T > 0 walks the target's own
+    samples, which a small target makes far less predictable than its greedy answers: without
+    them, the promise at T = 1 was 7-31 % above what MT-bench measured (README, "The answer
+    budget"). Only the first held-out set's promise uses them."""
     trees: list[list[int]] = field(default_factory=list)
     """EAGLE-2 draft trees the greedy promise is also made for, each [depth, top_k, total_tokens]
     as `inference.validate --tree D,K,N` and `inference.bench --tree` serve them (EAGLE-3
@@ -190,6 +197,20 @@ def _check_type(value, hint, key: str):
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
+    if origin is dict:  # {number: value}: keys read as floats (YAML and JSON give ints or strings)
+        key_type, inner = typing.get_args(hint)
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        out = {}
+        for k, v in value.items():
+            try:
+                number = float(k) if key_type is float and not isinstance(k, bool) else None
+            except (TypeError, ValueError):
+                number = None
+            if number is None:
+                raise ConfigError(f"{key}: keys are numbers, got {k!r}")
+            out[number] = _check_type(v, inner, f"{key}[{k}]")
+        return out
     if origin is list:
         (inner,) = typing.get_args(hint)
         if not isinstance(value, list):

@@ -97,6 +97,10 @@ def validate(cfg: RunConfig):
         raise ConfigError(f"eval.temperatures: a non-empty list of temperatures >= 0, got {temps!r}")
     if len(set(map(float, temps))) != len(temps):
         raise ConfigError(f"eval.temperatures: {temps} lists a temperature twice")
+    for t in cfg.eval.sampled_answers:
+        if not (t > 0 and t in map(float, temps)):
+            raise ConfigError(f"eval.sampled_answers: answers sampled at T = {t:g} serve no promise: the key must be a "
+                              f"temperature > 0 listed in eval.temperatures ({temps})")
     if cfg.eval.trees and cfg.drafter.method != "eagle3":
         raise ConfigError(f"eval.trees: draft trees are drafted by eagle3 drafters for now, not {cfg.drafter.method} "
                           "(leave eval.trees empty)")

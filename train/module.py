@@ -52,6 +52,8 @@ class DrafterModule(L.LightningModule):
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: Prediction | None = None
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
+        # then one loader per eval.sampled_answers set: the first set's promise at that T walks it
+        self.sampled_text = [float(t) for t in sorted(evaluation.sampled_answers)]
         self._val_hist = None
         self._tree_hist = {}  # eval.trees' histograms, from each validation's start
         # what every checkpoint says about itself (models/checkpoint.py): method, target, run config
@@ -240,6 +242,17 @@ class DrafterModule(L.LightningModule):
 
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
+        if dataloader_idx >= len(self.eval_names):  # answers sampled at T: the first set's promise at T only
+            temperature = self.sampled_text[dataloader_idx - len(self.eval_names)]
+            with torch.no_grad():
+                out = self.target(ids)
+            capped = cap_answer_spans(loss_mask, self.evaluation.max_new_tokens)
+            for verification in VERIFICATIONS:
+                self._sampled_hist[temperature, verification][0] += sampled_histogram(
+                    self.target, self.drafter, ids, capped, lengths, self.evaluation.k,
+                    self.evaluation.anchors_per_sequence, temperature, verification, self._sampling_generator,
+                    features=self.drafter.features(out), last_hidden=out.last_hidden, per_turn=True)
+            return
         out, teacher, greedy = self._target_pass(ids)
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
         # the promise's walks see each answer as served: cut at the serving budget (eval.max_new_tokens)
@@ -251,6 +264,8 @@ class DrafterModule(L.LightningModule):
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
                                                                    greedy, per_turn=True)
         for temperature, verification in self._sampled_settings:
+            if dataloader_idx == 0 and temperature in self.sampled_text:
+                continue  # walked on the answers sampled at that temperature instead
             self._sampled_hist[temperature, verification][dataloader_idx] += sampled_histogram(
                 self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
                 temperature, verification, self._sampling_generator, features=self.drafter.features(out),

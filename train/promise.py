@@ -36,7 +36,7 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
     from models.zoo import resolve_target
     from train.config import ConfigError, config_from_dict, parse_override
     from train.module import DrafterModule
-    from train.run import _dtype, prepare_data, resolve_precision
+    from train.run import _dtype, prepare_data, resolve_precision, sampled_heldouts
 
     folder = Path(export_dir)
     prov_path = folder / "draftsmith.json"
@@ -62,7 +62,8 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
     drafter = load_export(folder)  # float32 master weights, as training keeps them
     target = Target.load(cfg.target, drafter.aux_layer_ids, dtype=_dtype(cfg, on_gpu))
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, 1, eval_names=list(heldouts))
-    datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, 0,
+    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled_heldouts(cfg, tokenizer), pad_id,
+                                cfg.data.batch_size, cfg.seed, 0,
                                 max_steps=1, eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
     accelerator = "gpu" if on_gpu else "cpu"
     trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,

@@ -113,6 +113,22 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     return train, heldouts, d2t, t2d
 
 
+def sampled_heldouts(cfg: RunConfig, tokenizer) -> list:
+    """Held-out splits of eval.sampled_answers (by temperature, ascending; the module's order)."""
+    from data.chat import build_datasets
+
+    sets = []
+    for t in sorted(cfg.eval.sampled_answers):
+        spec = cfg.eval.sampled_answers[t]
+        heldout = build_datasets(spec, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction,
+                                 cfg.data.num_proc, cfg.data.plain_text)[1]
+        if len(heldout) == 0:
+            raise ConfigError(f"eval.sampled_answers: no held-out conversations in {spec} (T = {t:g}): regenerate the "
+                              f"held-out split of {cfg.data.dataset} at that temperature (--heldout-only)")
+        sets.append(heldout)
+    return sets
+
+
 def eval_datasets(cfg: RunConfig) -> list[str]:
     return list(cfg.eval.datasets or [cfg.data.dataset])
 
@@ -193,7 +209,8 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
                            eval_names=list(heldouts), time_budget_s=time_budget,
                            description=describe(cfg.drafter.method, cfg.target, target_path, hf_config, cfg.to_dict()))
-    datamodule = ChatDataModule(train, list(heldouts.values()), pad_id, cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
+    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled_heldouts(cfg, tokenizer), pad_id,
+                                cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
     perplexity, before = {}, {}
