@@ -49,7 +49,8 @@ def cap_answer_spans(loss_mask: torch.Tensor, max_new_tokens: int | None) -> tor
 
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
-                        features=None, greedy=None, window: int = 128, per_turn: bool = False) -> torch.Tensor:
+                        features=None, greedy=None, window: int = 128, per_turn: bool = False,
+                        on_chain=None) -> torch.Tensor:
     """Accepted-length histogram [k+1] of greedy k-chains drafted exactly as a runtime drafts, at
     the places a runtime drafts them. per_turn: [2, k+1] instead, chains in each row's first
     answer span, then in its later ones (follow-up turns, which answer after the target's own
@@ -68,6 +69,8 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
 
     `features` (what the drafter reads) and `greedy` may come from a target pass the caller
     already made. Used by training (held-out data) and validation (replaying served answers).
+    on_chain(row, anchor, in_a_later_span, accepted), when given, sees every chain walked
+    (scripts/acceptance_by_offset.py).
     """
     if features is None or greedy is None:
         out = target(ids)
@@ -96,8 +99,10 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
                 found[graft] = accepted_lengths(chain[graft], choice)
             return found.tolist()
 
-        for _, later, accepted in walk_answer(answer, anchors_per_sequence, window, measure):
+        for anchor, later, accepted in walk_answer(answer, anchors_per_sequence, window, measure):
             hist[int(later), accepted] += 1
+            if on_chain is not None:
+                on_chain(b, anchor, later, accepted)
     return hist if per_turn else hist.sum(0)
 
 

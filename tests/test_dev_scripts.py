@@ -36,3 +36,22 @@ def test_trace_kernels_sums_kernels_and_gaps_inside_a_named_range(tmp_path, caps
     out = capsys.readouterr().out
     assert out.startswith("2 kernels, 0.007 ms busy of 0.045 ms") and "gaps >= 20 µs: 1, 0.038 ms" in out
     assert "      1        5.0     5.00  gemv" in out
+
+
+def test_acceptance_by_offset_buckets_held_out_and_served_chains(chat_file, tmp_path):
+    from scripts.acceptance_by_offset import main as by_offset
+    from tests.conftest import tiny_overrides
+    from train.config import load_config
+    from train.run import run
+
+    run(load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{"trainer.max_steps": 2})))
+    out = tmp_path / "offsets.json"
+    assert by_offset([str(tmp_path / "run" / "export"), "--dataset", chat_file, "--num-prompts", "4", "--max-new-tokens", "8",
+                      "--heldout-sequences", "4", "--device", "cpu", "--batch-size", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    served, held = result[chat_file], result["held-out"]
+    assert served["1"]["all"][1] > 0 and held["1"]["all"][1] > 0
+    # served answers stop at 8 tokens: every chain starts in the first bucket, all of them before token 8
+    assert list(served["1"]["buckets"]) == ["0-31"] and served["1"]["before 8"] == served["1"]["all"]
+    for turn in held.values():  # chains are counted once: the buckets add up to the whole
+        assert sum(n for _, n in turn["buckets"].values()) == turn["all"][1] >= turn["before 8"][1]
