@@ -7,7 +7,8 @@
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
-#   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval]: those validations alone, in parallel
+#   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
+#                                                     # validations alone, in parallel
 #   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
 #   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
@@ -17,7 +18,8 @@
 #                                                     # STEPS/2 more and exported again; the exports compared (issue 22)
 #   bash scripts/device_session.sh promise NAME...    # carry .dev2: each unpacked export's promise made again for
 #                                                     # answers served up to 256 tokens (python -m train.promise),
-#                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1)
+#                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1),
+#                                                     # for draft trees too with TREES="[[4,4,24]]" (EAGLE-3)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -262,8 +264,10 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
   fi
   for name in "$@"; do
     [ -d /tmp/run-$name/export ] || { echo "$name: no export"; continue; }
+    trees=(); [ -n "${TREES:-}" ] && [[ $name == eagle3* ]] && trees=("eval.trees=$TREES")  # EAGLE-3 drafts trees
     python3 -m train.promise /tmp/run-$name/export data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.max_new_tokens=256 \
-      eval.num_sequences=${PROMISE_SEQS:-256} "${sampled[@]}" --no-progress > $R/promise-$name.log 2>&1 &
+      eval.num_sequences=${PROMISE_SEQS:-256} "${sampled[@]}" "${trees[@]}" --no-progress \
+      > $R/promise-$name.log 2>&1 &
     pids+=($!)
   done
   wait "${pids[@]}"
@@ -334,6 +338,7 @@ serve)  # SPEC...: NAME[@t1-standard | @t1-block | @humaneval] each served in pa
       *@t1-standard) bg $spec --temperature 1 --verification standard ;;
       *@t1-block) bg $spec --temperature 1 --verification block ;;
       *@humaneval) bg $spec --dataset humaneval --num-prompts 164 ;;
+      *@tree-*) t=${spec#*@tree-}; bg $spec --tree ${t//-/,} ;;  # NAME@tree-D-K-N: against the tree promise (TREES)
       *) bg $spec ;;
     esac
   done
