@@ -77,8 +77,11 @@ def dataset_key(spec: str, tokenizer, max_length: int, limit: int | None, heldou
 
 
 def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = None,
-                   heldout_fraction: float = 0.02, num_proc: int | None = None, plain_text: bool = False):
+                   heldout_fraction: float = 0.02, num_proc: int | None = None, plain_text: bool = False,
+                   heldout_only: bool = False):
     """(train, heldout) `datasets.Dataset`s with columns input_ids, loss_mask, num_tokens.
+    heldout_only: the held-out split is all the caller needs (answers regenerated for held-out
+    conversations alone: `inference.regenerate --heldout-only`), so an empty training split is fine.
 
     Tokenized once and cached on disk under $DRAFTSMITH_CACHE/datasets/<key>; a second run
     loads the cache and tokenizes nothing.
@@ -91,13 +94,14 @@ def build_datasets(spec: str, tokenizer, max_length: int, limit: int | None = No
     root = cache_dir() / "datasets" / key
     with file_lock(f"dataset-{key}"):  # several ranks (DDP) tokenize once
         if not ((root / "train").exists() and (root / "heldout").exists()):
-            _tokenize_to(root, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text)
+            _tokenize_to(root, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text, heldout_only)
         else:
             log.info("loading tokenized data from cache %s", root)
     return datasets.load_from_disk(str(root / "train")), datasets.load_from_disk(str(root / "heldout"))
 
 
-def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text=False):
+def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fraction, num_proc, plain_text=False,
+                 heldout_only=False):
     import datasets
 
     from data.sources import load_conversations
@@ -134,7 +138,7 @@ def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fractio
     tokenized = kept
     train = tokenized.filter(lambda r: not r["heldout"]).remove_columns(["heldout"])
     heldout = tokenized.filter(lambda r: r["heldout"]).remove_columns(["heldout"])
-    if len(train) == 0:
+    if len(train) == 0 and not heldout_only:
         raise RuntimeError(f"{spec}: no training conversations left after tokenization")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=key + ".tmp"))

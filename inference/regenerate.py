@@ -265,7 +265,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
                "written": 0, "generated_tokens": 0, "loops_cut": 0}
     if not todo:
         kept = f" (kept {seeded} from {continue_from})" if seeded else ""
-        print(f"{path}: all {len(conversations)} conversations already regenerated{kept}")
+        which = "held-out conversations" if heldout_only else f"{len(conversations)} conversations"
+        print(f"{path}: all {which} already regenerated{kept}")
         return summary
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -33,9 +33,9 @@ from inference.verify import sampling_probs
 from inference.tree import Tree, compact_cache, compaction_index, expand_depth, finalize, \
     greedy_tree_verify, sampled_tree_verify, start_tree
 from kernels.rms_norm import rms_norm, rms_norm_pair
+from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
 from kernels.tree_attention import tree_attention
-from models.layers import apply_rope, rope_cos_sin
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -82,21 +82,21 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     candidates = tree_candidate_count(depth, top_k)
     cand_k = k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim)
     cand_v = torch.zeros_like(cand_k)
-    cand_hidden = hidden.new_zeros(B, candidates, H)
-    rows = torch.arange(B, device=hidden.device)[:, None]
+    # [B,1+C,H]: the root's hidden at slot 0, candidate c's at 1 + c (a parent index -1 reads the root)
+    cand_hidden = torch.cat([hidden[:, None], hidden.new_zeros(B, candidates, H)], 1)
     state = start_tree(B, hidden.device)
     logprobs = _draft_logprobs(d, hidden[:, None])  # [B,1,Vd]: after the root
     for level in range(depth):
         if level:  # run the drafter on the frontier (its nodes are at this depth)
             frontier = state.frontier  # [B,F] candidate indices
-            parent = state.parents.gather(1, frontier)
-            parent_hidden = torch.where((parent >= 0)[..., None], cand_hidden[rows, parent.clamp_min(0)], hidden[:, None])
+            parent = state.parents.gather(1, frontier)  # -1: the root
+            parent_hidden = cand_hidden.gather(1, (parent + 1)[..., None].expand(-1, -1, H))
             sees = state.ancestors.gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
             visible = F.pad(sees, (0, candidates - sees.shape[2]))  # [B,F,C]: nothing drafted later is seen
             positions = (last + level)[:, None].expand_as(frontier)
             h = _tree_step(p, state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible, cand_k,
                            cand_v, k_cache, v_cache, last)
-            cand_hidden[rows, frontier] = h
+            cand_hidden.scatter_(1, (frontier + 1)[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
             logprobs = _draft_logprobs(d, h)  # [B,F,Vd]
         top = logprobs.topk(top_k, dim=-1)
         state = expand_depth(state, p.draft_ids[top.indices], top.values, top_k)
@@ -113,17 +113,13 @@ def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, vi
     d = p.drafter
     layer, cfg = d.layers[0], d.config
     B, F_, H = parent_hidden.shape
-    nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     # [B,F,2H]: the normed embedding, then the normed parent hidden (one launch on a GPU)
     both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, parent_hidden,
                          layer.hidden_norm.weight, layer.hidden_norm.eps)
-    q, k, v = F.linear(both, p.qkv_weight).split([nh * hd, nkv * hd, nkv * hd], -1)
-    q, k, v = (x.view(B, F_, -1, hd).transpose(1, 2) for x in (q, k, v))
-    cos, sin = rope_cos_sin(d.inv_freq, positions, q.dtype)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    index = frontier[:, None, :, None].expand(B, nkv, F_, hd)
-    cand_k.scatter_(2, index, k.to(cand_k.dtype))
-    cand_v.scatter_(2, index, v.to(cand_v.dtype))
+    # q rotated; k rotated and v written to the candidate buffers at the nodes' candidate indices
+    # (one launch on a GPU: kernels/rope_cache.py, its slots being the candidate indices)
+    q = rope_cache(F.linear(both, p.qkv_weight), positions, d.inv_freq, cand_k, cand_v, nh, nkv, slots=frontier)
     attn = layer.self_attn.o_proj(tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, visible))
     residual = both[..., H:] if layer.norm_before_residual else parent_hidden
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)

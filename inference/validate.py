@@ -244,9 +244,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
 
 
 def promised_budget(provenance: dict) -> int | None:
-    """Tokens per answer the export's promise walked (eval.max_new_tokens; None: whole answers,
-    as every promise made before that setting)."""
-    return ((provenance.get("training_config") or {}).get("eval") or {}).get("max_new_tokens")
+    """Tokens per answer the export's promise walked (eval.max_new_tokens of the promise's own
+    settings, `python -m train.promise`, else of training; None: whole answers, as every
+    promise made before that setting)."""
+    settings = provenance.get("promise_config") or provenance.get("training_config") or {}
+    return (settings.get("eval") or {}).get("max_new_tokens")
 
 
 def _tokens_per_s(records: list[dict]) -> float:

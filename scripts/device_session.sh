@@ -259,7 +259,7 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
   sampled=()
   if [ "${SAMPLED:-1}" = 1 ]; then
     python3 -m inference.regenerate --dataset $REGEN --out /tmp/regen-t1 --temperature 1 --heldout-only 0.02 \
-      --batch-size 256 > $R/regen-t1.log 2>&1; grep -a "wrote\|error" $R/regen-t1.log | tail -2
+      --batch-size 256 > $R/regen-t1.log 2>&1; grep -a "wrote\|error\|already" $R/regen-t1.log | tail -2 || true
     sampled=("eval.sampled_answers={1: /tmp/regen-t1/conversations.jsonl}")
   fi
   for name in "$@"; do
@@ -270,7 +270,7 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
       > $R/promise-$name.log 2>&1 &
     pids+=($!)
   done
-  wait "${pids[@]}"
+  wait "${pids[@]}" || true  # one failed promise still leaves the others' logs to print and collect
   for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/promise-$name.log | tail -5; cp /tmp/run-$name/export/draftsmith.json $R/$name-draftsmith.json 2>/dev/null; done
   collect
   ;;

@@ -22,7 +22,7 @@ def test_cli_fast_dev_run(chat_file, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
 
 
-def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
+def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path, capsys):
     out = tmp_path / "run"
     summary = run(load_config(None, tiny_overrides(chat_file, out)))
     pred = json.loads((out / "predicted.json").read_text())
@@ -48,8 +48,10 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
     assert promise_main([str(out / "export"), "eval.max_new_tokens=3", "eval.temperatures=[0]", "--no-progress"]) == 0
     prov = json.loads(prov_path.read_text())
     new = prov["predicted_acceptance"]
-    assert prov["training_config"]["eval"]["max_new_tokens"] == 3 and prov["training_config"]["eval"]["temperatures"] == [0]
-    assert prov["promise_history"][-1]["tau"] == old["tau"] and prov["promise_history"][-1]["eval"]["max_new_tokens"] == 256
+    assert prov["promise_config"]["eval"]["max_new_tokens"] == 3 and prov["promise_config"]["eval"]["temperatures"] == [0]
+    assert prov["training_config"]["eval"]["max_new_tokens"] == 256  # how it was trained stays said
+    assert prov["promise_history"][-1]["tau"] == old["tau"]
+    assert prov["promise_history"][-1]["settings"]["eval"]["max_new_tokens"] == 256
     assert not new.get("sampled") and new["k"] == 3
     # three answer tokens leave at most two anchors per answer: far fewer chains than whole answers
     assert 0 < new["num_chains"] < old["num_chains"]
@@ -58,11 +60,11 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
     from data.chat import _is_heldout
 
     rows = [json.loads(line) for line in open(chat_file)]
+    rows = [r for r in rows if _is_heldout(r["messages"], 0.1)]  # as `regenerate --heldout-only` writes them
     for r in rows:
-        if _is_heldout(r["messages"], 0.1):
-            for m in r["messages"]:
-                if m["role"] == "assistant":
-                    m["content"] = " ".join(m["content"].split()[:2])
+        for m in r["messages"]:
+            if m["role"] == "assistant":
+                m["content"] = " ".join(m["content"].split()[:2])
     sampled_file = tmp_path / "sampled.jsonl"
     sampled_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert promise_main([str(out / "export"), "eval.sampled_answers={0.5: " + str(sampled_file) + "}", "--no-progress"]) == 2
@@ -73,11 +75,23 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path):
                          "eval.max_new_tokens=null", "--no-progress"]) == 0
     prov = json.loads(prov_path.read_text())
     on_sampled = {s["verification"]: s for s in prov["predicted_acceptance"]["sampled"]}
-    assert prov["training_config"]["eval"]["sampled_answers"] == {"1.0": str(sampled_file)}
+    assert prov["promise_config"]["eval"]["sampled_answers"] == {"1.0": str(sampled_file)}
     for v in ("standard", "block"):
         assert 0 < on_sampled[v]["num_chains"] < on_greedy[v]["num_chains"]
     # the greedy promise walks the greedy answers either way
     assert prov["predicted_acceptance"]["histogram"] == greedy_text["histogram"]
+    # a joint export trained its target too: its promise is not made again with the original one
+    import shutil
+
+    joint = tmp_path / "joint-export"
+    shutil.copytree(out / "export", joint)
+    tree = json.loads((joint / "draftsmith.json").read_text())
+    tree["training_config"]["objective"]["joint"] = True
+    tree["training_config"]["drafter"]["method"] = "medusa"  # (what a joint export's config says)
+    (joint / "draftsmith.json").write_text(json.dumps(tree))
+    capsys.readouterr()
+    assert promise_main([str(joint), "--no-progress"]) == 2
+    assert "a joint export" in capsys.readouterr().err
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["Eagle3DraftModel"]
     assert config["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in json.loads((out / "export" / "draftsmith.json").read_text())["drafter_config"]["aux_layer_ids"]]

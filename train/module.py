@@ -257,10 +257,13 @@ class DrafterModule(L.LightningModule):
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
         # the promise's walks see each answer as served: cut at the serving budget (eval.max_new_tokens)
         loss_mask = cap_answer_spans(loss_mask, self.evaluation.max_new_tokens)
-        self.log("val/loss", total, prog_bar=True, batch_size=ids.shape[0])
+        # set j > 0 logs as `_set{j}`, as val/tau does (Lightning's own dataloader suffix would
+        # rename set 0's keys whenever another loader, such as eval.sampled_answers', is added)
+        suffix = "" if dataloader_idx == 0 else f"_set{dataloader_idx}"
+        self.log(f"val/loss{suffix}", total, prog_bar=dataloader_idx == 0, batch_size=ids.shape[0], add_dataloader_idx=False)
         for s, (l, a) in enumerate(zip(losses, accs)):
-            self.log(f"val/loss_{s}", l, batch_size=ids.shape[0])
-            self.log(f"val/acc_{s}", a, batch_size=ids.shape[0])
+            self.log(f"val/loss_{s}{suffix}", l, batch_size=ids.shape[0], add_dataloader_idx=False)
+            self.log(f"val/acc_{s}{suffix}", a, batch_size=ids.shape[0], add_dataloader_idx=False)
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
                                                                    greedy, per_turn=True)
         for temperature, verification in self._sampled_settings:

@@ -9,9 +9,12 @@ eval.num_sequences), the same function (DrafterModule's validation, through a Li
 Trainer), drafting as the runtime drafts. Only `eval.*` settings change (the serving budget
 per answer, temperatures, trees, chain length, how many held-out conversations), and
 `data.dataset` where the training data now lives elsewhere (same conversations: the held-out
-split is by prompt hash). The new promise replaces the old one in draftsmith.json, the
-training config there records the eval settings it was made with, and `promise_history`
-keeps what the old one said. The write is atomic; the weights are not touched.
+split is by prompt hash). Each promise is the training config with this call's settings
+over it (nothing carries over from an earlier promise). The new promise replaces the old one
+in draftsmith.json, `promise_config` records the settings it was made with (validate reads
+the answer budget there; `training_config` still says how the drafter was trained), and
+`promise_history` keeps what the old one said. The write is atomic; the weights are not
+touched. Joint exports (Medusa-2, joint MTP) trained their target too: refused.
 """
 from __future__ import annotations
 
@@ -43,7 +46,7 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
     if not prov_path.is_file():
         raise ConfigError(f"{folder}: no draftsmith.json (an export made by `python -m train` keeps its training config there)")
     provenance = read_json(prov_path)
-    tree = provenance.get("training_config")
+    tree = provenance.get("training_config") if isinstance(provenance, dict) else None
     if not isinstance(tree, dict):
         raise ConfigError(f"{prov_path}: no training_config to make the promise with")
     for text in overrides:
@@ -51,6 +54,9 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
         if not key.startswith(CHANGEABLE):
             raise ConfigError(f"{key}: only eval.* settings (and data.dataset) change a promise; the rest is the trained drafter's")
     cfg = config_from_dict(tree, overrides)
+    if cfg.objective.joint:
+        raise ConfigError(f"{folder}: a joint export ({cfg.drafter.method}, objective.joint) serves the target it trained; "
+                          "its promise is made with that target at training time only")
 
     on_gpu = torch.cuda.is_available()
     target_path = resolve_target(cfg.target)
@@ -62,8 +68,8 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
     drafter = load_export(folder)  # float32 master weights, as training keeps them
     target = Target.load(cfg.target, drafter.aux_layer_ids, dtype=_dtype(cfg, on_gpu))
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, 1, eval_names=list(heldouts))
-    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled_heldouts(cfg, tokenizer), pad_id,
-                                cfg.data.batch_size, cfg.seed, 0,
+    sampled = sampled_heldouts(cfg, tokenizer, next(iter(heldouts.values())))
+    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled, pad_id, cfg.data.batch_size, cfg.seed, 0,
                                 max_steps=1, eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
     accelerator = "gpu" if on_gpu else "cpu"
     trainer = L.Trainer(accelerator=accelerator, devices=1, logger=False, enable_checkpointing=False,
@@ -75,12 +81,14 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
     old = provenance.get("predicted_acceptance") or {}
     history = list(provenance.get("promise_history") or [])
     history.append({"replaced": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    "eval": tree.get("eval"), "tau": old.get("tau"), "k": old.get("k"),
+                    "settings": provenance.get("promise_config") or {"eval": tree.get("eval")},
+                    "tau": old.get("tau"), "k": old.get("k"),
                     "per_turn": {t: v.get("tau") for t, v in (old.get("per_turn") or {}).items()},
                     "sampled": [{key: s.get(key) for key in ("temperature", "verification", "tau")}
                                 for s in old.get("sampled") or []]})
     provenance["predicted_acceptance"] = predicted
-    provenance["training_config"] = {**tree, "eval": cfg.to_dict()["eval"], "data": cfg.to_dict()["data"]}
+    provenance["promise_config"] = {"eval": cfg.to_dict()["eval"], "data.dataset": cfg.data.dataset,
+                                    "overrides": list(overrides)}
     provenance["promise_history"] = history
     atomic_write_json(prov_path, provenance)
     return predicted
@@ -102,7 +110,7 @@ def main(argv=None) -> int:
 
     try:
         predicted = repromise(args.export, args.overrides, progress=not args.no_progress)
-    except (ConfigError, DataError, AssetError, OSError, ValueError, KeyError) as e:
+    except (ConfigError, DataError, AssetError, OSError, ValueError, KeyError, RuntimeError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
     _print_prediction(Prediction.from_dict(predicted))

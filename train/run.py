@@ -113,19 +113,32 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     return train, heldouts, d2t, t2d
 
 
-def sampled_heldouts(cfg: RunConfig, tokenizer) -> list:
-    """Held-out splits of eval.sampled_answers (by temperature, ascending; the module's order)."""
+def sampled_heldouts(cfg: RunConfig, tokenizer, greedy_heldout) -> list:
+    """Held-out splits of eval.sampled_answers (by temperature, ascending; the module's order),
+    each cut to the conversations the greedy promise walks (the first eval.num_sequences of
+    `greedy_heldout`, matched by prompt: the tokens before the first answer), in that order."""
     from data.chat import build_datasets
 
+    def prompt_of(row):
+        ids, mask = row["input_ids"], row["loss_mask"]
+        return tuple(ids[: mask.index(1)])
+
+    walked = [prompt_of(r) for r in greedy_heldout.select(range(min(cfg.eval.num_sequences, len(greedy_heldout))))]
     sets = []
     for t in sorted(cfg.eval.sampled_answers):
         spec = cfg.eval.sampled_answers[t]
         heldout = build_datasets(spec, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction,
-                                 cfg.data.num_proc, cfg.data.plain_text)[1]
-        if len(heldout) == 0:
-            raise ConfigError(f"eval.sampled_answers: no held-out conversations in {spec} (T = {t:g}): regenerate the "
-                              f"held-out split of {cfg.data.dataset} at that temperature (--heldout-only)")
-        sets.append(heldout)
+                                 cfg.data.num_proc, cfg.data.plain_text, heldout_only=True)[1]
+        where = {prompt_of(r): i for i, r in enumerate(heldout)}
+        rows = [where[p] for p in walked if p in where]
+        if not rows:
+            raise ConfigError(f"eval.sampled_answers: {spec} (T = {t:g}) holds none of the held-out conversations of "
+                              f"{cfg.data.dataset}: regenerate them at that temperature (inference.regenerate "
+                              f"--dataset {cfg.data.dataset} --temperature {t:g} --heldout-only {cfg.data.heldout_fraction})")
+        if len(rows) < len(walked):
+            log.warning("eval.sampled_answers: %s holds %d of the %d held-out conversations the greedy promise walks; "
+                        "the promise at T = %g walks those %d", spec, len(rows), len(walked), t, len(rows))
+        sets.append(heldout.select(rows))
     return sets
 
 
@@ -209,8 +222,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
                            eval_names=list(heldouts), time_budget_s=time_budget,
                            description=describe(cfg.drafter.method, cfg.target, target_path, hf_config, cfg.to_dict()))
-    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled_heldouts(cfg, tokenizer), pad_id,
-                                cfg.data.batch_size, cfg.seed, cfg.data.num_workers,
+    sampled = sampled_heldouts(cfg, tokenizer, next(iter(heldouts.values())))  # eval.sampled_answers' walks
+    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled, pad_id, cfg.data.batch_size, cfg.seed,
+                                cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
     perplexity, before = {}, {}
