@@ -16,8 +16,9 @@ CEILINGS = {
     "ngram-gpu": {"verify_phase": 27, "proposer_phase": 16},
     # an EAGLE-2 tree (depth 4, top-k 4, 24 nodes): session 13 measured 1.0 ms of drafting per
     # step on an H200 against a chain's 0.17, about what these counts cost at 3-4 µs a launch;
-    # session 14 kept the ancestor matrix level by level (114 / 291 before): 0.87 ms
-    "eagle3-tree": {"verify_phase": 98, "proposer_phase": 263},
+    # session 14 kept the ancestor matrix level by level and sent the rotary and candidate writes
+    # through kernels/rope_cache (114 / 291 before; 98 / 263 measured 0.87 ms of drafting)
+    "eagle3-tree": {"verify_phase": 98, "proposer_phase": 218},
 }
 
 
