@@ -61,11 +61,18 @@ def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
 
 def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
              per_category: dict, tolerance: float, temperature: float = 0.0, turns: dict | None = None,
-             budgets: tuple | None = None, export: str = "EXPORT") -> list[str]:
+             budgets: tuple | None = None, export: str = "EXPORT", sampled_text: bool | None = None) -> list[str]:
     """Plain sentences saying where predicted and measured part, and what that points at.
     turns: `turn_mix` output, when both sides know their turns. budgets: (tokens per answer the
-    promise walked, None = whole answers; tokens per answer served)."""
+    promise walked, None = whole answers; tokens per answer served). sampled_text: at T > 0,
+    whether the promise at T walked answers sampled at T (eval.sampled_answers)."""
     lines = []
+    if temperature > 0 and predicted.get("temperature") and sampled_text is False:
+        lines.append(f"Sampled text: the promise at T = {temperature:g} walked the target's greedy answers, while serving at "
+                     f"T = {temperature:g} walks its samples (a small target's samples draft far worse: BENCHMARKS.md, "
+                     f"session 14). Sample the held-out answers (`python -m inference.regenerate --temperature "
+                     f"{temperature:g} --heldout-only FRACTION`) and promise on them: `python -m train.promise {export} "
+                     f"eval.sampled_answers={{{temperature:g}: FILE}}`.")
     if budgets is not None and budgets[0] != budgets[1]:
         walked = "whole answers" if budgets[0] is None else f"the first {budgets[0]} tokens of each answer"
         lines.append(f"Answer budget: the promise walked {walked} but answers were served up to {budgets[1]} tokens; "
@@ -238,7 +245,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
                                  (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
-                                 str(folder))))
+                                 str(folder), promised_on_samples(provenance, temperature))))
     write_report(report, Path(out))
     return report.to_dict()
 
@@ -249,6 +256,16 @@ def promised_budget(provenance: dict) -> int | None:
     promise made before that setting)."""
     settings = provenance.get("promise_config") or provenance.get("training_config") or {}
     return (settings.get("eval") or {}).get("max_new_tokens")
+
+
+def promised_on_samples(provenance: dict, temperature: float) -> bool | None:
+    """Whether the export's promise at `temperature` walked answers sampled at it
+    (eval.sampled_answers of the promise's own settings, else of training; None at T = 0)."""
+    if temperature <= 0:
+        return None
+    settings = provenance.get("promise_config") or provenance.get("training_config") or {}
+    sampled = (settings.get("eval") or {}).get("sampled_answers") or {}
+    return any(float(t) == float(temperature) for t in sampled)
 
 
 def _tokens_per_s(records: list[dict]) -> float:

@@ -114,6 +114,23 @@ def test_diagnosis_names_a_promise_made_for_another_answer_budget():
                                                                  budgets=(256, 256)))
 
 
+def test_diagnosis_names_a_sampled_promise_made_on_greedy_text():
+    from inference.validate import promised_on_samples
+
+    promise = {"tau": 2.5, "a": [0.5], "temperature": 1.0}
+    lines = diagnose(promise, {"tau": 1.7, "a": [0.4]}, {"tau": 1.7, "a": [0.4]}, None, {}, 0.05, temperature=1.0,
+                     export="runs/x/export", sampled_text=False)
+    assert lines[0].startswith("Sampled text: the promise at T = 1 walked the target's greedy answers")
+    assert "python -m train.promise runs/x/export eval.sampled_answers={1: FILE}" in lines[0]
+    on_samples = diagnose(promise, {"tau": 1.7, "a": [0.4]}, {"tau": 1.7, "a": [0.4]}, None, {}, 0.05, temperature=1.0,
+                          sampled_text=True)
+    assert not any(line.startswith("Sampled text") for line in on_samples)
+    trained = {"training_config": {"eval": {"sampled_answers": {"1.0": "t1.jsonl"}}}}
+    assert promised_on_samples(trained, 1.0) is True and promised_on_samples(trained, 0.7) is False
+    assert promised_on_samples({"promise_config": {"eval": {}}, **trained}, 1.0) is False  # the promise's own settings
+    assert promised_on_samples(trained, 0.0) is None
+
+
 def test_turn_mix_weighs_the_promise_as_served():
     from inference.validate import turn_mix
 
