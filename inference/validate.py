@@ -250,22 +250,25 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     return report.to_dict()
 
 
-def promised_budget(provenance: dict) -> int | None:
-    """Tokens per answer the export's promise walked (eval.max_new_tokens of the promise's own
-    settings, `python -m train.promise`, else of training; None: whole answers, as every
-    promise made before that setting)."""
+def _promise_eval(provenance: dict) -> dict:
+    """The eval settings the export's promise was made with: its own (`python -m train.promise`),
+    else training's."""
     settings = provenance.get("promise_config") or provenance.get("training_config") or {}
-    return (settings.get("eval") or {}).get("max_new_tokens")
+    return settings.get("eval") or {}
+
+
+def promised_budget(provenance: dict) -> int | None:
+    """Tokens per answer the export's promise walked (eval.max_new_tokens; None: whole answers,
+    as every promise made before that setting)."""
+    return _promise_eval(provenance).get("max_new_tokens")
 
 
 def promised_on_samples(provenance: dict, temperature: float) -> bool | None:
     """Whether the export's promise at `temperature` walked answers sampled at it
-    (eval.sampled_answers of the promise's own settings, else of training; None at T = 0)."""
+    (eval.sampled_answers; None at T = 0)."""
     if temperature <= 0:
         return None
-    settings = provenance.get("promise_config") or provenance.get("training_config") or {}
-    sampled = (settings.get("eval") or {}).get("sampled_answers") or {}
-    return any(float(t) == float(temperature) for t in sampled)
+    return any(float(t) == float(temperature) for t in _promise_eval(provenance).get("sampled_answers") or {})
 
 
 def _tokens_per_s(records: list[dict]) -> float:

@@ -32,6 +32,11 @@ def bucket(offset: int) -> str:
     return f"{lo}-{hi - 1}" if hi else f"{lo}+"
 
 
+def bucket_start(name: str) -> int:
+    """The first offset of a bucket named by `bucket`."""
+    return int(name.split("-")[0].rstrip("+"))
+
+
 def span_starts(mask: list[int]) -> list[int | None]:
     """For each position of an answer mask, where its answer span began (None outside spans)."""
     out, start = [], None
@@ -75,9 +80,9 @@ def table(stats: dict, cap: int) -> dict:
             n = sum(c[0] for c in cs)
             return (1 + sum(c[1] for c in cs) / n, n) if n else (None, 0)
 
-        out[turn] = {"buckets": {b: tau([c]) for b, c in sorted(cells.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+")))},
+        out[turn] = {"buckets": {b: tau([c]) for b, c in sorted(cells.items(), key=lambda kv: bucket_start(kv[0]))},
                      "all": tau(cells.values()),
-                     f"before {cap}": tau([c for b, c in cells.items() if int(b.split("-")[0].rstrip("+")) < cap])}
+                     f"before {cap}": tau([c for b, c in cells.items() if bucket_start(b) < cap])}
     return out
 
 
