@@ -115,8 +115,9 @@ def load_conversations(spec: str, limit: int | None = None, plain_text: bool = F
 
     if spec == "sharegpt":
         path = zoo.fetch("sharegpt")
-    elif spec in ("mt-bench", "humaneval"):
-        raise DataError(f"{spec} is a benchmark of prompts without answers; train on sharegpt or a chat file")
+    elif spec in PROMPT_SETS:
+        raise DataError(f"{spec} is a benchmark of prompts without answers; train on sharegpt or a chat file "
+                        f"(`python -m inference.regenerate --dataset {spec}` writes the target's answers as one)")
     else:
         path = Path(spec).expanduser()
     if not path.exists():
@@ -187,6 +188,16 @@ def _from_hf(spec: str, limit: int | None):
             if limit is not None and len(out) >= limit:
                 break
     return out
+
+
+PROMPT_SETS = ("mt-bench", "humaneval")  # benchmarks of questions without answers
+
+
+def prompt_conversations(spec: str, limit: int | None = None) -> list[list[dict]]:
+    """A benchmark's questions as conversations waiting for answers (inference.regenerate fills
+    them): each user turn followed by an empty assistant turn, in the benchmark's order."""
+    return [[m for turn in row["turns"] for m in ({"role": "user", "content": turn}, {"role": "assistant", "content": ""})]
+            for row in load_prompts(spec)[:limit]]
 
 
 def load_prompts(spec: str) -> list[dict]:

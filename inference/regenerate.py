@@ -9,6 +9,11 @@ Answers sampled at T (`--temperature T`), of the held-out conversations alone (`
 at training's data.heldout_fraction), are the text the promise at T walks (training's
 eval.sampled_answers): serving at T walks the target's samples, not its greedy answers.
 
+A benchmark of questions (`--dataset humaneval` or `mt-bench`) gets the target's answers too,
+which makes it a held-out set for a promise of its own: `--dataset humaneval --heldout-only 0.5`
+answers half of HumanEval (by prompt hash); a drafter promised on that half (eval.datasets) is
+validated on the other half (`inference.validate --dataset humaneval --promise-set FILE`).
+
 Turns are answered in order through the runtime, a batch of conversations at a time (turn r of
 every conversation in the batch, then turn r+1 after those answers). A conversation stops at
 the first turn whose prompt plus answer budget no longer fits --max-length (training truncates
@@ -242,7 +247,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from data.sources import load_conversations
+    from data.sources import PROMPT_SETS, load_conversations, prompt_conversations
     from inference.fallback import load_runtime
     from models.zoo import resolve_target
 
@@ -251,7 +256,8 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
                 "max_length": max_length, "decoding": f"sampled at T = {temperature:g}, seed {seed}" if temperature else "greedy",
                 "loops": "kept" if keep_loops else "cut to one copy", "shard": f"{shard[0]}/{shard[1]}",
                 **({"heldout_only": heldout_only} if heldout_only else {})}
-    conversations = load_conversations(dataset, limit)  # a wrong --dataset fails here, before --out is written
+    # a wrong --dataset fails here, before --out is written; a benchmark's questions get answers
+    conversations = prompt_conversations(dataset, limit) if dataset in PROMPT_SETS else load_conversations(dataset, limit)
     check_settings(out, settings)
     path = out / OUTPUT
     finished = read_finished(path)
@@ -310,7 +316,8 @@ def main(argv=None) -> int:
 
     ap = Parser(prog="python -m inference.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
-    ap.add_argument("--dataset", default="sharegpt", help="zoo name, ShareGPT JSON or OpenAI-messages JSONL")
+    ap.add_argument("--dataset", default="sharegpt",
+                    help="zoo name (sharegpt; mt-bench or humaneval: their questions), ShareGPT JSON or OpenAI-messages JSONL")
     ap.add_argument("--out", required=True, help="output folder (conversations.jsonl); re-run to resume")
     ap.add_argument("--limit", type=int, default=None, help="first N usable conversations of the source (unset: all)")
     ap.add_argument("--batch-size", type=int, default=None, help="conversations per batch (default 64 on GPU, 4 on CPU)")

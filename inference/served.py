@@ -5,8 +5,9 @@ promise, the runtime and the predictor can be compared on the same text (inferen
 from __future__ import annotations
 
 
-def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[dict]:
-    """[{id, category, turns}] for a zoo benchmark, `sharegpt-heldout` or a JSON/JSONL file."""
+def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_out: frozenset[str] = frozenset()) -> list[dict]:
+    """[{id, category, turns}] for a zoo benchmark, `sharegpt-heldout` or a JSON/JSONL file;
+    questions whose first turn is in `leave_out` are not among them."""
     from data.sources import load_prompts
 
     if dataset == "sharegpt-heldout":
@@ -25,7 +26,17 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None) -> list[
         rows = load_prompts(dataset)
     if not rows:
         raise ValueError(f"--dataset {dataset}: no prompts")
+    rows = [r for r in rows if r["turns"][0] not in leave_out]
+    if not rows:
+        raise ValueError(f"--dataset {dataset}: every question is in the promise set (left out of serving)")
     return spread_over_categories(rows, limit) if limit else rows
+
+
+def first_questions(spec: str) -> frozenset[str]:
+    """The first user turn of every conversation of a data set (a promise set's questions)."""
+    from data.sources import load_conversations
+
+    return frozenset(next(m["content"] for m in conv if m["role"] == "user") for conv in load_conversations(spec))
 
 
 def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:

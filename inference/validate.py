@@ -2,6 +2,7 @@
 
     python -m inference.validate --drafter runs/eagle3/export --dataset mt-bench [-k 7] \
         [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--tree D,K,N] [--out DIR]
+        [--promise-set NAME]
 
 Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
@@ -9,7 +10,8 @@ per category and per turn, and compares them with the prediction stored in the e
 (`draftsmith.json`) at the served temperature and verification (the greedy promise at T = 0;
 at T > 0 the sampled one, inference/sampled_acceptance.py; with --tree, EAGLE-2 trees of that depth,
 top-k and node count served and held to the export's promise for that tree,
-inference/tree_acceptance.py). Exit 1 when
+inference/tree_acceptance.py; with --promise-set, the promise on that held-out set of
+eval.datasets, such as HumanEval's answered half, serving only the questions it did not walk). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
@@ -61,12 +63,18 @@ def turn_mix(predicted_per_turn: dict, measured_per_turn: dict) -> dict | None:
 
 def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_prompts: dict | None,
              per_category: dict, tolerance: float, temperature: float = 0.0, turns: dict | None = None,
-             budgets: tuple | None = None, export: str = "EXPORT", sampled_text: bool | None = None) -> list[str]:
+             budgets: tuple | None = None, export: str = "EXPORT", sampled_text: bool | None = None,
+             promise_set: str | None = None, left_out: int = 0) -> list[str]:
     """Plain sentences saying where predicted and measured part, and what that points at.
     turns: `turn_mix` output, when both sides know their turns. budgets: (tokens per answer the
     promise walked, None = whole answers; tokens per answer served). sampled_text: at T > 0,
-    whether the promise at T walked answers sampled at T (eval.sampled_answers)."""
+    whether the promise at T walked answers sampled at T (eval.sampled_answers). promise_set,
+    left_out: the held-out set held to (--promise-set) and how many of the data set's
+    questions were not served because that set walked them."""
     lines = []
+    if promise_set is not None:
+        lines.append(f"Promise set: held to the promise on {promise_set}; the {left_out} questions it walked were not "
+                     "served (a promise predicts for questions it did not see).")
     if temperature > 0 and predicted.get("temperature") and sampled_text is False:
         lines.append(f"Sampled text: the promise at T = {temperature:g} walked the target's greedy answers, while serving at "
                      f"T = {temperature:g} walks its samples (a small target's samples draft far worse: BENCHMARKS.md, "
@@ -132,10 +140,13 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
-             batch_size: int | None = None, tree: tuple[int, int, int] | None = None) -> dict:
+             batch_size: int | None = None, tree: tuple[int, int, int] | None = None,
+             promise_set: str | None = None) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
     total_tokens): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
-    promise (`trees` in its predicted acceptance, inference/tree_acceptance.py)."""
+    promise (`trees` in its predicted acceptance, inference/tree_acceptance.py). promise_set: the
+    held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
+    the first; the questions it walked are left out of serving."""
     import time
 
     import torch
@@ -155,6 +166,14 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     provenance = read_json(prov_path) if prov_path.is_file() else {}
     raw = provenance.get("predicted_acceptance")
     predicted = Prediction.from_dict(raw, f"{prov_path}: predicted_acceptance") if raw else None
+    walked = frozenset()
+    if promise_set is not None:
+        if predicted is None:
+            raise ValueError(f"--promise-set {promise_set}: {folder} carries no promise (no draftsmith.json)")
+        from inference.served import first_questions
+
+        predicted = predicted.for_set(promise_set)
+        walked = first_questions(promise_set)  # served questions must be ones the promise did not see
     if tree is not None:  # held to its own promise, found once the drafter is known to draft trees
         if temperature > 0:
             raise ValueError(f"--tree: a tree's promise is greedy for now (--temperature 0, not {temperature:g}; the runtime samples trees)")
@@ -188,7 +207,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.tree_acceptance import tree_proposers
 
         make_tree = tree_proposers(drafter, tree, rt.config)
-    questions = load_prompts_for(dataset, provenance, num_prompts)
+    questions = load_prompts_for(dataset, provenance, num_prompts, leave_out=walked)
+    left_out = sum(q["turns"][0] in walked for q in load_prompts_for(dataset, provenance, None)) if walked else 0
 
     planned = len(questions)
     batch_size = batch_size or (16 if device == "cuda" else 1)
@@ -245,7 +265,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
                                  (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
-                                 str(folder), promised_on_samples(provenance, temperature))))
+                                 str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)))
     write_report(report, Path(out))
     return report.to_dict()
 
@@ -348,6 +368,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
                     help="serve EAGLE-2 trees with the EAGLE-3 drafter (greedy) and hold them to the export's promise "
                          "for that tree (train with eval.trees)")
+    ap.add_argument("--promise-set", default=None, metavar="NAME",
+                    help="hold the served acceptance to the promise on this held-out set of eval.datasets (e.g. "
+                         "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
+                         "0.5`); the questions it walked are not served (unset: the first set's promise)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
     args = ap.parse_args(argv)
@@ -369,7 +393,8 @@ def main(argv=None) -> int:
         report = validate(args.drafter, args.dataset, args.target, args.k, args.temperature, args.tolerance,
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
-                          max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree)
+                          max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree,
+                          promise_set=args.promise_set)
     except (DataError, AssetError, ValueError, KeyError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -193,6 +193,17 @@ class Prediction:
         return next((p for p in self.heldout.sampled
                      if float(p.temperature) == float(temperature) and p.verification == verification), None)
 
+    def for_set(self, name: str) -> Prediction:
+        """The promise made on held-out set `name` (the first set or one of `also`) as a
+        Prediction of its own; a name the file does not hold is an error listing those it does."""
+        if name == self.dataset:
+            return self
+        if name not in self.also:
+            held = [n for n in (self.dataset, *self.also) if n]
+            raise ValueError(f"--promise-set {name}: the export promises on {', '.join(held) or 'no named set'} "
+                             "(train or `python -m train.promise` with that set in eval.datasets)")
+        return Prediction(self.also[name], name, self.k, self.step, self.temperature)
+
     def to_dict(self) -> dict:
         out = self.heldout.to_dict()
         out.update({key: value for key, value in (("dataset", self.dataset), ("k", self.k)) if value is not None})

@@ -4,6 +4,8 @@
 #   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
 #   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration (REGEN_MINUTES, more of a carried
 #                                                     # set), start the recipes in RUNS
+#   bash scripts/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
+#                                                     # and 1, HumanEval's half), then EAGLE-3, DFlash and MTP on their recipes
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
@@ -35,6 +37,9 @@ what=$1; shift
 R=/tmp/results
 mkdir -p $R
 REGEN=/tmp/regen/conversations.jsonl
+# held-out answers for the promises (`fresh`): ShareGPT's held-out questions answered greedily and
+# sampled at T = 1, and HumanEval's held-out half answered greedily
+HELD_T0=/tmp/held-t0/conversations.jsonl HELD_T1=/tmp/held-t1/conversations.jsonl HELD_HE=/tmp/held-he/conversations.jsonl
 NGPU=$(nvidia-smi -L | wc -l)
 # recipe:run-name:data:gpu[:override,override...]. One GPU: all share it. Two GPUs: EAGLE-3 on
 # regenerated answers alone on GPU 0 and EAGLE-3 on the original answers alone on GPU 1 (issue
@@ -67,8 +72,15 @@ start_runs() {  # RUNS-style specs, minutes each
     # EAGLE-3 and DFlash sharing the GPU, and their trainings were stopped before their exports;
     # in session 11 (the sampled walk's keys and values computed once) 16 took about 30 s, and
     # promised 11-16 % more than MT-bench measured: 64 again, the recipes' own default
-    if [ "$data" = regen ]; then ds=(data.dataset=$REGEN "eval.datasets=[$REGEN]"); else ds=("eval.datasets=[sharegpt]"); fi
+    case $data in
+      regen) ds=(data.dataset=$REGEN "eval.datasets=[$REGEN]") ;;
+      # the recipe's own data (original ShareGPT answers); promised on the target's answers to the
+      # held-out questions (greedy, and sampled at T = 1) and to HumanEval's held-out half (`fresh`)
+      held) ds=(data.dataset=sharegpt "eval.datasets=[$HELD_T0, $HELD_HE]" "eval.sampled_answers={1: $HELD_T1}") ;;
+      *) ds=("eval.datasets=[sharegpt]") ;;
+    esac
     ds+=(eval.num_sequences=${EVAL_SEQS:-64})
+    [ -n "${TREES:-}" ] && [[ $recipe == eagle3 ]] && ds+=("eval.trees=$TREES")  # the tree promise (EAGLE-3 drafts trees)
     CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
       "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
       data.num_workers=1 eval.every_n_steps=${EVAL_EVERY:-1000000} "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
@@ -187,6 +199,25 @@ part2)
   tail -n 2 $R/*-train.log
   collect
   ;;
+fresh)  # MINUTES: drafters from nothing (carry .dev2, after part1): the held-out answers the promises
+  # walk, then EAGLE-3, DFlash and MTP on their recipes as written, side by side for MINUTES, each
+  # promising on all held-out questions (EVAL_SEQS, default 256) at T = 0 and 1, on HumanEval's
+  # held-out half, and EAGLE-3 on draft trees (TREES, default [[4,4,24]])
+  minutes=$1
+  python3 -m inference.regenerate --dataset sharegpt --heldout-only 0.02 --out ${HELD_T0%/*} --batch-size 512 > $R/held-t0.log 2>&1 &
+  regen_pids=($!)
+  python3 -m inference.regenerate --dataset sharegpt --heldout-only 0.02 --temperature 1 --out ${HELD_T1%/*} --batch-size 512 \
+    > $R/held-t1.log 2>&1 &
+  regen_pids+=($!)
+  python3 -m inference.regenerate --dataset humaneval --heldout-only 0.5 --out ${HELD_HE%/*} --batch-size 256 > $R/held-he.log 2>&1
+  for pid in "${regen_pids[@]}"; do wait $pid; done
+  grep -a -h "wrote\|error\|already" $R/held-*.log
+  for f in $HELD_T0 $HELD_T1 $HELD_HE; do gzip -c $f > $OUT/$(basename ${f%/*}).jsonl.gz; done  # they come back too
+  EVAL_SEQS=${EVAL_SEQS:-256} TREES=${TREES-"[[4,4,24]]"} start_runs "${RUNS_FRESH:-eagle3:eagle3:held:0 dflash:dflash:held:0 mtp:mtp:held:0}" "$minutes"
+  sleep 45
+  tail -n 2 $R/*-train.log
+  collect
+  ;;
 wait)
   limit=$1; t0=$SECONDS
   # once, while the trainings run (the target is whole only after part2): every GPU-only test
@@ -221,7 +252,7 @@ bench)
   for d in /tmp/run-*; do
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
   done
-  drafters=$(ls -d /tmp/run-*/export 2> /dev/null | tr '\n' ' ')
+  drafters=$(ls -d /tmp/run-${BENCH_ONLY:-*}/export 2> /dev/null | tr '\n' ' ')  # BENCH_ONLY=NAME: that export alone
   # EAGLE-3 trees: a small sweep where they run graphed (eager trees are slow: one setting)
   trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,4,24 5,8,32 6,8,48" || echo "4,4,24")}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
@@ -337,7 +368,8 @@ serve)  # SPEC...: NAME[@t1-standard | @t1-block | @humaneval] each served in pa
     case $spec in
       *@t1-standard) bg $spec --temperature 1 --verification standard ;;
       *@t1-block) bg $spec --temperature 1 --verification block ;;
-      *@humaneval) bg $spec --dataset humaneval --num-prompts 164 ;;
+      # HumanEval against the promise on its held-out half (`fresh`), serving the other half
+      *@humaneval) bg $spec --dataset humaneval --num-prompts 164 $([ -f $HELD_HE ] && echo --promise-set $HELD_HE) ;;
       *@tree-*) t=${spec#*@tree-}; bg $spec --tree ${t//-/,} ;;  # NAME@tree-D-K-N: against the tree promise (TREES)
       *) bg $spec ;;
     esac

@@ -231,3 +231,34 @@ def test_sampled_answers_of_the_heldout_conversations_alone(tmp_path):
     assert sorted(a) == sorted(greedy) == want
     assert a == b and a != greedy
     assert json.loads((tmp_path / "a" / "regenerate.json").read_text())["decoding"] == "sampled at T = 1, seed 5"
+
+
+def test_a_benchmarks_questions_get_answers_and_half_of_them_make_a_heldout_set(tmp_path):
+    """--dataset humaneval --heldout-only 0.5: the target answers exactly the HumanEval questions
+    held out at 0.5 by prompt hash, each as a conversation of its question and the answer, which
+    training then reads as a chat file (a promise set of code answers)."""
+    from data.chat import _is_heldout
+    from data.sources import load_conversations, load_prompts, prompt_conversations
+
+    questions = prompt_conversations("humaneval")
+    assert len(questions) == len(load_prompts("humaneval"))
+    assert [m["role"] for m in questions[0]] == ["user", "assistant"] and questions[0][1]["content"] == ""
+    want = [i for i, c in enumerate(questions) if _is_heldout(c, 0.5)]
+    assert 0.3 * len(questions) < len(want) < 0.7 * len(questions)
+    from transformers import AutoTokenizer
+
+    from models.zoo import resolve_target
+
+    code = AutoTokenizer.from_pretrained(resolve_target("tiny-random-llama")).encode("return x", add_special_tokens=False)
+
+    def answer_in_code(model, prompts, max_new_tokens, eos_ids, **sampling):  # the tiny target's answers decode to nothing
+        return [code + [eos_ids[0]] for _ in prompts], None
+
+    regenerate("tiny-random-llama", "humaneval", tmp_path / "he", batch_size=64, max_new_tokens=4, max_length=1024,
+               heldout_only=0.5, generate_fn=answer_in_code)
+    rows = [json.loads(line) for line in (tmp_path / "he" / "conversations.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == want
+    for r in rows:
+        assert r["messages"] == [questions[r["id"]][0], {"role": "assistant", "content": "return x"}]
+    answered = load_conversations(str(tmp_path / "he" / "conversations.jsonl"))
+    assert len(answered) == len(want) and all(_is_heldout(c, 0.5) for c in answered)  # the same split, read back as chats

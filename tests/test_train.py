@@ -186,6 +186,31 @@ def test_predicted_on_several_heldout_sets(chat_file, tmp_path):
     assert exported["predicted_acceptance"]["dataset"] == str(other)
 
 
+def test_another_eval_set_is_scored_on_every_prompt_training_did_not_see(chat_file, tmp_path, tokenizer):
+    """eval.datasets beside the training data: a set of the same questions (answers regenerated)
+    keeps only its held-out split; a set of other questions (HumanEval's answered half) is held
+    out whole, however its own prompt hashes fall."""
+    from data.chat import build_datasets
+    from tests.conftest import make_conversations
+    from train.run import prepare_data
+
+    same = tmp_path / "same.jsonl"  # the training questions, other answers
+    rows = [json.loads(line) for line in open(chat_file)]
+    for r in rows:
+        r["messages"] = [m if m["role"] == "user" else {**m, "content": m["content"] + " again"} for m in r["messages"]]
+    same.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(40, seed=9)))
+    cfg = load_config(None, tiny_overrides(chat_file, tmp_path / "run") + [f"eval.datasets=[{chat_file}, {same}, {other}]"])
+    train, heldouts, _, _ = prepare_data(cfg, tokenizer, tokenizer.vocab_size)
+    own = heldouts[chat_file]
+    assert 0 < len(own) < len(train)
+    assert len(heldouts[str(same)]) == len(own)  # the same prompts: the same held-out split
+    other_train, other_heldout = build_datasets(str(other), tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction)
+    assert len(other_heldout) < len(other_train)  # its own hash split would keep a few...
+    assert len(heldouts[str(other)]) == len(other_train) + len(other_heldout)  # ...but training saw none of them
+
+
 def test_heldout_split_follows_the_prompt_not_the_answer():
     from data.chat import _is_heldout
 

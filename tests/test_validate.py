@@ -290,3 +290,43 @@ def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_p
         assert main(base + extra + ["--out", str(tmp_path / "bad")]) == 2, extra
         err = capsys.readouterr().err
         assert phrase in err and "Traceback" not in err, repr(err)
+
+
+def test_promise_set_holds_serving_to_that_sets_promise_and_serves_only_questions_it_did_not_walk(tiny_export, tmp_path):
+    """--promise-set NAME: the promise on that held-out set of eval.datasets (here HumanEval's
+    answered questions), and only questions that set did not walk are served; a set the export
+    does not promise on is one line naming those it does."""
+    import shutil
+
+    from data.sources import prompt_conversations
+    from inference.served import load_prompts_for
+    from inference.validate import validate
+
+    walked = prompt_conversations("humaneval")[:3]  # "answered" first three problems
+    he_set = tmp_path / "he.jsonl"
+    he_set.write_text("".join(json.dumps({"messages": [c[0], {"role": "assistant", "content": "return x"}]}) + "\n"
+                              for c in walked))
+    export = tmp_path / "export"
+    shutil.copytree(tiny_export, export)
+    meta = json.loads((export / "draftsmith.json").read_text())
+    own = {key: meta["predicted_acceptance"][key] for key in ("a", "tau", "histogram", "num_chains")}
+    own["a"] = [0.5 ** (i + 1) for i in range(len(own["a"]))]
+    own["tau"] = tau_at(own["a"], len(own["a"]))  # a promise unlike the first set's
+    meta["predicted_acceptance"]["also"] = {str(he_set): own}
+    (export / "draftsmith.json").write_text(json.dumps(meta))
+
+    served = load_prompts_for("humaneval", meta, 2, leave_out=frozenset(c[0]["content"] for c in walked))
+    assert [q["id"] for q in served] == ["HumanEval/3", "HumanEval/4"]
+    report = validate(str(export), "humaneval", num_prompts=2, max_new_tokens=8, out=str(tmp_path / "he"), device="cpu",
+                      tolerance=100, progress=False, promise_set=str(he_set))
+    assert report["predicted"]["tau"] == pytest.approx(tau_at(own["a"], len(own["a"])))
+    assert report["predicted"]["tau"] != pytest.approx(meta["predicted_acceptance"]["tau"])
+    assert report["num_questions"] == 2
+    assert report["diagnosis"][0].startswith(f"Promise set: held to the promise on {he_set}; the 3 questions")
+
+    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(export), "--dataset", "humaneval",
+                          "--promise-set", "elsewhere.jsonl", "--out", str(tmp_path / "x"), "--device", "cpu"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1].startswith("error: --promise-set elsewhere.jsonl: the export promises on ")
+    assert str(he_set) in res.stderr and not (tmp_path / "x" / "report.json").exists()

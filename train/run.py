@@ -104,13 +104,40 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     log.info("data: %d training / %d held-out conversations, %d assistant tokens; draft vocab %d covers %.1f%% of them",
              len(train), len(heldout), int(counts.sum()), vd, 100 * coverage(counts, t2d))
     heldouts = {}
+    trained_prompts = None  # the training split's prompts, read once another set needs them
     for name in eval_datasets(cfg):
-        heldouts[name] = heldout if name == cfg.data.dataset else build_datasets(
-            name, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction, cfg.data.num_proc, cfg.data.plain_text)[1]
+        if name == cfg.data.dataset:
+            heldouts[name] = heldout
+        else:
+            if trained_prompts is None:
+                trained_prompts = {_prompt_key(ids, mask) for ids, mask in zip(train["input_ids"], train["loss_mask"])}
+            heldouts[name] = not_trained_on(build_datasets(name, tokenizer, cfg.data.max_length, None,
+                                                           cfg.data.heldout_fraction, cfg.data.num_proc,
+                                                           cfg.data.plain_text, heldout_only=True), trained_prompts)
         if len(heldouts[name]) == 0:  # validation (and the promise) needs at least one
             raise ConfigError(f"data.heldout_fraction: no held-out conversations in {name} at {cfg.data.heldout_fraction} "
-                              "(held out by prompt hash); raise data.heldout_fraction or use more data")
+                              "(held out by prompt hash; another set: those whose prompt training did not see); "
+                              "raise data.heldout_fraction or use more data")
     return train, heldouts, d2t, t2d
+
+
+def _prompt_key(ids, mask) -> int:
+    """A conversation's prompt (its tokens before the first answer token), hashed."""
+    first = mask.index(1) if 1 in mask else len(mask)
+    return hash(tuple(ids[:first]))
+
+
+def not_trained_on(splits, trained_prompts: set[int]):
+    """A set other than the training data (eval.datasets), scored on every conversation whose
+    prompt training did not see: its own held-out split, then the rest of it minus the training
+    prompts. A set of the same source (ShareGPT beside its regenerated answers) keeps its
+    held-out split; a set of other questions (HumanEval's answered half) is held out whole."""
+    import datasets
+
+    rest, heldout = splits
+    unseen = [i for i, (ids, mask) in enumerate(zip(rest["input_ids"], rest["loss_mask"]))
+              if _prompt_key(ids, mask) not in trained_prompts]
+    return datasets.concatenate_datasets([heldout, rest.select(unseen)]) if unseen else heldout
 
 
 def sampled_heldouts(cfg: RunConfig, tokenizer, greedy_heldout) -> list:
