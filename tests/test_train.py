@@ -29,6 +29,9 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path, capsys):
     assert pred["predicted"]["k"] == 3 and len(pred["predicted"]["a"]) == 3
     assert 1.0 <= pred["predicted"]["tau"] <= 4.0 and pred["predicted"]["num_chains"] > 0
     assert summary["train_steps"] == 6
+    # the final walk's seconds by part, beside fit_seconds (no trees asked for: none spent there)
+    assert set(pred["walk_seconds"]) == {"greedy", "sampled", "trees"} and pred["walk_seconds"]["trees"] == 0
+    assert pred["walk_seconds"]["greedy"] > 0 and pred["walk_seconds"]["sampled"] > 0
     # the promise at T = 1 for standard and block verification (eval.temperatures default [0, 1])
     sampled = {(e["temperature"], e["verification"]): e for e in pred["predicted"]["sampled"]}
     assert set(sampled) == {(1.0, "standard"), (1.0, "block")}
@@ -184,6 +187,20 @@ def test_predicted_on_several_heldout_sets(chat_file, tmp_path):
     assert pred["num_chains"] > 0 and pred["also"][chat_file]["num_chains"] > 0
     exported = json.loads((out / "export" / "draftsmith.json").read_text())
     assert exported["predicted_acceptance"]["dataset"] == str(other)
+    assert pred["also"][chat_file]["sampled"]  # no sampled answers: every set walked at T = 1 on its text
+
+    # with answers sampled at T = 1 for the first set, the other sets promise nothing at T = 1 (a
+    # walk of their greedy text at T is not what serving at T sees)
+    from data.chat import _is_heldout
+
+    sampled = tmp_path / "sampled.jsonl"
+    sampled.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(80, seed=5) if _is_heldout(r["messages"], 0.1)))
+    out2 = tmp_path / "run2"
+    run(load_config(None, tiny_overrides(chat_file, out2, **{"trainer.max_steps": 2})
+                    + [f"eval.datasets=[{other}, {chat_file}]", f"eval.sampled_answers={{1: {sampled}}}"]))
+    pred = json.loads((out2 / "predicted.json").read_text())["predicted"]
+    assert {e["verification"] for e in pred["sampled"]} == {"standard", "block"}
+    assert "sampled" not in pred["also"][chat_file] and pred["also"][chat_file]["num_chains"] > 0
 
 
 def test_another_eval_set_is_scored_on_every_prompt_training_did_not_see(chat_file, tmp_path, tokenizer):

@@ -51,6 +51,7 @@ class DrafterModule(L.LightningModule):
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: Prediction | None = None
+        self.walk_seconds: dict[str, float] = {}  # the last validation's, by part (on_validation_epoch_start)
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         # then one loader per eval.sampled_answers set: the first set's promise at that T walks it
         self.sampled_text = [float(t) for t in sorted(evaluation.sampled_answers)]
@@ -239,9 +240,18 @@ class DrafterModule(L.LightningModule):
         # the tree promises (eval.trees): per tree [sets, 2, depth+1], as the chains' histogram
         self._tree_hist = {tuple(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
                            for t in self.evaluation.trees}
+        # seconds each part of this walk took (predicted.json's walk_seconds): a final walk that
+        # outlasts its training says where its time went (BENCHMARKS.md, sessions 10 and 15)
+        self.walk_seconds = {"greedy": 0.0, "sampled": 0.0, "trees": 0.0}
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def validation_step(self, batch, batch_idx, dataloader_idx: int = 0):
         ids, loss_mask, lengths = batch["input_ids"], batch["loss_mask"], batch["lengths"]
+        t0 = self._now()
         if dataloader_idx >= len(self.eval_names):  # answers sampled at T: the first set's promise at T only
             temperature = self.sampled_text[dataloader_idx - len(self.eval_names)]
             with torch.no_grad():
@@ -252,6 +262,7 @@ class DrafterModule(L.LightningModule):
                     self.target, self.drafter, ids, capped, lengths, self.evaluation.k,
                     self.evaluation.anchors_per_sequence, temperature, verification, self._sampling_generator,
                     features=self.drafter.features(out), last_hidden=out.last_hidden, per_turn=True)
+            self.walk_seconds["sampled"] += self._now() - t0
             return
         out, teacher, greedy = self._target_pass(ids)
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
@@ -266,13 +277,19 @@ class DrafterModule(L.LightningModule):
             self.log(f"val/acc_{s}{suffix}", a, batch_size=ids.shape[0], add_dataloader_idx=False)
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
                                                                    greedy, per_turn=True)
+        t1 = self._now()
+        self.walk_seconds["greedy"] += t1 - t0
         for temperature, verification in self._sampled_settings:
-            if dataloader_idx == 0 and temperature in self.sampled_text:
-                continue  # walked on the answers sampled at that temperature instead
+            if temperature in self.sampled_text:
+                # set 0 walks the answers sampled at T instead; the other sets have none, and a
+                # walk of their greedy text at T promises what serving at T does not see
+                continue
             self._sampled_hist[temperature, verification][dataloader_idx] += sampled_histogram(
                 self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
                 temperature, verification, self._sampling_generator, features=self.drafter.features(out),
                 last_hidden=out.last_hidden, per_turn=True)
+        t2 = self._now()
+        self.walk_seconds["sampled"] += t2 - t1
         if self._tree_hist:
             from inference.tree_acceptance import predicted_tree_histograms
 
@@ -281,6 +298,7 @@ class DrafterModule(L.LightningModule):
                                               greedy=greedy, per_turn=True)
             for tree, h in found.items():
                 self._tree_hist[tree][dataloader_idx] += h
+            self.walk_seconds["trees"] += self._now() - t2
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
@@ -311,7 +329,8 @@ class DrafterModule(L.LightningModule):
     def _heldout(hist, sampled: dict, trees: dict) -> HeldoutPrediction:
         """One held-out set's prediction from its per-turn histograms [2, k+1] (first answers,
         follow-up turns): greedy chains, sampled ones per (T, verification), trees per shape."""
-        promises = tuple(Promise(t, v, Acceptance.by_turn(h, with_error=True)) for (t, v), h in sampled.items())
+        # (a set not walked at T, beside answers sampled at T for the first set, has no promise there)
+        promises = tuple(Promise(t, v, Acceptance.by_turn(h, with_error=True)) for (t, v), h in sampled.items() if h.sum() > 0)
         if not trees:
             return HeldoutPrediction(Acceptance.by_turn(hist), promises)
         from inference.tree_acceptance import tree_promises

@@ -302,6 +302,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         "heldout_conversations": {name: min(cfg.eval.num_sequences, len(h)) for name, h in heldouts.items()},
         "train_steps": int(trainer.global_step),
         "fit_seconds": round(fit_seconds, 1),
+        "walk_seconds": {part: round(t, 1) for part, t in module.walk_seconds.items()},  # the final held-out walk
         "throughput": next(c for c in trainer.callbacks if isinstance(c, Throughput)).summary(),
     }
     if perplexity:
@@ -323,6 +324,9 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
                      provenance=provenance, runtime_only=True)
         if predicted:
             _print_prediction(predicted)
+            walk = summary["walk_seconds"]
+            print(f"final held-out walk: {sum(walk.values()):.1f} s (" + ", ".join(f"{part} {t:.1f} s" for part, t in walk.items())
+                  + ")")
         for stats in ([perplexity] + list(perplexity.get("also", {}).values())) if perplexity else []:
             print(f"target perplexity on held-out {stats['dataset']}: {stats['before']:.3f} before, "
                   f"{stats['after']:.3f} after ({stats['relative_change']:+.2%})")
