@@ -164,7 +164,7 @@ def drive_drafter(drafter, ids, features, anchors, k: int, step):
 @torch.no_grad()
 def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                       temperature: float, verification: str, generator=None, features=None, last_hidden=None,
-                      window: int = 128, per_turn: bool = False, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+                      window: int | None = None, per_turn: bool = False, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """The sampled counterpart of acceptance.predicted_histogram: expected accepted-length
     histogram [k+1] (float64; [2,k+1] with per_turn: first answers, follow-up turns) of chains
     drafted at temperature T and judged by `verification`, walked as serving walks the answers
@@ -175,6 +175,10 @@ def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_
     if features is None or last_hidden is None:
         out = target(ids)
         features, last_hidden = drafter.features(out), out.last_hidden
+    # anchors drafted together: each window runs the drafter over the whole text k times, so few
+    # large windows (a text's every anchor, as a rule) instead of many small ones; bounded by the
+    # [window, V] distributions each draft step holds (2^26 elements: 256 MB in float32)
+    window = window or max(128, 2**26 // target.head_weight.shape[0])
     hist = torch.zeros(2, k + 1, dtype=torch.float64)
     for b in range(ids.shape[0]):
         n = int(lengths[b])

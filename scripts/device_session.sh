@@ -6,6 +6,7 @@
 #                                                     # set), start the recipes in RUNS
 #   bash scripts/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
 #                                                     # and 1, HumanEval's half), then EAGLE-3, DFlash and MTP on their recipes
+#   bash scripts/device_session.sh tree-promise NAME  # a copy of a `fresh` EAGLE-3 export promising trees alone (TREES)
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
@@ -201,8 +202,9 @@ part2)
   ;;
 fresh)  # MINUTES: drafters from nothing (carry .dev2, after part1): the held-out answers the promises
   # walk, then EAGLE-3, DFlash and MTP on their recipes as written, side by side for MINUTES, each
-  # promising on all held-out questions (EVAL_SEQS, default 256) at T = 0 and 1, on HumanEval's
-  # held-out half, and EAGLE-3 on draft trees (TREES, default [[4,4,24]])
+  # promising on all held-out questions (EVAL_SEQS, default 256) at T = 0 and 1 and on HumanEval's
+  # held-out half (TREES="[[4,4,24]]": EAGLE-3 on draft trees too; session 15's final walks with
+  # trees outlasted the device time: `promise eagle3` with TREES makes the tree promise later)
   minutes=$1
   python3 -m inference.regenerate --dataset sharegpt --heldout-only 0.02 --out ${HELD_T0%/*} --batch-size 512 > $R/held-t0.log 2>&1 &
   regen_pids=($!)
@@ -213,7 +215,7 @@ fresh)  # MINUTES: drafters from nothing (carry .dev2, after part1): the held-ou
   for pid in "${regen_pids[@]}"; do wait $pid; done
   grep -a -h "wrote\|error\|already" $R/held-*.log
   for f in $HELD_T0 $HELD_T1 $HELD_HE; do gzip -c $f > $OUT/$(basename ${f%/*}).jsonl.gz; done  # they come back too
-  EVAL_SEQS=${EVAL_SEQS:-256} TREES=${TREES-"[[4,4,24]]"} start_runs "${RUNS_FRESH:-eagle3:eagle3:held:0 dflash:dflash:held:0 mtp:mtp:held:0}" "$minutes"
+  EVAL_SEQS=${EVAL_SEQS:-256} TREES=${TREES:-} start_runs "${RUNS_FRESH:-eagle3:eagle3:held:0 dflash:dflash:held:0 mtp:mtp:held:0}" "$minutes"
   sleep 45
   tail -n 2 $R/*-train.log
   collect
@@ -303,6 +305,22 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
   done
   wait "${pids[@]}" || true  # one failed promise still leaves the others' logs to print and collect
   for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/promise-$name.log | tail -5; cp /tmp/run-$name/export/draftsmith.json $R/$name-draftsmith.json 2>/dev/null; done
+  collect
+  ;;
+tree-promise)  # NAME...: a copy of each `fresh` export (/tmp/run-NAME-tree) promising draft trees alone
+  # (TREES, default [[4,4,24]]) on ShareGPT's held-out answers at T = 0: the export's own promise
+  # stays whole, and the tree walk runs apart from the trainings' final walks (session 15).
+  # Then: serve NAME-tree@tree-4-4-24
+  for name in "$@"; do
+    [ -d /tmp/run-$name/export ] || { echo "$name: no export"; continue; }
+    rm -rf /tmp/run-$name-tree && mkdir -p /tmp/run-$name-tree && cp -r /tmp/run-$name/export /tmp/run-$name-tree/
+    python3 -m train.promise /tmp/run-$name-tree/export "eval.trees=${TREES:-[[4,4,24]]}" "eval.datasets=[$HELD_T0]" \
+      eval.temperatures=[0] "eval.sampled_answers={}" eval.num_sequences=${PROMISE_SEQS:-256} --no-progress \
+      > $R/tree-promise-$name.log 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}" || true
+  for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/tree-promise-$name.log | tail -4; done
   collect
   ;;
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)
