@@ -161,6 +161,25 @@ def drive_drafter(drafter, ids, features, anchors, k: int, step):
 
 
 # ----------------------------------------------------------------------------- the held-out walk
+def sampled_window(drafter, k: int, length: int, vocab: int, anchors_per_sequence: int | None) -> int:
+    """Anchors drafted together by the sampled walk. Each window runs the drafter over the whole
+    text k times, so few large windows (a text's every anchor, as a rule) instead of many small
+    ones, bounded by the [window, V] distributions of a draft step (2^26 elements: 256 MB in
+    float32), by the anchors a capped walk can reach (anchors_per_sequence chains of at most
+    k + 1 tokens), and for a block drafter by its attention over the text and every block
+    ([window x B, T + window x B], at most 2^26 entries)."""
+    from models.methods import predictor_of
+
+    window = max(128, 2**26 // vocab)
+    if anchors_per_sequence:
+        window = min(window, max(1, anchors_per_sequence * (k + 1)))
+    if predictor_of(drafter) == "block":
+        block = getattr(getattr(drafter, "config", None), "block_size", None) or k + 1
+        while window > 128 and window * block * (length + window * block) > 2**26:
+            window //= 2
+    return window
+
+
 @torch.no_grad()
 def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                       temperature: float, verification: str, generator=None, features=None, last_hidden=None,
@@ -175,10 +194,7 @@ def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_
     if features is None or last_hidden is None:
         out = target(ids)
         features, last_hidden = drafter.features(out), out.last_hidden
-    # anchors drafted together: each window runs the drafter over the whole text k times, so few
-    # large windows (a text's every anchor, as a rule) instead of many small ones; bounded by the
-    # [window, V] distributions each draft step holds (2^26 elements: 256 MB in float32)
-    window = window or max(128, 2**26 // target.head_weight.shape[0])
+    window = window or sampled_window(drafter, k, ids.shape[1], target.head_weight.shape[0], anchors_per_sequence)
     hist = torch.zeros(2, k + 1, dtype=torch.float64)
     for b in range(ids.shape[0]):
         n = int(lengths[b])

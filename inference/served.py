@@ -5,9 +5,11 @@ promise, the runtime and the predictor can be compared on the same text (inferen
 from __future__ import annotations
 
 
-def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_out: frozenset[str] = frozenset()) -> list[dict]:
+def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_out: frozenset[str] = frozenset(),
+                     left_out: list | None = None) -> list[dict]:
     """[{id, category, turns}] for a zoo benchmark, `sharegpt-heldout` or a JSON/JSONL file;
-    questions whose first turn is in `leave_out` are not among them."""
+    questions whose first turn is in `leave_out` are not among them (appended to `left_out`
+    when given)."""
     from data.sources import load_prompts
 
     if dataset == "sharegpt-heldout":
@@ -26,6 +28,8 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_ou
         rows = load_prompts(dataset)
     if not rows:
         raise ValueError(f"--dataset {dataset}: no prompts")
+    if left_out is not None:
+        left_out.extend(r for r in rows if r["turns"][0] in leave_out)
     rows = [r for r in rows if r["turns"][0] not in leave_out]
     if not rows:
         raise ValueError(f"--dataset {dataset}: every question is in the promise set (left out of serving)")
@@ -33,10 +37,12 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_ou
 
 
 def first_questions(spec: str) -> frozenset[str]:
-    """The first user turn of every conversation of a data set (a promise set's questions)."""
+    """The first user turn of every conversation of a data set (a promise set's questions; a
+    conversation without a user turn asks nothing)."""
     from data.sources import load_conversations
 
-    return frozenset(next(m["content"] for m in conv if m["role"] == "user") for conv in load_conversations(spec))
+    firsts = (next((m["content"] for m in conv if m["role"] == "user"), None) for conv in load_conversations(spec))
+    return frozenset(q for q in firsts if q is not None)
 
 
 def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:

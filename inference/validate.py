@@ -173,6 +173,9 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.served import first_questions
 
         predicted = predicted.for_set(promise_set)
+        if temperature > 0 and tree is None and predicted.promise_at(temperature, verification) is None:
+            raise ValueError(f"--promise-set {promise_set}: no promise at T = {temperature:g} ({verification}) on that set "
+                             "(with eval.sampled_answers only the first set is walked at T > 0)")
         walked = first_questions(promise_set)  # served questions must be ones the promise did not see
     if tree is not None:  # held to its own promise, found once the drafter is known to draft trees
         if temperature > 0:
@@ -207,8 +210,9 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.tree_acceptance import tree_proposers
 
         make_tree = tree_proposers(drafter, tree, rt.config)
-    questions = load_prompts_for(dataset, provenance, num_prompts, leave_out=walked)
-    left_out = sum(q["turns"][0] in walked for q in load_prompts_for(dataset, provenance, None)) if walked else 0
+    not_served = []
+    questions = load_prompts_for(dataset, provenance, num_prompts, leave_out=walked, left_out=not_served)
+    left_out = len(not_served)
 
     planned = len(questions)
     batch_size = batch_size or (16 if device == "cuda" else 1)

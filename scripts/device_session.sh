@@ -120,6 +120,8 @@ V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --ma
 vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
        OMP_NUM_THREADS=2 timeout $(( ${VAL_MINUTES:-3} * 60 + 300 )) python3 -m inference.validate \
        --drafter /tmp/run-${name%%@*}/export "${V[@]}" --out $R/val-$name "$@" > $R/val-$name.log 2>&1; }
+# --promise-set for HumanEval when the export promises on HumanEval's held-out half (`fresh`)
+he_promise() { grep -qF "$HELD_HE" /tmp/run-$1/export/draftsmith.json 2> /dev/null && echo --promise-set $HELD_HE; }
 n_vt=0  # the GPUs in turn (counted here: a background job's variables do not come back)
 bg() { CUDA_VISIBLE_DEVICES=$((n_vt % NGPU)) vt "$@" & pids+=($!); n_vt=$((n_vt + 1)); }
 val_summary() { for f in $R/val-*.log; do echo "== $f"; grep -a "tau predicted\|Turns:\|gap\|reference\|error" "$f" | head -5; done; }
@@ -254,7 +256,8 @@ bench)
   for d in /tmp/run-*; do
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
   done
-  drafters=$(ls -d /tmp/run-${BENCH_ONLY:-*}/export 2> /dev/null | tr '\n' ' ')  # BENCH_ONLY=NAME: that export alone
+  # BENCH_ONLY=NAME: that export alone; tree-promise copies (run-NAME-tree) are the same weights
+  drafters=$(ls -d /tmp/run-${BENCH_ONLY:-*}/export 2> /dev/null | grep -v -- '-tree/export' | tr '\n' ' ')
   # EAGLE-3 trees: a small sweep where they run graphed (eager trees are slow: one setting)
   trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,4,24 5,8,32 6,8,48" || echo "4,4,24")}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
@@ -303,7 +306,7 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
       > $R/promise-$name.log 2>&1 &
     pids+=($!)
   done
-  wait "${pids[@]}" || true  # one failed promise still leaves the others' logs to print and collect
+  [ ${#pids[@]} -gt 0 ] && { wait "${pids[@]}" || true; }  # one failed promise still leaves the others' logs to print and collect
   for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/promise-$name.log | tail -5; cp /tmp/run-$name/export/draftsmith.json $R/$name-draftsmith.json 2>/dev/null; done
   collect
   ;;
@@ -319,8 +322,8 @@ tree-promise)  # NAME...: a copy of each `fresh` export (/tmp/run-NAME-tree) pro
       > $R/tree-promise-$name.log 2>&1 &
     pids+=($!)
   done
-  wait "${pids[@]}" || true
-  for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/tree-promise-$name.log | tail -4; done
+  [ ${#pids[@]} -gt 0 ] && { wait "${pids[@]}" || true; }  # (a bare wait would wait for the collector: forever)
+  for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/tree-promise-$name.log 2> /dev/null | tail -4; done
   collect
   ;;
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)
@@ -374,7 +377,7 @@ final | validate)
   bg mtp@t1-standard --temperature 1 --verification standard
   bg mtp@t1-block --temperature 1 --verification block
   # code answers (issue 21's second set), greedy, all 164 HumanEval problems where the time allows
-  for n in eagle3 dflash mtp; do bg $n@humaneval --dataset humaneval --num-prompts 164; done
+  for n in eagle3 dflash mtp; do bg $n@humaneval --dataset humaneval --num-prompts 164 $(he_promise $n); done
   wait "${pids[@]}"  # the validations and any ALONGSIDE runs
   [ -n "${ALONGSIDE:-}" ] && train_summary
   val_summary
@@ -386,13 +389,14 @@ serve)  # SPEC...: NAME[@t1-standard | @t1-block | @humaneval] each served in pa
     case $spec in
       *@t1-standard) bg $spec --temperature 1 --verification standard ;;
       *@t1-block) bg $spec --temperature 1 --verification block ;;
-      # HumanEval against the promise on its held-out half (`fresh`), serving the other half
-      *@humaneval) bg $spec --dataset humaneval --num-prompts 164 $([ -f $HELD_HE ] && echo --promise-set $HELD_HE) ;;
+      # HumanEval against the promise on its held-out half where the export made one (`fresh`),
+      # serving the other half
+      *@humaneval) bg $spec --dataset humaneval --num-prompts 164 $(he_promise ${spec%%@*}) ;;
       *@tree-*) t=${spec#*@tree-}; bg $spec --tree ${t//-/,} ;;  # NAME@tree-D-K-N: against the tree promise (TREES)
       *) bg $spec ;;
     esac
   done
-  wait "${pids[@]}"
+  [ ${#pids[@]} -gt 0 ] && wait "${pids[@]}"
   val_summary
   collect
   ;;

@@ -126,3 +126,21 @@ def test_predicted_sampled_acceptance_equals_the_runtime_mean(tmp_path, verifica
     predicted, predicted_se = expected_length.mean().item(), (expected_length.var() / N).sqrt().item()
     assert abs(predicted - measured) < 3 * (predicted_se**2 + measured_se**2) ** 0.5, \
         (verification, predicted, predicted_se, measured, measured_se)
+
+
+def test_sampled_window_takes_a_texts_anchors_at_once_within_its_bounds():
+    """Few large windows (the drafter runs over the whole text k times per window), bounded by
+    the [window, V] distributions, by what a capped walk can reach and, for a block drafter, by
+    its attention over the text and every block."""
+    from inference.sampled_acceptance import sampled_window
+    from models.dflash import DFlashConfig, DFlashDrafter
+
+    chain = object()  # a drafter of no method drafts chains
+    assert sampled_window(chain, 7, 2048, 49152, None) == 2**26 // 49152 == 1365
+    assert sampled_window(chain, 7, 2048, 10**7, None) == 128  # never fewer than 128 at once
+    assert sampled_window(chain, 3, 2048, 49152, 8) == 32  # 8 chains of at most 4 tokens each
+    block = DFlashDrafter.__new__(DFlashDrafter)
+    block.config = DFlashConfig.__new__(DFlashConfig)
+    block.config.block_size = 8
+    w = sampled_window(block, 7, 2048, 49152, None)
+    assert 128 <= w < 1365 and w * 8 * (2048 + w * 8) <= 2**26

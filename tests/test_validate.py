@@ -324,6 +324,18 @@ def test_promise_set_holds_serving_to_that_sets_promise_and_serves_only_question
     assert report["num_questions"] == 2
     assert report["diagnosis"][0].startswith(f"Promise set: held to the promise on {he_set}; the 3 questions")
 
+    # that set was not walked at T = 1 (only the first set is, on sampled answers): no promise there
+    with pytest.raises(ValueError, match="no promise at T = 1 .standard. on that set"):
+        validate(str(export), "humaneval", num_prompts=1, max_new_tokens=4, out=str(tmp_path / "t1"), device="cpu",
+                 progress=False, promise_set=str(he_set), temperature=1.0)
+    # a conversation that asks nothing (no user turn) is no question of the set
+    from inference.served import first_questions
+
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(he_set.read_text() + json.dumps({"messages": [{"role": "system", "content": "s"},
+                                                                 {"role": "assistant", "content": "a"}]}) + "\n")
+    assert first_questions(str(odd)) == {c[0]["content"] for c in walked}
+
     res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(export), "--dataset", "humaneval",
                           "--promise-set", "elsewhere.jsonl", "--out", str(tmp_path / "x"), "--device", "cpu"],
                          capture_output=True, text=True)

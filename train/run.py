@@ -110,7 +110,8 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
             heldouts[name] = heldout
         else:
             if trained_prompts is None:
-                trained_prompts = {_prompt_key(ids, mask) for ids, mask in zip(train["input_ids"], train["loss_mask"])}
+                trained_prompts = {_prompt_key(ids, mask) for batch in train.select_columns(["input_ids", "loss_mask"]).iter(1024)
+                                   for ids, mask in zip(batch["input_ids"], batch["loss_mask"])}
             heldouts[name] = not_trained_on(build_datasets(name, tokenizer, cfg.data.max_length, None,
                                                            cfg.data.heldout_fraction, cfg.data.num_proc,
                                                            cfg.data.plain_text, heldout_only=True), trained_prompts)
@@ -135,8 +136,9 @@ def not_trained_on(splits, trained_prompts: set[int]):
     import datasets
 
     rest, heldout = splits
-    unseen = [i for i, (ids, mask) in enumerate(zip(rest["input_ids"], rest["loss_mask"]))
-              if _prompt_key(ids, mask) not in trained_prompts]
+    rows = (pair for batch in rest.select_columns(["input_ids", "loss_mask"]).iter(1024)
+            for pair in zip(batch["input_ids"], batch["loss_mask"]))
+    unseen = [i for i, (ids, mask) in enumerate(rows) if _prompt_key(ids, mask) not in trained_prompts]
     return datasets.concatenate_datasets([heldout, rest.select(unseen)]) if unseen else heldout
 
 
