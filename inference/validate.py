@@ -11,7 +11,7 @@ per category and per turn, and compares them with the prediction stored in the e
 at T > 0 the sampled one, inference/sampled_acceptance.py; with --tree, EAGLE-2 trees of that depth,
 top-k and node count served and held to the export's promise for that tree,
 inference/tree_acceptance.py; with --promise-set, the promise on that held-out set of
-eval.datasets, such as HumanEval's answered half, serving only the questions it did not walk). Exit 1 when
+eval.datasets, such as HumanEval's answered half, serving only questions that set does not hold). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
@@ -73,7 +73,7 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
     questions were not served because that set walked them."""
     lines = []
     if promise_set is not None:
-        lines.append(f"Promise set: held to the promise on {promise_set}; the {left_out} questions it walked were not "
+        lines.append(f"Promise set: held to the promise on {promise_set}; the {left_out} questions that set holds were not "
                      "served (a promise predicts for questions it did not see).")
     if temperature > 0 and predicted.get("temperature") and sampled_text is False:
         lines.append(f"Sampled text: the promise at T = {temperature:g} walked the target's greedy answers, while serving at "
@@ -146,7 +146,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     total_tokens): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
     promise (`trees` in its predicted acceptance, inference/tree_acceptance.py). promise_set: the
     held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
-    the first; the questions it walked are left out of serving."""
+    the first; the questions that set holds are left out of serving."""
     import time
 
     import torch
@@ -375,7 +375,7 @@ def main(argv=None) -> int:
     ap.add_argument("--promise-set", default=None, metavar="NAME",
                     help="hold the served acceptance to the promise on this held-out set of eval.datasets (e.g. "
                          "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
-                         "0.5`); the questions it walked are not served (unset: the first set's promise)")
+                         "0.5`); the questions that set holds are not served (unset: the first set's promise)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
     args = ap.parse_args(argv)

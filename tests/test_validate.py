@@ -322,7 +322,7 @@ def test_promise_set_holds_serving_to_that_sets_promise_and_serves_only_question
     assert report["predicted"]["tau"] == pytest.approx(tau_at(own["a"], len(own["a"])))
     assert report["predicted"]["tau"] != pytest.approx(meta["predicted_acceptance"]["tau"])
     assert report["num_questions"] == 2
-    assert report["diagnosis"][0].startswith(f"Promise set: held to the promise on {he_set}; the 3 questions")
+    assert report["diagnosis"][0].startswith(f"Promise set: held to the promise on {he_set}; the 3 questions that set holds")
 
     # that set was not walked at T = 1 (only the first set is, on sampled answers): no promise there
     with pytest.raises(ValueError, match="no promise at T = 1 .standard. on that set"):
