@@ -115,11 +115,13 @@ def tree_lengths(target, p, ids, greedy, hidden, anchors, depth: int, top_k: int
 
 @torch.no_grad()
 def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, anchors_per_sequence: int | None,
-                              features=None, greedy=None, window: int = 32, per_turn: bool = False) -> dict:
+                              features=None, greedy=None, window: int | None = None, per_turn: bool = False) -> dict:
     """{(depth, top_k, total_tokens): accepted-length histogram [depth+1]} of the trees the runtime
     drafts, walked as serving walks (`acceptance.predicted_histogram`'s arguments; per_turn:
     [2, depth+1], first answer span then later spans). Trees are drafted `window` anchors at a
-    time (each reads the text's cache up to its anchor: memory ~ window x T entries)."""
+    time (each reads the text's cache up to its anchor: memory ~ window x T entries); by default
+    128, or what a capped walk reaches (anchors_per_sequence trees of at most depth + 1 tokens):
+    a window's launches are the same for 32 anchors or 128, and a text's walk takes ~T / window."""
     from inference.drafter_proposers import Eagle3Proposer
 
     check_tree_drafter(drafter)
@@ -128,6 +130,9 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
         features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
     hists = {tuple(t): torch.zeros(2, t[0] + 1, dtype=torch.long) for t in trees}
+    if window is None:
+        deepest = max(t[0] for t in hists)
+        window = min(128, anchors_per_sequence * (deepest + 1)) if anchors_per_sequence else 128
     # the runtime's fused weights, taken now (training moves them between validations); drafting
     # in the drafter's own dtype whatever the training's autocast, as the runtime's proposer drafts
     with torch.autocast(ids.device.type, enabled=False):

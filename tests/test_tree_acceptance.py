@@ -55,13 +55,14 @@ def _measured(served, tree) -> list[int]:
     return stats.histogram
 
 
-def _walked(served, tree, texts=None) -> list[int]:
+def _walked(served, tree, texts=None, window=None) -> list[int]:
     prompts, plain, drafter, _, target = served
     hist = torch.zeros(tree[0] + 1, dtype=torch.long)
     for p, o in texts or zip(prompts, plain):
         ids = torch.tensor([p + o])
         mask = torch.tensor([[0] * len(p) + [1] * len(o)])
-        hist += predicted_tree_histograms(target, drafter, ids, mask, torch.tensor([ids.shape[1]]), [tree], None)[tree]
+        hist += predicted_tree_histograms(target, drafter, ids, mask, torch.tensor([ids.shape[1]]), [tree], None,
+                                          window=window)[tree]
     return hist.tolist()
 
 
@@ -83,6 +84,7 @@ def test_the_walk_predicts_the_tree_histogram_the_runtime_measures(served):
     finally:
         del target.greedy_after_chains
     assert walked == measured
+    assert _walked(served, tree, window=2) == measured  # windows batch the trees; they change none
     assert acceptance_from_histogram(walked)["tau"] == acceptance_from_histogram(measured)["tau"]
     # the target's own answers judge every tree but those running past their end
     assert all(a + 1 + c >= n for n, anchors, c in calls for a in anchors), calls
