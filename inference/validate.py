@@ -70,7 +70,7 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
     promise walked, None = whole answers; tokens per answer served). sampled_text: at T > 0,
     whether the promise at T walked answers sampled at T (eval.sampled_answers). promise_set,
     left_out: the held-out set held to (--promise-set) and how many of the data set's
-    questions were not served because that set walked them."""
+    questions were not served because that set holds them."""
     lines = []
     if promise_set is not None:
         lines.append(f"Promise set: held to the promise on {promise_set}; the {left_out} questions that set holds were not "
