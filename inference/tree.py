@@ -43,6 +43,7 @@ class TreeCandidates(NamedTuple):
     frontier: torch.Tensor  # [B,F] candidate indices to expand (-1 = the root itself)
     frontier_scores: torch.Tensor  # [B,F]
     ancestors: torch.Tensor  # [B,C,C] bool: candidate i is j or descends from j (`ancestor_mask` of parents)
+    level: int = 0  # the frontier's depth (0: the root): every frontier node is a child of the last expansion
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
@@ -86,19 +87,16 @@ def expand_depth(state: TreeCandidates, child_tokens, child_logprobs, top_k: int
     B, F, k = child_tokens.shape
     C = state.tokens.shape[1]
     scores = (state.frontier_scores[:, :, None] + child_logprobs.float().clamp_max(0)).reshape(B, F * k)
-    if C:
-        parent_depth = torch.where(state.frontier >= 0, state.depths.gather(1, state.frontier.clamp_min(0)), 0)
-    else:
-        parent_depth = torch.zeros_like(state.frontier)
     parents = state.frontier[:, :, None].expand(B, F, k).reshape(B, F * k)
-    depths = (parent_depth + 1)[:, :, None].expand(B, F, k).reshape(B, F * k)
+    # the frontier is one depth (the last expansion's best children), so its children are the next
+    depths = torch.full((B, F * k), state.level + 1, dtype=torch.long, device=child_tokens.device)
     order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :top_k]  # [B,top_k]
     return TreeCandidates(torch.cat([state.tokens, child_tokens.reshape(B, F * k)], 1),
                           torch.cat([state.parents, parents], 1),
                           torch.cat([state.scores, scores], 1),
                           torch.cat([state.depths, depths], 1),
                           C + order, scores.gather(1, order),
-                          extend_ancestors(state.ancestors, parents))
+                          extend_ancestors(state.ancestors, parents), state.level + 1)
 
 
 def extend_ancestors(ancestors: torch.Tensor, new_parents: torch.Tensor) -> torch.Tensor:
