@@ -101,13 +101,16 @@ def expand_depth(state: TreeCandidates, child_tokens, child_logprobs, top_k: int
 
 def extend_ancestors(ancestors: torch.Tensor, new_parents: torch.Tensor) -> torch.Tensor:
     """[B,C,C] ancestor matrix of C candidates, [B,n] parents of n new ones (candidate indices
-    < C, -1 = the root) → [B,C+n,C+n]: a new candidate's row is its parent's row plus itself.
+    < C; -1, the root, only while there are no candidates: EAGLE-2 expands the root, then
+    candidates alone) → [B,C+n,C+n]: a new candidate's row is its parent's row plus itself.
     Kept level by level, so a tree's mask costs a few gathers instead of `ancestor_mask`'s
     log2(N) matmuls at every depth (launches are what a tree step on a GPU pays for)."""
     B, C, _ = ancestors.shape
     n = new_parents.shape[1]
-    rows = ancestors.gather(1, new_parents.clamp_min(0)[..., None].expand(B, n, C)) & (new_parents >= 0)[..., None]
     eye = torch.eye(n, dtype=torch.bool, device=ancestors.device).expand(B, n, n)
+    if C == 0:  # the root's children: each is its only candidate ancestor
+        return eye.contiguous()
+    rows = ancestors.gather(1, new_parents[..., None].expand(B, n, C))
     return torch.cat([torch.nn.functional.pad(ancestors, (0, n)), torch.cat([rows, eye], 2)], 1)
 
 
