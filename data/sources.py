@@ -193,6 +193,11 @@ def _from_hf(spec: str, limit: int | None):
 PROMPT_SETS = ("mt-bench", "humaneval")  # benchmarks of questions without answers
 
 
+def first_user_turn(messages: list[dict]) -> str | None:
+    """A conversation's first question (None: it asks nothing)."""
+    return next((m["content"] for m in messages if m.get("role") == "user"), None)
+
+
 def prompt_conversations(spec: str, limit: int | None = None) -> list[list[dict]]:
     """A benchmark's questions as conversations waiting for answers (inference.regenerate fills
     them): each user turn followed by an empty assistant turn, in the benchmark's order."""

@@ -123,6 +123,12 @@ def walk_answer(answer: list[bool], anchors_per_sequence: int | None, window: in
         yield a, later, lengths_at[a]
 
 
+def window_for(anchors_per_sequence: int | None, k: int, largest: int) -> int:
+    """Anchors to measure at once: `largest`, or fewer when a walk capped at anchors_per_sequence
+    chains of at most k + 1 tokens reaches fewer (measuring past them is wasted)."""
+    return min(largest, max(1, anchors_per_sequence * (k + 1))) if anchors_per_sequence else largest
+
+
 def anchorable_from(answer: list[bool], a0: int):
     """Anchors a >= a0 that can start a chain: x_{a+1} is answer text and not its span's last
     token (serving stops after that token)."""

@@ -71,14 +71,12 @@ def read_finished(path: Path) -> set[int]:
     return {json.loads(line)["id"] for line in _lines(data[:keep])}
 
 
-def _first_user_turn(messages: list[dict]) -> str | None:
-    return next((m["content"] for m in messages if m.get("role") == "user"), None)
-
-
 def _continue_from(old: Path, path: Path, shard: tuple[int, int], finished: set[int], conversations) -> int:
     """Append `old`'s lines of this shard's ids that `path` lacks; returns how many. Each line
     must be a conversation of this source (same id, same first question): a file of another
     data set or limit would otherwise be merged silently. An unfinished last line is left out."""
+    from data.sources import first_user_turn
+
     data = old.read_bytes()
     data = data[: data.rfind(b"\n") + 1] if not data.endswith(b"\n") and b"\n" in data else data
     lines = []
@@ -90,7 +88,7 @@ def _continue_from(old: Path, path: Path, shard: tuple[int, int], finished: set[
             raise ValueError(f"{old}, line {n}: not a line of regenerated conversations (invalid JSON or no \"id\")") from None
         if not isinstance(i, int) or not 0 <= i < len(conversations):
             raise ValueError(f"{old}, line {n}: id {i!r} is not a conversation of this source ({len(conversations)})")
-        if "messages" in record and _first_user_turn(record["messages"]) != _first_user_turn(conversations[i]):
+        if "messages" in record and first_user_turn(record["messages"]) != first_user_turn(conversations[i]):
             raise ValueError(f"{old}, line {n}: conversation {i} asks another first question than this source's "
                              "(another data set or --limit?)")
         if i % shard[1] == shard[0] and i not in finished:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.acceptance import walk_answer
+from inference.acceptance import walk_answer, window_for
 from inference.verify import sampling_probs
 from models.acceptance import Acceptance
 
@@ -170,9 +170,7 @@ def sampled_window(drafter, k: int, length: int, vocab: int, anchors_per_sequenc
     ([window x B, T + window x B], at most 2^26 entries)."""
     from models.methods import predictor_of
 
-    window = max(128, 2**26 // vocab)
-    if anchors_per_sequence:
-        window = min(window, max(1, anchors_per_sequence * (k + 1)))
+    window = window_for(anchors_per_sequence, k, max(128, 2**26 // vocab))
     if predictor_of(drafter) == "block":
         block = getattr(getattr(drafter, "config", None), "block_size", None) or k + 1
         while window > 128 and window * block * (length + window * block) > 2**26:

@@ -39,10 +39,9 @@ def load_prompts_for(dataset: str, provenance: dict, limit: int | None, leave_ou
 def first_questions(spec: str) -> frozenset[str]:
     """The first user turn of every conversation of a data set (a promise set's questions; a
     conversation without a user turn asks nothing)."""
-    from data.sources import load_conversations
+    from data.sources import first_user_turn, load_conversations
 
-    firsts = (next((m["content"] for m in conv if m["role"] == "user"), None) for conv in load_conversations(spec))
-    return frozenset(q for q in firsts if q is not None)
+    return frozenset(q for q in map(first_user_turn, load_conversations(spec)) if q is not None)
 
 
 def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.acceptance import anchorable_from, walk_answer
+from inference.acceptance import anchorable_from, walk_answer, window_for
 from inference.tree import greedy_tree_verify
 from inference.tree_decoding import draft_eagle_tree, tree_candidate_count
 from models.acceptance import Acceptance, Prediction, TreePromise
@@ -130,9 +130,7 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
         features = drafter.features(out)
         _, greedy = target.head_outputs(out.last_hidden)
     hists = {tuple(t): torch.zeros(2, t[0] + 1, dtype=torch.long) for t in trees}
-    if window is None:
-        deepest = max(t[0] for t in hists)
-        window = min(128, anchors_per_sequence * (deepest + 1)) if anchors_per_sequence else 128
+    window = window or window_for(anchors_per_sequence, max(t[0] for t in hists), 128)
     # the runtime's fused weights, taken now (training moves them between validations); drafting
     # in the drafter's own dtype whatever the training's autocast, as the runtime's proposer drafts
     with torch.autocast(ids.device.type, enabled=False):

@@ -110,7 +110,8 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
             heldouts[name] = heldout
         else:
             if trained_prompts is None:
-                trained_prompts = {_prompt_key(ids, mask) for batch in train.select_columns(["input_ids", "loss_mask"]).iter(1024)
+                batches = train.select_columns(["input_ids", "loss_mask"]).iter(1024)
+                trained_prompts = {hash(prompt_tokens(ids, mask)) for batch in batches
                                    for ids, mask in zip(batch["input_ids"], batch["loss_mask"])}
             heldouts[name] = not_trained_on(build_datasets(name, tokenizer, cfg.data.max_length, None,
                                                            cfg.data.heldout_fraction, cfg.data.num_proc,
@@ -122,10 +123,10 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
     return train, heldouts, d2t, t2d
 
 
-def _prompt_key(ids, mask) -> int:
-    """A conversation's prompt (its tokens before the first answer token), hashed."""
+def prompt_tokens(ids, mask) -> tuple:
+    """A tokenized conversation's prompt: its tokens before the first answer token."""
     first = mask.index(1) if 1 in mask else len(mask)
-    return hash(tuple(ids[:first]))
+    return tuple(ids[:first])
 
 
 def not_trained_on(splits, trained_prompts: set[int]):
@@ -138,7 +139,7 @@ def not_trained_on(splits, trained_prompts: set[int]):
     rest, heldout = splits
     rows = (pair for batch in rest.select_columns(["input_ids", "loss_mask"]).iter(1024)
             for pair in zip(batch["input_ids"], batch["loss_mask"]))
-    unseen = [i for i, (ids, mask) in enumerate(rows) if _prompt_key(ids, mask) not in trained_prompts]
+    unseen = [i for i, (ids, mask) in enumerate(rows) if hash(prompt_tokens(ids, mask)) not in trained_prompts]
     return datasets.concatenate_datasets([heldout, rest.select(unseen)]) if unseen else heldout
 
 
@@ -148,17 +149,14 @@ def sampled_heldouts(cfg: RunConfig, tokenizer, greedy_heldout) -> list:
     `greedy_heldout`, matched by prompt: the tokens before the first answer), in that order."""
     from data.chat import build_datasets
 
-    def prompt_of(row):
-        ids, mask = row["input_ids"], row["loss_mask"]
-        return tuple(ids[: mask.index(1)])
-
-    walked = [prompt_of(r) for r in greedy_heldout.select(range(min(cfg.eval.num_sequences, len(greedy_heldout))))]
+    first = greedy_heldout.select(range(min(cfg.eval.num_sequences, len(greedy_heldout))))
+    walked = [prompt_tokens(r["input_ids"], r["loss_mask"]) for r in first]
     sets = []
     for t in sorted(cfg.eval.sampled_answers):
         spec = cfg.eval.sampled_answers[t]
         heldout = build_datasets(spec, tokenizer, cfg.data.max_length, None, cfg.data.heldout_fraction,
                                  cfg.data.num_proc, cfg.data.plain_text, heldout_only=True)[1]
-        where = {prompt_of(r): i for i, r in enumerate(heldout)}
+        where = {prompt_tokens(r["input_ids"], r["loss_mask"]): i for i, r in enumerate(heldout)}
         rows = [where[p] for p in walked if p in where]
         if not rows:
             raise ConfigError(f"eval.sampled_answers: {spec} (T = {t:g}) holds none of the held-out conversations of "
