@@ -90,6 +90,12 @@ def flash_supported(q: torch.Tensor) -> bool:
 
 def ttt_attention(q, keys: list, values: list) -> torch.Tensor:
     """Exact TTT attention. q [B,h,T,d]; keys/values: s+1 tensors [B,h,T,d] (step 0 first)."""
+    # under CPU autocast the projections can come out in mixed dtypes (q float32 from the rotary
+    # embedding, k / v bfloat16): the flash kernels take one dtype, the widest of them
+    dtype = q.dtype
+    for t in (*keys, *values):
+        dtype = torch.promote_types(dtype, t.dtype)
+    q, keys, values = q.to(dtype), [kk.to(dtype) for kk in keys], [vv.to(dtype) for vv in values]
     if len(keys) == 1:
         return F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
     if not flash_supported(q):

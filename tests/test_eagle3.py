@@ -159,3 +159,16 @@ def test_drafters_keep_rope_frequencies_float32_when_cast():
         d = d.to(torch.bfloat16)
         assert d.inv_freq.dtype == torch.float32 and torch.equal(d.inv_freq, exact), type(d).__name__
         assert next(d.parameters()).dtype == torch.bfloat16  # everything else is cast
+
+
+def test_ttt_attention_takes_mixed_dtypes_as_cpu_autocast_leaves_them():
+    # a GPU-trained export's promise made on a CPU (bf16-mixed): q float32, keys and values bf16
+    torch.manual_seed(0)
+    B, h, T, d = 1, 2, 9, 8
+    q = torch.randn(B, h, T, d)
+    ks = [torch.randn(B, h, T, d).bfloat16() for _ in range(3)]
+    vs = [torch.randn(B, h, T, d).bfloat16() for _ in range(3)]
+    out = ttt_attention(q, ks, vs)
+    ref = ttt_attention_reference(q, [k.float() for k in ks], [v.float() for v in vs])
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
