@@ -225,9 +225,14 @@ def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | 
     step reaches. Needs distinct sibling tokens (top-k ids are): with two equal siblings the
     deeper match would be preferred. Returns (path [B,max_depth], length [B], bonus [B]), as
     `greedy_tree_verify`, whose matching it is."""
+    return greedy_tree_verify(tree_tokens, parents, sampled_tree_choice(target_probs, u), max_depth, ancestors)
+
+
+def sampled_tree_choice(target_probs, u):
+    """target_probs [B,N+1,V], u [B,N+1] → [B,N+1]: one draw from the target after the root and
+    after each node (inverse CDF), the `choice` greedy matching reads."""
     B, N1, V = target_probs.shape
-    choice = inverse_cdf(target_probs.reshape(B * N1, V).float(), u.reshape(B * N1)).view(B, N1)
-    return greedy_tree_verify(tree_tokens, parents, choice, max_depth, ancestors)
+    return inverse_cdf(target_probs.reshape(B * N1, V).float(), u.reshape(B * N1)).view(B, N1)
 
 
 def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
@@ -313,27 +318,34 @@ def compaction_index(path, base_positions):
     return torch.where(valid, base_positions[:, None] + 1 + path, dst), dst, valid
 
 
-def compact_cache(k_cache, v_cache, src_positions, dst_positions, valid):
-    """Move cache entries [..., B,nkv,S,d] by position, in place: entry src[b, j] → dst[b, j]
-    where valid[b, j], in every leading index (a target's layers [L,B,nkv,S,d] at once: one
-    gather and one scatter per cache, where a loop over 30 layers launched ~450 kernels and
-    cost ~1.2 ms of a verify step on an H200); nothing else changes. All sources are read
-    before any write.
-
-    Graph-safe and deterministic: invalid slots are redirected to repeat a valid move of their
-    row (or, in a row with none, to copy one slot onto itself), so every duplicate index of the
-    scatter writes the same value; no host sync, no data-dependent shapes."""
-    B, L = valid.shape
-    S = k_cache.shape[-2]
+def compaction_moves(src_positions, dst_positions, valid, slots: int):
+    """(src, dst, valid) [B,D] → (src, dst) [B,D] with every slot a move, so that the moves
+    are graph-safe and deterministic: invalid slots are redirected to repeat a valid move of
+    their row (or, in a row with none, to copy one slot onto itself), so every duplicate index
+    of the scatter writes the same value; no host sync, no data-dependent shapes."""
     last = (valid.long().sum(1) - 1).clamp_min(0)[:, None]  # [B,1] the row's last valid move
     any_valid = valid.any(1, keepdim=True)
-    still = dst_positions[:, :1].clamp(0, S - 1)
+    still = dst_positions[:, :1].clamp(0, slots - 1)
     fill_src = torch.where(any_valid, src_positions.gather(1, last), still)
     fill_dst = torch.where(any_valid, dst_positions.gather(1, last), still)
-    src = torch.where(valid, src_positions, fill_src)
-    dst = torch.where(valid, dst_positions, fill_dst)
+    return torch.where(valid, src_positions, fill_src), torch.where(valid, dst_positions, fill_dst)
+
+
+def move_entries(k_cache, v_cache, src, dst):
+    """Cache entries [..., B,nkv,S,d] moved by position, in place: entry src[b, j] → dst[b, j]
+    in every leading index (a target's layers [L,B,nkv,S,d] at once: one gather and one
+    scatter per cache, where a loop over 30 layers launched ~450 kernels and cost ~1.2 ms of a
+    verify step on an H200). All sources are read before any write; src, dst [B,D] as
+    `compaction_moves` leaves them."""
+    L = src.shape[1]
     for cache in (k_cache, v_cache):
         shape = (*cache.shape[:-2], L, cache.shape[-1])  # [..., B, nkv, L, d]
         moved = cache.gather(-2, src[:, None, :, None].expand(shape))
         cache.scatter_(-2, dst[:, None, :, None].expand(shape), moved)
     return k_cache, v_cache
+
+
+def compact_cache(k_cache, v_cache, src_positions, dst_positions, valid):
+    """Move cache entries [..., B,nkv,S,d] by position, in place: entry src[b, j] → dst[b, j]
+    where valid[b, j]; nothing else changes (`compaction_moves`, then `move_entries`)."""
+    return move_entries(k_cache, v_cache, *compaction_moves(src_positions, dst_positions, valid, k_cache.shape[-2]))

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
-from inference.tree import Tree, compact_cache, compaction_index, expand_depth, finalize, \
-    greedy_tree_verify, sampled_tree_verify, start_tree
+from inference.tree import Tree, expand_depth, finalize, move_entries, sampled_tree_choice, start_tree
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
+from kernels.tree_accept import tree_accept
 from kernels.tree_attention import tree_attention
 
 
@@ -162,18 +162,17 @@ class TreeLoop(SpecLoop):
         if self.temperature > 0:  # one draw from the target after the root and each node, matched down the tree
             probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
             u = torch.rand(probs.shape[:2], device=probs.device, generator=self.generator)
-            path, accepted, bonus = sampled_tree_verify(tree.tokens, tree.parents, probs, u, self.k, tree.mask)
+            choice = sampled_tree_choice(probs, u)
         else:
-            path, accepted, bonus = greedy_tree_verify(tree.tokens, tree.parents, logits.argmax(-1), self.k, tree.mask)
-        path_tokens = torch.where(path >= 0, tree.tokens.gather(1, path.clamp_min(0)), -1)  # [B,D]
-        active = ~self.done
-        self.emit(path_tokens, accepted, bonus)
+            choice = logits.argmax(-1)  # [B,N+1]
+        # the accepted path, what is emitted, the cache's moves and the proposer's next input
+        # (one launch on a GPU: kernels/tree_accept.py)
+        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root[:, 0], ~self.done, self.k,
+                               cache.k.shape[-2])
+        self.emit(accepted.path_tokens, accepted.length, accepted.bonus)
         # the accepted path's entries move from their tree slots to the slots after the root
-        src, dst, valid = compaction_index(path, base)
-        valid = valid & active[:, None]
-        compact_cache(cache.k, cache.v, src, dst, valid)  # every layer at once: [L,B,nkv,S,d]
+        move_entries(cache.k, cache.v, accepted.src, accepted.dst)  # every layer at once: [L,B,nkv,S,d]
         # the proposer takes in the path like a chain: [root, path tokens] with their features
-        index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)  # [B,D+1]
-        self.fed = torch.cat([root, path_tokens.clamp_min(0)], 1)
-        self.aux = None if aux is None else aux.gather(1, index[..., None].expand(-1, -1, aux.shape[-1]))
-        self.accepted, self.bonus = accepted, bonus
+        self.fed = accepted.fed
+        self.aux = None if aux is None else aux.gather(1, accepted.index[..., None].expand(-1, -1, aux.shape[-1]))
+        self.accepted, self.bonus = accepted.length, accepted.bonus

@@ -65,6 +65,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print {proposer: {phase: launches}} as JSON instead")
+    ap.add_argument("--only", help="this proposer alone (eagle3, eagle3-tree, ...), every aten op of its phases listed")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -90,7 +91,7 @@ def main(argv=None):
             launches.clear()
             with LaunchCounter() as ops:
                 getattr(self, phase)()
-            rows[(name, phase)] = (sum(ops.ops.values()), launches["triton"], ops.ops.most_common(5))
+            rows[(name, phase)] = (sum(ops.ops.values()), launches["triton"], ops.ops.most_common(None if args.only else 5))
         return {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 1, "syncs": 1}
 
     spec_loop.SpecLoop.run = counting_run
@@ -103,6 +104,8 @@ def main(argv=None):
                                                          max_len=tree_len, target_config=rt.config)
     lengths = {"eagle3-tree": tree_len}
     for name, make in proposers.items():
+        if args.only and name != args.only:
+            continue
         generate(rt, prompts, 8, proposer=make(), max_len=lengths.get(name, max_len))
     if args.json:
         import json

@@ -19,8 +19,9 @@ CEILINGS = {
     # session 14 kept the ancestor matrix level by level and sent the rotary and candidate writes
     # through kernels/rope_cache (114 / 291 before; 98 / 263 measured 0.87 ms of drafting);
     # session 15 gave the frontier its depth as a number and extended the ancestor matrix of
-    # candidates alone past the root's children (218 before)
-    "eagle3-tree": {"verify_phase": 98, "proposer_phase": 183},
+    # candidates alone past the root's children (218 before); session 16 took the verified
+    # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before)
+    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 183},
 }
 
 

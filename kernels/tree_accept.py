@@ -1,0 +1,146 @@
+"""A verified tree's bookkeeping in one launch instead of about forty: the accepted path, what
+the loop emits, where the cache entries move, and what the proposer takes in next.
+
+    tree_tokens [B,N] (-1: an empty slot), parents [B,N] (-1: a child of the root),
+    mask [B,N,N] bool (node i sees itself and its ancestors), choice [B,N+1] (the target's token
+    after the root, then after node i: argmax, or one draw at T > 0), base [B] (the root's slot),
+    root [B] (the root's token), active [B] bool (rows still generating), max_depth D, slots S
+    (the cache's length)
+
+    → TreeAccept: path [B,D] (accepted nodes by depth, -1 padded), length [B], bonus [B],
+      path_tokens [B,D] (-1 padded), fed [B,D+1] (root, then the path's tokens, 0 padded: the
+      proposer's next input), index [B,D+1] (0, then 1 + each path node: rows of the verify's
+      outputs for it), src / dst [B,D] (cache slots to move, every slot a move: see `moves`)
+
+The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compact_cache): the
+reference composes those functions and the kernel computes the same in one program per row.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+class TreeAccept(NamedTuple):
+    path: torch.Tensor  # [B,D]
+    length: torch.Tensor  # [B]
+    bonus: torch.Tensor  # [B]
+    path_tokens: torch.Tensor  # [B,D]
+    fed: torch.Tensor  # [B,D+1]
+    index: torch.Tensor  # [B,D+1]
+    src: torch.Tensor  # [B,D]
+    dst: torch.Tensor  # [B,D]
+
+
+def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
+                          slots: int) -> TreeAccept:
+    from inference.tree import compaction_index, compaction_moves, greedy_tree_verify
+
+    path, length, bonus = greedy_tree_verify(tree_tokens, parents, choice, max_depth, mask)
+    path_tokens = torch.where(path >= 0, tree_tokens.gather(1, path.clamp_min(0)), -1)
+    src, dst, valid = compaction_index(path, base)
+    src, dst = compaction_moves(src, dst, valid & active[:, None], slots)
+    fed = torch.cat([root[:, None], path_tokens.clamp_min(0)], 1)
+    index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)
+    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_accept_kernel(tokens_ptr, parents_ptr, mask_ptr, choice_ptr, base_ptr, root_ptr, active_ptr,
+                            path_ptr, length_ptr, bonus_ptr, path_tokens_ptr, fed_ptr, index_ptr, src_ptr, dst_ptr,
+                            N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes d: depths (BLOCK_D >= D + 1)."""
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK_N)
+        in_tree = i < N
+        token = tl.load(tokens_ptr + row * stride_t + i, mask=in_tree, other=-1)
+        parent = tl.load(parents_ptr + row * stride_p + i, mask=in_tree, other=-1)
+        # node i matches when its token is the target's choice after its parent
+        after_parent = tl.load(choice_ptr + row * stride_c + parent + 1, mask=in_tree, other=-1)
+        match = (token == after_parent) & (token >= 0) & in_tree
+        both = in_tree[:, None] & in_tree[None, :]
+        sees = tl.load(mask_ptr + row * stride_mb + i[:, None] * stride_mi + i[None, :], mask=both, other=0) != 0
+        # accepted: the node and every ancestor match; its depth: how many it sees
+        broken = tl.max((sees & (match[None, :] == 0)).to(tl.int32), 1)  # [BLOCK_N] over i
+        depth = tl.sum(sees.to(tl.int32), 1)
+        reach = tl.where((broken == 0) & in_tree, depth, 0)
+        length = tl.max(reach, 0)
+        leaf = tl.argmax(reach, 0, tie_break_left=True)  # the deepest, lowest index among equals
+        on_path = tl.sum(tl.where(i[:, None] == leaf, sees.to(tl.int32), 0), 0) > 0  # [BLOCK_N] over j
+        on_path = on_path & (length > 0)
+        d = tl.arange(0, BLOCK_D)
+        at = on_path[None, :] & (depth[None, :] == d[:, None] + 1)  # [BLOCK_D, BLOCK_N]: the path's node at depth d + 1
+        has = tl.sum(at.to(tl.int32), 1) > 0
+        node = tl.where(has, tl.sum(tl.where(at, i[None, :], 0), 1), -1)  # [BLOCK_D]
+        in_path = d < D
+        path_token = tl.load(tokens_ptr + row * stride_t + node, mask=has & in_path, other=-1)
+        path_token = tl.where(has, path_token, -1)
+        bonus = tl.load(choice_ptr + row * stride_c + tl.where(length > 0, leaf + 1, 0))
+        out = row * stride_o
+        tl.store(path_ptr + out + d, node, mask=in_path)
+        tl.store(path_tokens_ptr + out + d, path_token, mask=in_path)
+        tl.store(length_ptr + row, length)
+        tl.store(bonus_ptr + row, bonus)
+        # the proposer's next input: the root, then the path's tokens (lane d: the node at depth d)
+        out_fed = row * (stride_o + 1)
+        on_fed = (d >= 1) & (d <= length)
+        fed_node = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None]), i[None, :], 0), 1)
+        fed_token = tl.load(tokens_ptr + row * stride_t + fed_node, mask=on_fed, other=0)
+        root = tl.load(root_ptr + row)
+        tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
+        tl.store(index_ptr + out_fed + d, tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1)), mask=d <= D)
+        # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
+        # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
+        base = tl.load(base_ptr + row)
+        active = tl.load(active_ptr + row) != 0
+        n_valid = tl.where(active, length, 0)
+        valid = (d < n_valid) & has
+        still = tl.minimum(tl.maximum(base + 1, 0), S - 1)
+        fill_src = tl.where(n_valid > 0, base + 1 + leaf, still)
+        fill_dst = tl.where(n_valid > 0, base + n_valid, still)
+        tl.store(src_ptr + out + d, tl.where(valid, base + 1 + node, fill_src), mask=in_path)
+        tl.store(dst_ptr + out + d, tl.where(valid, base + 1 + d, fill_dst), mask=in_path)
+
+
+def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
+                       slots: int) -> TreeAccept:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    B, N = tree_tokens.shape
+    D = max_depth
+    for name, t in (("tree_tokens", tree_tokens), ("parents", parents), ("mask", mask), ("choice", choice)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"tree_accept: {name} needs a contiguous last dimension")
+    if mask.dtype == torch.bool:
+        mask = mask.view(torch.uint8)  # (bool loads as int1 lanes; bytes are the same)
+    base, root, active = base.contiguous(), root.contiguous(), active.contiguous()
+    dev, long = tree_tokens.device, torch.long
+    path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
+    fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
+    length, bonus = (torch.empty(B, dtype=long, device=dev) for _ in range(2))
+    if B:
+        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active.view(torch.uint8)
+                                  if active.dtype == torch.bool else active,
+                                  path, length, bonus, path_tokens, fed, index, src, dst,
+                                  N, D, slots, tree_tokens.stride(0), parents.stride(0), mask.stride(0),
+                                  mask.stride(1), choice.stride(0), D,
+                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1))
+    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
+
+
+def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int) -> TreeAccept:
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    from kernels import use_kernel
+
+    fn = tree_accept_triton if use_kernel(tree_tokens) else tree_accept_reference
+    return fn(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)
