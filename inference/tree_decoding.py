@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
-from inference.tree import Tree, expand_depth, finalize, move_entries, sampled_tree_choice, start_tree
+from inference.tree import Tree, move_entries, sampled_tree_choice
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
 from kernels.tree_accept import tree_accept
 from kernels.tree_attention import tree_attention
+from kernels.tree_select import Candidates, expand_level, finalize_candidates, root_frontier
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -84,23 +85,24 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     cand_v = torch.zeros_like(cand_k)
     # [B,1+C,H]: the root's hidden at slot 0, candidate c's at 1 + c (a parent index -1 reads the root)
     cand_hidden = torch.cat([hidden[:, None], hidden.new_zeros(B, candidates, H)], 1)
-    state = start_tree(B, hidden.device)
+    # every candidate's token, parent, score and ancestors, depth by depth (kernels/tree_select.py:
+    # one launch per depth on a GPU)
+    cand = Candidates.empty(B, candidates, hidden.device)
+    index, scores = root_frontier(B, hidden.device)
     logprobs = _draft_logprobs(d, hidden[:, None])  # [B,1,Vd]: after the root
+    drafted = 0
     for level in range(depth):
-        if level:  # run the drafter on the frontier (its nodes are at this depth)
-            frontier = state.frontier  # [B,F] candidate indices
-            parent = state.parents.gather(1, frontier)  # -1: the root
-            parent_hidden = cand_hidden.gather(1, (parent + 1)[..., None].expand(-1, -1, H))
-            sees = state.ancestors.gather(1, frontier[..., None].expand(-1, -1, state.parents.shape[1]))
-            visible = F.pad(sees, (0, candidates - sees.shape[2]))  # [B,F,C]: nothing drafted later is seen
-            positions = (last + level)[:, None].expand_as(frontier)
-            h = _tree_step(p, state.tokens.gather(1, frontier), parent_hidden, positions, frontier, visible, cand_k,
+        top = logprobs.topk(top_k, dim=-1)  # [B,F,top_k] rows of the draft vocabulary
+        frontier = expand_level(top.indices, top.values, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
+        drafted += top.indices.shape[1] * top_k
+        index, scores = frontier.index, frontier.scores
+        if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
+            parent_hidden = cand_hidden.gather(1, frontier.parent_slot[..., None].expand(-1, -1, H))
+            h = _tree_step(p, frontier.tokens, parent_hidden, frontier.positions, index, frontier.visible, cand_k,
                            cand_v, k_cache, v_cache, last)
-            cand_hidden.scatter_(1, (frontier + 1)[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
+            cand_hidden.scatter_(1, frontier.slot[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
             logprobs = _draft_logprobs(d, h)  # [B,F,Vd]
-        top = logprobs.topk(top_k, dim=-1)
-        state = expand_depth(state, p.draft_ids[top.indices], top.values, top_k)
-    return finalize(state, total_tokens, last + 1)
+    return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1)
 
 
 def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v, k_cache,

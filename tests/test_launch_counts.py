@@ -20,8 +20,9 @@ CEILINGS = {
     # through kernels/rope_cache (114 / 291 before; 98 / 263 measured 0.87 ms of drafting);
     # session 15 gave the frontier its depth as a number and extended the ancestor matrix of
     # candidates alone past the root's children (218 before); session 16 took the verified
-    # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before)
-    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 183},
+    # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before) and EAGLE-2's
+    # selection into one per depth and one for the rerank (kernels/tree_select.py: 183 before)
+    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 83},
 }
 
 

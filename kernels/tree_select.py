@@ -1,0 +1,265 @@
+"""EAGLE-2 selection on fixed candidate buffers, a launch per depth and one for the rerank
+instead of about twenty-five and fifteen: what inference/tree.py's `expand_depth` and
+`finalize` compute (their composition is the reference here), laid out for a drafter that
+drafts depth by depth in a CUDA graph.
+
+    Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
+    scores [B,C] (cumulative draft log-probability), ancestors [B,C,C] bool; candidate c of a
+    tree drafting k children per node and keeping top_k per depth sits at depth
+    1 (c < k), else 2 + (c - k) // (top_k k). Each depth writes its block in full (ancestor
+    rows included), so the buffers need no clearing between drafts.
+
+    expand_level: the drafter's children of the F frontier nodes (child_ids [B,F,k] rows of the
+    draft vocabulary, child_logprobs [B,F,k]) become candidates off .. off + F k; the best
+    top_k of them (stable: ties to the lower index) are the next frontier, returned with what
+    the drafter reads there (`Frontier`).
+    finalize: the best `total_tokens` candidates by score (ties to the lower index), in
+    candidate order: the Tree (inference/tree.py) the target verifies.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+
+class Candidates(NamedTuple):
+    tokens: torch.Tensor  # [B,C]
+    parents: torch.Tensor  # [B,C]
+    scores: torch.Tensor  # [B,C] float32
+    ancestors: torch.Tensor  # [B,C,C] bool
+
+    @staticmethod
+    def empty(batch: int, count: int, device) -> "Candidates":
+        long = dict(dtype=torch.long, device=device)
+        return Candidates(torch.empty(batch, count, **long), torch.empty(batch, count, **long),
+                          torch.empty(batch, count, dtype=torch.float32, device=device),
+                          torch.empty(batch, count, count, dtype=torch.bool, device=device))
+
+
+class Frontier(NamedTuple):
+    index: torch.Tensor  # [B,F] candidate indices (-1: the root)
+    scores: torch.Tensor  # [B,F] their cumulative scores
+    tokens: torch.Tensor  # [B,F] their tokens, the drafter's next input
+    slot: torch.Tensor  # [B,F] 1 + index: where each node's hidden state is kept (0: the root's)
+    parent_slot: torch.Tensor  # [B,F] 1 + each node's parent: where its parent's hidden state is kept
+    visible: torch.Tensor  # [B,F,C] bool: each node's ancestors and itself
+    positions: torch.Tensor  # [B,F] the position each node is fed at (last + depth)
+
+
+def root_frontier(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frontier before any depth: the root alone, score 0 → (index [B,1], scores [B,1])."""
+    return torch.full((batch, 1), -1, dtype=torch.long, device=device), torch.zeros(batch, 1, device=device)
+
+
+def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
+    """[count] depth of each candidate index (the layout above)."""
+    c = torch.arange(count, device=device)
+    return torch.where(c < k, 1, 2 + (c - k).clamp_min(0) // (top_k * k))
+
+
+# ----------------------------------------------------------------------------- references
+def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
+                           last, cand: Candidates, top_k: int) -> Frontier:
+    from inference.tree import TreeCandidates, expand_depth
+
+    B, Fr, k = child_ids.shape
+    C, end = cand.tokens.shape[1], off + Fr * k
+    depths = candidate_depths(off, k, top_k, child_ids.device).expand(B, off)
+    state = TreeCandidates(cand.tokens[:, :off], cand.parents[:, :off], cand.scores[:, :off], depths, frontier,
+                           frontier_scores, cand.ancestors[:, :off, :off], level)
+    new = expand_depth(state, draft_ids[child_ids], child_logprobs, top_k)
+    cand.tokens[:, off:end] = new.tokens[:, off:]
+    cand.parents[:, off:end] = new.parents[:, off:]
+    cand.scores[:, off:end] = new.scores[:, off:]
+    cand.ancestors[:, off:end, :end] = new.ancestors[:, off:]
+    cand.ancestors[:, off:end, end:] = False
+    index = new.frontier
+    visible = new.ancestors.gather(1, index[..., None].expand(-1, -1, end))
+    return Frontier(index, new.frontier_scores, new.tokens.gather(1, index), index + 1, new.parents.gather(1, index) + 1,
+                    F.pad(visible, (0, C - end)), (last + level + 1)[:, None].expand_as(index))
+
+
+def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
+    from inference.tree import TreeCandidates, finalize
+
+    B, C = cand.tokens.shape
+    depths = candidate_depths(C, k, top_k, cand.tokens.device).expand(B, C)
+    state = TreeCandidates(cand.tokens, cand.parents, cand.scores, depths, cand.parents[:, :0], cand.scores[:, :0],
+                           cand.ancestors)
+    return finalize(state, total_tokens, base_positions)
+
+
+# ----------------------------------------------------------------------------- kernels
+if triton is not None:
+
+    @triton.jit
+    def _expand_kernel(child_ids_ptr, child_lp_ptr, draft_ids_ptr, frontier_ptr, fscores_ptr, last_ptr,
+                       tokens_ptr, parents_ptr, scores_ptr, anc_ptr,
+                       o_index_ptr, o_scores_ptr, o_tokens_ptr, o_slot_ptr, o_parent_slot_ptr, o_visible_ptr,
+                       o_positions_ptr,
+                       K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr):
+        """One program per row; lanes m: the new candidates (BLOCK_M >= N_NEW = F k)."""
+        row = tl.program_id(0).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        live = m < N_NEW
+        f, j = m // K, m % K
+        cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
+        lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
+        score = tl.load(fscores_ptr + row * s_fs_b + f, mask=live, other=0.0) + tl.minimum(lp, 0.0)
+        parent = tl.load(frontier_ptr + row * s_fr_b + f, mask=live, other=-1)
+        token = tl.load(draft_ids_ptr + cid, mask=live, other=-1)
+        c = OFF + m
+        tl.store(tokens_ptr + row * s_c_b + c, token, mask=live)
+        tl.store(parents_ptr + row * s_c_b + c, parent, mask=live)
+        tl.store(scores_ptr + row * s_c_b + c, score, mask=live)
+        # the rank of each new candidate in a stable descending sort of their scores
+        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
+        rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
+        chosen = live & (rank < TOPK)
+        out = row * TOPK + rank
+        tl.store(o_index_ptr + out, c, mask=chosen)
+        tl.store(o_scores_ptr + out, score, mask=chosen)
+        tl.store(o_tokens_ptr + out, token, mask=chosen)
+        tl.store(o_slot_ptr + out, c + 1, mask=chosen)
+        tl.store(o_parent_slot_ptr + out, parent + 1, mask=chosen)
+        tl.store(o_positions_ptr + out, tl.load(last_ptr + row) + LEVEL + 1, mask=chosen)
+        # a new candidate's ancestor row: its parent's (candidates before OFF) and itself
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            inside = cols < C
+            from_parent = tl.load(anc_ptr + row * s_a_b + parent[:, None] * s_a_r + cols[None, :],
+                                  mask=live[:, None] & (parent[:, None] >= 0) & (cols[None, :] < OFF), other=0)
+            sees = ((from_parent != 0) | (cols[None, :] == c[:, None])).to(tl.uint8)
+            tl.store(anc_ptr + row * s_a_b + c[:, None] * s_a_r + cols[None, :], sees, mask=live[:, None] & inside[None, :])
+            tl.store(o_visible_ptr + out[:, None] * C + cols[None, :], sees, mask=chosen[:, None] & inside[None, :])
+
+    @triton.jit
+    def _finalize_kernel(tokens_ptr, parents_ptr, scores_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
+                         o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
+                         C, N, K, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
+        """One program per row, in three passes over blocks of candidates, each pass reading what
+        the one before wrote (rank_ptr, node_ptr, kept_ptr: [B,C] scratch)."""
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        # 1. each candidate's rank by (score descending, index ascending)
+        for i0 in range(0, C, BLOCK):
+            i = i0 + lanes
+            si = tl.load(scores_ptr + row * s_c_b + i, mask=i < C, other=0.0)
+            rank = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, C, BLOCK):
+                j = j0 + lanes
+                sj = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
+                ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (j[None, :] < i[:, None]))
+                rank += tl.sum((ahead & (j[None, :] < C)).to(tl.int32), 1)
+            tl.store(rank_ptr + row * C + i, rank, mask=i < C)
+        tl.debug_barrier()
+        # 2. the kept candidates' nodes (how many kept come before), their tokens, depths, positions
+        base = tl.load(base_ptr + row)
+        for i0 in range(0, C, BLOCK):
+            i = i0 + lanes
+            kept = (tl.load(rank_ptr + row * C + i, mask=i < C, other=N) < N) & (i < C)
+            node = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, C, BLOCK):
+                j = j0 + lanes
+                kept_j = (tl.load(rank_ptr + row * C + j, mask=j < C, other=N) < N) & (j < C)
+                node += tl.sum((kept_j[None, :] & (j[None, :] < i[:, None])).to(tl.int32), 1)
+            depth = tl.where(i < K, 1, 2 + (i - K) // PER_DEPTH)
+            tl.store(node_ptr + row * C + i, node, mask=kept)
+            tl.store(kept_ptr + row * C + node, i, mask=kept)
+            tl.store(o_tokens_ptr + row * N + node, tl.load(tokens_ptr + row * s_c_b + i, mask=kept, other=0), mask=kept)
+            tl.store(o_depths_ptr + row * N + node, depth, mask=kept)
+            tl.store(o_positions_ptr + row * N + node, base + depth, mask=kept)
+        tl.debug_barrier()
+        # 3. parents as node indices, and the mask among the kept (every kept node's ancestors are kept)
+        for n0 in range(0, N, BLOCK):
+            n = n0 + lanes
+            cand = tl.load(kept_ptr + row * C + n, mask=n < N, other=0)
+            parent = tl.load(parents_ptr + row * s_c_b + cand, mask=n < N, other=-1)
+            parent_node = tl.load(node_ptr + row * C + parent, mask=(n < N) & (parent >= 0), other=-1)
+            tl.store(o_parents_ptr + row * N + n, tl.where(parent >= 0, parent_node, -1), mask=n < N)
+            for m0 in range(0, N, BLOCK):
+                mm = m0 + lanes
+                cand_m = tl.load(kept_ptr + row * C + mm, mask=mm < N, other=0)
+                both = (n[:, None] < N) & (mm[None, :] < N)
+                sees = tl.load(anc_ptr + row * s_a_b + cand[:, None] * s_a_r + cand_m[None, :], mask=both, other=0)
+                tl.store(o_mask_ptr + row * N * N + n[:, None] * N + mm[None, :], sees, mask=both)
+
+
+def _check_candidates(cand: Candidates):
+    if any(t.stride(-1) != 1 for t in cand) or cand.tokens.stride(0) != cand.parents.stride(0) \
+            or cand.tokens.stride(0) != cand.scores.stride(0):
+        raise ValueError("tree candidates: tokens, parents and scores need the same row stride and unit steps")
+
+
+def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
+                        last, cand: Candidates, top_k: int) -> Frontier:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check_candidates(cand)
+    B, Fr, k = child_ids.shape
+    C, n_new = cand.tokens.shape[1], Fr * k
+    if not 1 <= top_k <= n_new or off + n_new > C:
+        raise ValueError(f"expand_level: top_k={top_k} of {n_new} children, candidates {off}..{off + n_new} of {C}")
+    child_ids, child_logprobs = child_ids.contiguous(), child_logprobs.contiguous()
+    frontier, frontier_scores, last = frontier.contiguous(), frontier_scores.contiguous().float(), last.contiguous()
+    dev, long = child_ids.device, torch.long
+    index, tokens, slot, parent_slot, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(5))
+    scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
+    visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
+    if B:
+        _expand_kernel[(B,)](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
+                             cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
+                             index, scores, tokens, slot, parent_slot, visible.view(torch.uint8), positions,
+                             k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
+                             child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
+                             cand.ancestors.stride(0), cand.ancestors.stride(1),
+                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=min(64, triton.next_power_of_2(C)), N_NEW=n_new)
+    return Frontier(index, scores, tokens, slot, parent_slot, visible, positions)
+
+
+def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
+    from inference.tree import Tree
+
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check_candidates(cand)
+    B, C = cand.tokens.shape
+    N = total_tokens
+    if not 0 < N <= C:
+        raise ValueError(f"total_tokens={N} needs 1..{C} (the candidates drafted)")
+    dev = cand.tokens.device
+    scratch = [torch.empty(B, C, dtype=torch.int32, device=dev) for _ in range(3)]
+    tokens, parents, depths, positions = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(4))
+    mask = torch.empty(B, N, N, dtype=torch.bool, device=dev)
+    if B:
+        _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
+                               base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
+                               positions, C, N, k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
+                               cand.ancestors.stride(1), BLOCK=min(64, triton.next_power_of_2(C)))
+    return Tree(tokens, parents, depths, mask, positions)
+
+
+def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int, last,
+                 cand: Candidates, top_k: int) -> Frontier:
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    from kernels import use_kernel
+
+    fn = expand_level_triton if use_kernel(child_ids) else expand_level_reference
+    return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
+
+
+def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    from kernels import use_kernel
+
+    fn = finalize_triton if use_kernel(cand.tokens) else finalize_reference
+    return fn(cand, k, top_k, total_tokens, base_positions)

@@ -1,0 +1,71 @@
+"""kernels/tree_select.py against its references (inference/tree.py's expand_depth and finalize
+on the same candidates), on CPU through TRITON_INTERPRET=1: whole trees drafted depth by depth
+from random log-probabilities with many ties, odd sizes, a frontier wider and narrower than the
+children per node, and trees kept whole or cut to one node."""
+import pytest
+import torch
+
+from kernels.tree_select import (Candidates, expand_level_reference, expand_level_triton, finalize_reference,
+                                 finalize_triton, root_frontier)
+from tests.conftest import kernel_device
+
+
+def _draft(expand, B, depth, top_k, Vd, g, dev):
+    """A whole tree's candidates through `expand`, from coarse random log-probabilities (ties)."""
+    C = top_k + (depth - 1) * top_k * top_k
+    cand = Candidates.empty(B, C, dev)
+    index, scores = root_frontier(B, dev)
+    last = torch.randint(3, 40, (B,), generator=g).to(dev)
+    draft_ids = torch.randperm(3 * Vd, generator=g)[:Vd].to(dev)
+    drafted, frontiers = 0, []
+    for level in range(depth):
+        F_ = index.shape[1]
+        logprobs = (-torch.randint(0, 4, (B, F_, Vd), generator=g).float() / 2).to(dev)  # many equal scores
+        top = logprobs.topk(top_k, dim=-1)
+        frontier = expand(top.indices, top.values, draft_ids, index, scores, drafted, level, last, cand, top_k)
+        frontiers.append(frontier)
+        drafted += F_ * top_k
+        index, scores = frontier.index, frontier.scores
+    assert drafted == C
+    return cand, frontiers, last
+
+
+@pytest.mark.parametrize("B,depth,top_k,Vd", [(1, 1, 1, 5), (2, 4, 4, 40), (3, 3, 3, 7), (2, 2, 5, 9)])
+def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
+    dev = kernel_device()
+    for seed in range(3):
+        want_cand, want_frontiers, last = _draft(expand_level_reference, B, depth, top_k, Vd,
+                                                 torch.Generator().manual_seed(seed), "cpu")
+        got_cand, got_frontiers, _ = _draft(expand_level_triton, B, depth, top_k, Vd,
+                                            torch.Generator().manual_seed(seed), dev)
+        for name, w, o in zip(Candidates._fields, want_cand, got_cand):
+            assert torch.equal(o.cpu(), w), (name, seed)
+        for level, (w_front, o_front) in enumerate(zip(want_frontiers, got_frontiers)):
+            for name, w, o in zip(w_front._fields, w_front, o_front):
+                assert torch.equal(o.cpu(), w), (name, level, seed)
+        C = want_cand.tokens.shape[1]
+        for total in sorted({1, (C + 1) // 2, C}):
+            want = finalize_reference(want_cand, top_k, top_k, total, last + 1)
+            got = finalize_triton(got_cand, top_k, top_k, total, (last + 1).to(dev))
+            for name, w, o in zip(want._fields, want, got):
+                assert torch.equal(o.cpu(), w), (name, total, seed)
+
+
+def test_finalize_over_many_candidates_crosses_its_blocks():
+    """More candidates than one block of lanes (64): ranks, node numbers and the mask are
+    counted across blocks."""
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(5)
+    cand, _, last = _draft(expand_level_reference, 2, 3, 6, 30, g, "cpu")  # 6 + 2 x 36 = 78 candidates
+    assert cand.tokens.shape[1] == 78
+    for total in (40, 71, 78):
+        want = finalize_reference(cand, 6, 6, total, last + 1)
+        got = finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev))
+        for name, w, o in zip(want._fields, want, got):
+            assert torch.equal(o.cpu(), w), (name, total)
+
+
+def test_finalize_refuses_more_nodes_than_candidates():
+    cand = Candidates.empty(1, 4, "cpu")
+    with pytest.raises(ValueError, match="total_tokens=5"):
+        finalize_triton(cand, 2, 2, 5, torch.zeros(1, dtype=torch.long))
