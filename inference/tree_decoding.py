@@ -36,7 +36,7 @@ from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
 from kernels.tree_accept import tree_accept
 from kernels.tree_attention import tree_attention
-from kernels.tree_select import Candidates, expand_level, finalize_candidates, root_frontier
+from kernels.tree_select import Candidates, expand_level, finalize_candidates
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -84,11 +84,13 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     cand_k = k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim)
     cand_v = torch.zeros_like(cand_k)
     # [B,1+C,H]: the root's hidden at slot 0, candidate c's at 1 + c (a parent index -1 reads the root)
-    cand_hidden = torch.cat([hidden[:, None], hidden.new_zeros(B, candidates, H)], 1)
+    # (only slots already written are read: the root's, then each drafted frontier's)
+    cand_hidden = hidden.new_empty(B, 1 + candidates, H)
+    cand_hidden[:, 0] = hidden
     # every candidate's token, parent, score and ancestors, depth by depth (kernels/tree_select.py:
     # one launch per depth on a GPU)
     cand = Candidates.empty(B, candidates, hidden.device)
-    index, scores = root_frontier(B, hidden.device)
+    index = scores = None  # the frontier: the root alone
     logprobs = _draft_logprobs(d, hidden[:, None])  # [B,1,Vd]: after the root
     drafted = 0
     for level in range(depth):

@@ -9,7 +9,7 @@ drafts depth by depth in a CUDA graph.
     1 (c < k), else 2 + (c - k) // (top_k k). Each depth writes its block in full (ancestor
     rows included), so the buffers need no clearing between drafts.
 
-    expand_level: the drafter's children of the F frontier nodes (child_ids [B,F,k] rows of the
+    expand_level: the drafter's children of the F frontier nodes (None: the root alone) (child_ids [B,F,k] rows of the
     draft vocabulary, child_logprobs [B,F,k]) become candidates off .. off + F k; the best
     top_k of them (stable: ties to the lower index) are the next frontier, returned with what
     the drafter reads there (`Frontier`).
@@ -55,7 +55,8 @@ class Frontier(NamedTuple):
 
 
 def root_frontier(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The frontier before any depth: the root alone, score 0 → (index [B,1], scores [B,1])."""
+    """The frontier before any depth: the root alone, score 0 → (index [B,1], scores [B,1]).
+    (`expand_level` takes None for both instead: the kernel knows the root without them.)"""
     return torch.full((batch, 1), -1, dtype=torch.long, device=device), torch.zeros(batch, 1, device=device)
 
 
@@ -71,6 +72,8 @@ def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, front
     from inference.tree import TreeCandidates, expand_depth
 
     B, Fr, k = child_ids.shape
+    if frontier is None:
+        frontier, frontier_scores = root_frontier(B, child_ids.device)
     C, end = cand.tokens.shape[1], off + Fr * k
     depths = candidate_depths(off, k, top_k, child_ids.device).expand(B, off)
     state = TreeCandidates(cand.tokens[:, :off], cand.parents[:, :off], cand.scores[:, :off], depths, frontier,
@@ -106,16 +109,21 @@ if triton is not None:
                        o_index_ptr, o_scores_ptr, o_tokens_ptr, o_slot_ptr, o_parent_slot_ptr, o_visible_ptr,
                        o_positions_ptr,
                        K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
-                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr):
-        """One program per row; lanes m: the new candidates (BLOCK_M >= N_NEW = F k)."""
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr, AT_ROOT: tl.constexpr):
+        """One program per row; lanes m: the new candidates (BLOCK_M >= N_NEW = F k). AT_ROOT: the
+        frontier is the root alone (parent -1, score 0; frontier_ptr and fscores_ptr unread)."""
         row = tl.program_id(0).to(tl.int64)
         m = tl.arange(0, BLOCK_M)
         live = m < N_NEW
         f, j = m // K, m % K
         cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
         lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
-        score = tl.load(fscores_ptr + row * s_fs_b + f, mask=live, other=0.0) + tl.minimum(lp, 0.0)
-        parent = tl.load(frontier_ptr + row * s_fr_b + f, mask=live, other=-1)
+        if AT_ROOT:
+            score = tl.minimum(lp, 0.0)
+            parent = tl.full([BLOCK_M], -1, tl.int64)
+        else:
+            score = tl.load(fscores_ptr + row * s_fs_b + f, mask=live, other=0.0) + tl.minimum(lp, 0.0)
+            parent = tl.load(frontier_ptr + row * s_fr_b + f, mask=live, other=-1)
         token = tl.load(draft_ids_ptr + cid, mask=live, other=-1)
         c = OFF + m
         tl.store(tokens_ptr + row * s_c_b + c, token, mask=live)
@@ -209,8 +217,11 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     C, n_new = cand.tokens.shape[1], Fr * k
     if not 1 <= top_k <= n_new or off + n_new > C:
         raise ValueError(f"expand_level: top_k={top_k} of {n_new} children, candidates {off}..{off + n_new} of {C}")
-    child_ids, child_logprobs = child_ids.contiguous(), child_logprobs.contiguous()
-    frontier, frontier_scores, last = frontier.contiguous(), frontier_scores.contiguous().float(), last.contiguous()
+    child_ids, child_logprobs, last = child_ids.contiguous(), child_logprobs.contiguous(), last.contiguous()
+    at_root = frontier is None
+    if at_root:
+        frontier, frontier_scores = last, last  # (not read)
+    frontier, frontier_scores = frontier.contiguous(), frontier_scores.contiguous()
     dev, long = child_ids.device, torch.long
     index, tokens, slot, parent_slot, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(5))
     scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
@@ -222,7 +233,8 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
                              k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
                              child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
                              cand.ancestors.stride(0), cand.ancestors.stride(1),
-                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=min(64, triton.next_power_of_2(C)), N_NEW=n_new)
+                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=min(64, triton.next_power_of_2(C)), N_NEW=n_new,
+                             AT_ROOT=at_root)
     return Frontier(index, scores, tokens, slot, parent_slot, visible, positions)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.tree_select import (Candidates, expand_level_reference, expand_level_triton, finalize_reference,
-                                 finalize_triton, root_frontier)
+                                 finalize_triton)
 from tests.conftest import kernel_device
 
 
@@ -14,12 +14,12 @@ def _draft(expand, B, depth, top_k, Vd, g, dev):
     """A whole tree's candidates through `expand`, from coarse random log-probabilities (ties)."""
     C = top_k + (depth - 1) * top_k * top_k
     cand = Candidates.empty(B, C, dev)
-    index, scores = root_frontier(B, dev)
+    index = scores = None  # the root alone
     last = torch.randint(3, 40, (B,), generator=g).to(dev)
     draft_ids = torch.randperm(3 * Vd, generator=g)[:Vd].to(dev)
     drafted, frontiers = 0, []
     for level in range(depth):
-        F_ = index.shape[1]
+        F_ = 1 if index is None else index.shape[1]
         logprobs = (-torch.randint(0, 4, (B, F_, Vd), generator=g).float() / 2).to(dev)  # many equal scores
         top = logprobs.topk(top_k, dim=-1)
         frontier = expand(top.indices, top.values, draft_ids, index, scores, drafted, level, last, cand, top_k)
