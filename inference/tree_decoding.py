@@ -104,6 +104,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
                            cand_v, k_cache, v_cache, last)
             cand_hidden.scatter_(1, frontier.slot[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
             logprobs = _draft_logprobs(d, h)  # [B,F,Vd]
+    assert drafted == candidates  # every candidate slot written: the rerank reads them all
     return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1)
 
 

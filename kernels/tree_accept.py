@@ -13,7 +13,8 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
       outputs for it), src / dst [B,D] (cache slots to move, every slot a move: see `moves`)
 
 The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compact_cache): the
-reference composes those functions and the kernel computes the same in one program per row.
+reference composes those functions and the kernel computes the same in one program per row (it
+also never matches an empty slot against a choice of -1, which argmax and a draw never give).
 """
 from __future__ import annotations
 
@@ -118,6 +119,8 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
         raise RuntimeError("triton is not installed")
     B, N = tree_tokens.shape
     D = max_depth
+    if N > 1024:  # one block holds the row's [N, N] mask
+        raise ValueError(f"tree_accept: {N} tree nodes; the kernel takes at most 1,024")
     for name, t in (("tree_tokens", tree_tokens), ("parents", parents), ("mask", mask), ("choice", choice)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_accept: {name} needs a contiguous last dimension")

@@ -118,6 +118,9 @@ if triton is not None:
         f, j = m // K, m % K
         cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
         lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
+        # a NaN log-probability (a broken drafter) ranks last: tl.minimum would make it 0, the best,
+        # and a NaN score would rank beside the best and leave a frontier slot unwritten
+        lp = tl.where(lp == lp, lp, float("-inf"))
         if AT_ROOT:
             score = tl.minimum(lp, 0.0)
             parent = tl.full([BLOCK_M], -1, tl.int64)
@@ -190,13 +193,16 @@ if triton is not None:
         # 3. parents as node indices, and the mask among the kept (every kept node's ancestors are kept)
         for n0 in range(0, N, BLOCK):
             n = n0 + lanes
-            cand = tl.load(kept_ptr + row * C + n, mask=n < N, other=0)
+            # (clamped: every kept slot is written when the ranks are a permutation, as they are for
+            # scores without NaN; a read out of the row is never worth the risk)
+            cand = tl.minimum(tl.maximum(tl.load(kept_ptr + row * C + n, mask=n < N, other=0), 0), C - 1)
             parent = tl.load(parents_ptr + row * s_c_b + cand, mask=n < N, other=-1)
+            parent = tl.where(parent < C, parent, -1)
             parent_node = tl.load(node_ptr + row * C + parent, mask=(n < N) & (parent >= 0), other=-1)
             tl.store(o_parents_ptr + row * N + n, tl.where(parent >= 0, parent_node, -1), mask=n < N)
             for m0 in range(0, N, BLOCK):
                 mm = m0 + lanes
-                cand_m = tl.load(kept_ptr + row * C + mm, mask=mm < N, other=0)
+                cand_m = tl.minimum(tl.maximum(tl.load(kept_ptr + row * C + mm, mask=mm < N, other=0), 0), C - 1)
                 both = (n[:, None] < N) & (mm[None, :] < N)
                 sees = tl.load(anc_ptr + row * s_a_b + cand[:, None] * s_a_r + cand_m[None, :], mask=both, other=0)
                 tl.store(o_mask_ptr + row * N * N + n[:, None] * N + mm[None, :], sees, mask=both)
@@ -217,6 +223,8 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     C, n_new = cand.tokens.shape[1], Fr * k
     if not 1 <= top_k <= n_new or off + n_new > C:
         raise ValueError(f"expand_level: top_k={top_k} of {n_new} children, candidates {off}..{off + n_new} of {C}")
+    if n_new > 1024:  # the kernel ranks the new candidates pairwise in one block
+        raise ValueError(f"expand_level: {n_new} children in one depth (top_k={top_k}); the kernel takes at most 1,024")
     child_ids, child_logprobs, last = child_ids.contiguous(), child_logprobs.contiguous(), last.contiguous()
     at_root = frontier is None
     if at_root:

@@ -69,3 +69,15 @@ def test_finalize_refuses_more_nodes_than_candidates():
     cand = Candidates.empty(1, 4, "cpu")
     with pytest.raises(ValueError, match="total_tokens=5"):
         finalize_triton(cand, 2, 2, 5, torch.zeros(1, dtype=torch.long))
+
+
+def test_a_nan_child_ranks_last_in_the_kernel():
+    """A NaN log-probability (a broken drafter) must not leave a frontier slot unwritten: the
+    kernel ranks it below every other child, so the frontier stays a permutation of real ones."""
+    dev = kernel_device()
+    cand = Candidates.empty(1, 3, dev)
+    ids = torch.tensor([[[0, 1, 2]]], device=dev)
+    logprobs = torch.tensor([[[float("nan"), -1.0, -2.0]]], device=dev)
+    front = expand_level_triton(ids, logprobs, torch.arange(3, device=dev), None, None, 0, 0,
+                                torch.zeros(1, dtype=torch.long, device=dev), cand, 2)
+    assert front.index.tolist() == [[1, 2]] and front.scores.tolist() == [[-1.0, -2.0]]
