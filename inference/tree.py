@@ -21,8 +21,13 @@ import math
 from typing import NamedTuple, Sequence
 
 import torch
+import torch.nn.functional as F
 
+from kernels import use_kernel
 from kernels.rejection_sample import inverse_cdf
+from kernels.tree_accept import TreeAccept, tree_accept_triton
+from kernels.tree_select import Candidates, Frontier, candidate_depths, expand_level_triton, finalize_triton, \
+    root_frontier
 
 
 class Tree(NamedTuple):
@@ -151,6 +156,58 @@ def select_tree(root_logprobs, child_logprobs_fn, depth: int, top_k: int, total_
         top = logprobs.topk(top_k, dim=-1)  # [B,F,top_k]
         state = expand_depth(state, top.indices, top.values, top_k)
     return finalize(state, total_tokens, base_positions)
+
+
+# ---------------------------------------------------------------------------- the same on fixed buffers
+# A drafter drafting in CUDA graphs keeps its candidates in fixed buffers (kernels/tree_select.py:
+# Candidates, the layout, and the kernels); these references compose expand_depth and finalize
+# on them, and the dispatchers run the kernels on CUDA tensors (unless DRAFTSMITH_KERNELS=0).
+def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
+                           last, cand: Candidates, top_k: int) -> Frontier:
+    """One depth: child_ids [B,F,k] (rows of the draft vocabulary, mapped by draft_ids [Vd]) and
+    child_logprobs [B,F,k] of the frontier (index, scores [B,F]; None: the root alone) become
+    candidates off .. off + F k of `cand`; → the next frontier and what the drafter reads there,
+    its nodes fed at position last + level + 1."""
+    B, Fr, k = child_ids.shape
+    if frontier is None:
+        frontier, frontier_scores = root_frontier(B, child_ids.device)
+    C, end = cand.tokens.shape[1], off + Fr * k
+    depths = candidate_depths(off, k, top_k, child_ids.device).expand(B, off)
+    state = TreeCandidates(cand.tokens[:, :off], cand.parents[:, :off], cand.scores[:, :off], depths, frontier,
+                           frontier_scores, cand.ancestors[:, :off, :off], level)
+    new = expand_depth(state, draft_ids[child_ids], child_logprobs, top_k)
+    cand.tokens[:, off:end] = new.tokens[:, off:]
+    cand.parents[:, off:end] = new.parents[:, off:]
+    cand.scores[:, off:end] = new.scores[:, off:]
+    cand.ancestors[:, off:end, :end] = new.ancestors[:, off:]
+    cand.ancestors[:, off:end, end:] = False
+    index = new.frontier
+    visible = new.ancestors.gather(1, index[..., None].expand(-1, -1, end))
+    return Frontier(index, new.frontier_scores, new.tokens.gather(1, index), index + 1, new.parents.gather(1, index) + 1,
+                    F.pad(visible, (0, C - end)), (last + level + 1)[:, None].expand_as(index))
+
+
+def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions) -> Tree:
+    """`finalize` of every candidate in `cand` (drafting k children per node, top_k per depth)."""
+    B, C = cand.tokens.shape
+    depths = candidate_depths(C, k, top_k, cand.tokens.device).expand(B, C)
+    state = TreeCandidates(cand.tokens, cand.parents, cand.scores, depths, cand.parents[:, :0], cand.scores[:, :0],
+                           cand.ancestors)
+    return finalize(state, total_tokens, base_positions)
+
+
+def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int, last,
+                 cand: Candidates, top_k: int) -> Frontier:
+    """`expand_level_reference`, through one kernel launch on CUDA tensors."""
+    fn = expand_level_triton if use_kernel(child_ids) else expand_level_reference
+    return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
+
+
+def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions) -> Tree:
+    """`finalize_reference`, through one kernel launch on CUDA tensors."""
+    if use_kernel(cand.tokens):
+        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions))
+    return finalize_reference(cand, k, top_k, total_tokens, base_positions)
 
 
 # ---------------------------------------------------------------------------- static trees
@@ -349,3 +406,24 @@ def compact_cache(k_cache, v_cache, src_positions, dst_positions, valid):
     """Move cache entries [..., B,nkv,S,d] by position, in place: entry src[b, j] → dst[b, j]
     where valid[b, j]; nothing else changes (`compaction_moves`, then `move_entries`)."""
     return move_entries(k_cache, v_cache, *compaction_moves(src_positions, dst_positions, valid, k_cache.shape[-2]))
+
+
+# ---------------------------------------------------------------------------- a verified tree's bookkeeping
+def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
+                          slots: int) -> TreeAccept:
+    """Everything a verified tree step decides, from the target's choices (kernels/tree_accept.py
+    says the shapes): the accepted path (`greedy_tree_verify`), its tokens, the cache moves for
+    the active rows (`compaction_index`, `compaction_moves`), and the drafter's next input."""
+    path, length, bonus = greedy_tree_verify(tree_tokens, parents, choice, max_depth, mask)
+    path_tokens = torch.where(path >= 0, tree_tokens.gather(1, path.clamp_min(0)), -1)
+    src, dst, valid = compaction_index(path, base)
+    src, dst = compaction_moves(src, dst, valid & active[:, None], slots)
+    fed = torch.cat([root[:, None], path_tokens.clamp_min(0)], 1)
+    index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)
+    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
+
+
+def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int) -> TreeAccept:
+    """`tree_accept_reference`, through one kernel launch on CUDA tensors."""
+    fn = tree_accept_triton if use_kernel(tree_tokens) else tree_accept_reference
+    return fn(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)

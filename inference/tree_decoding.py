@@ -30,13 +30,12 @@ import torch.nn.functional as F
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
-from inference.tree import Tree, move_entries, sampled_tree_choice
+from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
-from kernels.tree_accept import tree_accept
 from kernels.tree_attention import tree_attention
-from kernels.tree_select import Candidates, expand_level, finalize_candidates
+from kernels.tree_select import Candidates
 
 
 class EagleTreeProposer(Eagle3Proposer):

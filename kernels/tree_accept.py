@@ -12,9 +12,10 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
       proposer's next input), index [B,D+1] (0, then 1 + each path node: rows of the verify's
       outputs for it), src / dst [B,D] (cache slots to move, every slot a move: see `moves`)
 
-The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compact_cache): the
-reference composes those functions and the kernel computes the same in one program per row (it
-also never matches an empty slot against a choice of -1, which argmax and a draw never give).
+The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compaction_moves): its
+`tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
+tensors. The kernel computes the same in one program per row (it also never matches an empty
+slot against a choice of -1, which argmax and a draw never give).
 """
 from __future__ import annotations
 
@@ -38,19 +39,6 @@ class TreeAccept(NamedTuple):
     index: torch.Tensor  # [B,D+1]
     src: torch.Tensor  # [B,D]
     dst: torch.Tensor  # [B,D]
-
-
-def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
-                          slots: int) -> TreeAccept:
-    from inference.tree import compaction_index, compaction_moves, greedy_tree_verify
-
-    path, length, bonus = greedy_tree_verify(tree_tokens, parents, choice, max_depth, mask)
-    path_tokens = torch.where(path >= 0, tree_tokens.gather(1, path.clamp_min(0)), -1)
-    src, dst, valid = compaction_index(path, base)
-    src, dst = compaction_moves(src, dst, valid & active[:, None], slots)
-    fed = torch.cat([root[:, None], path_tokens.clamp_min(0)], 1)
-    index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)
-    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
 
 
 if triton is not None:
@@ -139,11 +127,3 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
                                   mask.stride(1), choice.stride(0), D,
                                   BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1))
     return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
-
-
-def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int) -> TreeAccept:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    from kernels import use_kernel
-
-    fn = tree_accept_triton if use_kernel(tree_tokens) else tree_accept_reference
-    return fn(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)

@@ -1,7 +1,8 @@
 """EAGLE-2 selection on fixed candidate buffers, a launch per depth and one for the rerank
 instead of about twenty-five and fifteen: what inference/tree.py's `expand_depth` and
-`finalize` compute (their composition is the reference here), laid out for a drafter that
-drafts depth by depth in a CUDA graph.
+`finalize` compute (its `expand_level_reference` and `finalize_reference` compose them on these
+buffers; its `expand_level` and `finalize_candidates` run these kernels on CUDA tensors), laid
+out for a drafter that drafts depth by depth in a CUDA graph.
 
     Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
     scores [B,C] (cumulative draft log-probability), ancestors [B,C,C] bool; candidate c of a
@@ -21,7 +22,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton
@@ -64,40 +64,6 @@ def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
     """[count] depth of each candidate index (the layout above)."""
     c = torch.arange(count, device=device)
     return torch.where(c < k, 1, 2 + (c - k).clamp_min(0) // (top_k * k))
-
-
-# ----------------------------------------------------------------------------- references
-def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
-                           last, cand: Candidates, top_k: int) -> Frontier:
-    from inference.tree import TreeCandidates, expand_depth
-
-    B, Fr, k = child_ids.shape
-    if frontier is None:
-        frontier, frontier_scores = root_frontier(B, child_ids.device)
-    C, end = cand.tokens.shape[1], off + Fr * k
-    depths = candidate_depths(off, k, top_k, child_ids.device).expand(B, off)
-    state = TreeCandidates(cand.tokens[:, :off], cand.parents[:, :off], cand.scores[:, :off], depths, frontier,
-                           frontier_scores, cand.ancestors[:, :off, :off], level)
-    new = expand_depth(state, draft_ids[child_ids], child_logprobs, top_k)
-    cand.tokens[:, off:end] = new.tokens[:, off:]
-    cand.parents[:, off:end] = new.parents[:, off:]
-    cand.scores[:, off:end] = new.scores[:, off:]
-    cand.ancestors[:, off:end, :end] = new.ancestors[:, off:]
-    cand.ancestors[:, off:end, end:] = False
-    index = new.frontier
-    visible = new.ancestors.gather(1, index[..., None].expand(-1, -1, end))
-    return Frontier(index, new.frontier_scores, new.tokens.gather(1, index), index + 1, new.parents.gather(1, index) + 1,
-                    F.pad(visible, (0, C - end)), (last + level + 1)[:, None].expand_as(index))
-
-
-def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
-    from inference.tree import TreeCandidates, finalize
-
-    B, C = cand.tokens.shape
-    depths = candidate_depths(C, k, top_k, cand.tokens.device).expand(B, C)
-    state = TreeCandidates(cand.tokens, cand.parents, cand.scores, depths, cand.parents[:, :0], cand.scores[:, :0],
-                           cand.ancestors)
-    return finalize(state, total_tokens, base_positions)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -247,8 +213,7 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
-    from inference.tree import Tree
-
+    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -265,21 +230,4 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
                                positions, C, N, k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
                                cand.ancestors.stride(1), BLOCK=min(64, triton.next_power_of_2(C)))
-    return Tree(tokens, parents, depths, mask, positions)
-
-
-def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int, last,
-                 cand: Candidates, top_k: int) -> Frontier:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    from kernels import use_kernel
-
-    fn = expand_level_triton if use_kernel(child_ids) else expand_level_reference
-    return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
-
-
-def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    from kernels import use_kernel
-
-    fn = finalize_triton if use_kernel(cand.tokens) else finalize_reference
-    return fn(cand, k, top_k, total_tokens, base_positions)
+    return tokens, parents, depths, mask, positions

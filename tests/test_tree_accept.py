@@ -4,8 +4,8 @@ slots, finished rows, roots at the cache's first and last slots, and choices tha
 import pytest
 import torch
 
-from inference.tree import ancestor_mask
-from kernels.tree_accept import tree_accept_reference, tree_accept_triton
+from inference.tree import ancestor_mask, tree_accept_reference
+from kernels.tree_accept import tree_accept_triton
 from tests.conftest import kernel_device
 from tests.test_tree import random_parents
 

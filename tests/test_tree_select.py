@@ -5,8 +5,8 @@ children per node, and trees kept whole or cut to one node."""
 import pytest
 import torch
 
-from kernels.tree_select import (Candidates, expand_level_reference, expand_level_triton, finalize_reference,
-                                 finalize_triton)
+from inference.tree import Tree, expand_level_reference, finalize_reference
+from kernels.tree_select import Candidates, expand_level_triton, finalize_triton
 from tests.conftest import kernel_device
 
 
@@ -46,7 +46,7 @@ def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
         C = want_cand.tokens.shape[1]
         for total in sorted({1, (C + 1) // 2, C}):
             want = finalize_reference(want_cand, top_k, top_k, total, last + 1)
-            got = finalize_triton(got_cand, top_k, top_k, total, (last + 1).to(dev))
+            got = Tree(*finalize_triton(got_cand, top_k, top_k, total, (last + 1).to(dev)))
             for name, w, o in zip(want._fields, want, got):
                 assert torch.equal(o.cpu(), w), (name, total, seed)
 
@@ -60,7 +60,7 @@ def test_finalize_over_many_candidates_crosses_its_blocks():
     assert cand.tokens.shape[1] == 78
     for total in (40, 71, 78):
         want = finalize_reference(cand, 6, 6, total, last + 1)
-        got = finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev))
+        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev)))
         for name, w, o in zip(want._fields, want, got):
             assert torch.equal(o.cpu(), w), (name, total)
 
