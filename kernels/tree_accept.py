@@ -10,7 +10,7 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
     → TreeAccept: path [B,D] (accepted nodes by depth, -1 padded), length [B], bonus [B],
       path_tokens [B,D] (-1 padded), fed [B,D+1] (root, then the path's tokens, 0 padded: the
       proposer's next input), index [B,D+1] (0, then 1 + each path node: rows of the verify's
-      outputs for it), src / dst [B,D] (cache slots to move, every slot a move: see `moves`)
+      outputs for it), src / dst [B,D] (cache slots to move, every slot a move: `compaction_moves`)
 
 The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compaction_moves): its
 `tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA

@@ -10,8 +10,9 @@ out for a drafter that drafts depth by depth in a CUDA graph.
     1 (c < k), else 2 + (c - k) // (top_k k). Each depth writes its block in full (ancestor
     rows included), so the buffers need no clearing between drafts.
 
-    expand_level: the drafter's children of the F frontier nodes (None: the root alone) (child_ids [B,F,k] rows of the
-    draft vocabulary, child_logprobs [B,F,k]) become candidates off .. off + F k; the best
+    expand_level: the drafter's children of the F frontier nodes (None: the root alone;
+    child_ids [B,F,k] rows of the draft vocabulary, child_logprobs [B,F,k]) become candidates
+    off .. off + F k; the best
     top_k of them (stable: ties to the lower index) are the next frontier, returned with what
     the drafter reads there (`Frontier`).
     finalize: the best `total_tokens` candidates by score (ties to the lower index), in
