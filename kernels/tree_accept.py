@@ -112,17 +112,16 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     for name, t in (("tree_tokens", tree_tokens), ("parents", parents), ("mask", mask), ("choice", choice)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_accept: {name} needs a contiguous last dimension")
-    if mask.dtype == torch.bool:
-        mask = mask.view(torch.uint8)  # (bool loads as int1 lanes; bytes are the same)
+    # bool tensors go in as their bytes (one byte each, 0 or 1)
+    mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+    active = active.view(torch.uint8) if active.dtype == torch.bool else active
     base, root, active = base.contiguous(), root.contiguous(), active.contiguous()
     dev, long = tree_tokens.device, torch.long
     path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
     fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
     length, bonus = (torch.empty(B, dtype=long, device=dev) for _ in range(2))
     if B:
-        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active.view(torch.uint8)
-                                  if active.dtype == torch.bool else active,
-                                  path, length, bonus, path_tokens, fed, index, src, dst,
+        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active, path, length, bonus, path_tokens, fed, index, src, dst,
                                   N, D, slots, tree_tokens.stride(0), parents.stride(0), mask.stride(0),
                                   mask.stride(1), choice.stride(0), D,
                                   BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1))

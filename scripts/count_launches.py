@@ -1,7 +1,7 @@
 """Launches per phase of a speculative step, counted on a CPU: the proxy of a step's cost on a
 GPU, where a small model's step is bound by its number of kernels (2-4 µs each), not by FLOPs.
 
-    python scripts/count_launches.py [--k 3]
+    python scripts/count_launches.py [--k 3] [--only eagle3-tree]   # --only: one proposer, every op listed
 
 Runs the device loop on the tiny random target (float32, `TRITON_INTERPRET=1
 DRAFTSMITH_KERNELS=force`, so every runtime kernel runs as on a GPU) with random drafters of
@@ -103,6 +103,8 @@ def main(argv=None):
     proposers["eagle3-tree"] = lambda: EagleTreeProposer(eagle, depth=4, top_k=4, total_tokens=24, batch=1,
                                                          max_len=tree_len, target_config=rt.config)
     lengths = {"eagle3-tree": tree_len}
+    if args.only and args.only not in proposers:
+        ap.error(f"--only {args.only}: not one of {', '.join(proposers)}")
     for name, make in proposers.items():
         if args.only and name != args.only:
             continue

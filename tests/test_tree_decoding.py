@@ -112,8 +112,9 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
     """float32, every runtime kernel on (the Triton interpreter on a CPU): the tree loop's verify
     step through the RoPE kernel at the tree's slots and the tree-attention kernel (the block read
     from the cache), the selection kernels drafting the tree and the verified tree's bookkeeping
-    kernel (kernels/tree_select.py, kernels/tree_accept.py) emit what the torch path emits, with the same histograms, and both equal
-    plain greedy decoding; for trees mostly accepted deep down (the oracle) and a random drafter."""
+    kernel (kernels/tree_select.py, kernels/tree_accept.py) emit what the torch path emits, with
+    the same histograms, and both equal plain greedy decoding; for trees mostly accepted deep down
+    (the oracle) and a random drafter."""
     import kernels.tree_attention as tree_attention
     from tests.test_spec_loop import kernel_case
 
