@@ -31,6 +31,7 @@ from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
 from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
+from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
@@ -90,19 +91,19 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     # one launch per depth on a GPU)
     cand = Candidates.empty(B, candidates, hidden.device)
     index = scores = None  # the frontier: the root alone
-    logprobs = _draft_logprobs(d, hidden[:, None])  # [B,1,Vd]: after the root
+    top = _draft_top_k(d, hidden[:, None], top_k)  # [B,1,top_k]: the root's best children
     drafted = 0
     for level in range(depth):
-        top = logprobs.topk(top_k, dim=-1)  # [B,F,top_k] rows of the draft vocabulary
-        frontier = expand_level(top.indices, top.values, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
-        drafted += top.indices.shape[1] * top_k
+        child_logprobs, child_ids = top  # [B,F,top_k]: log-probabilities, rows of the draft vocabulary
+        frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
+        drafted += child_ids.shape[1] * top_k
         index, scores = frontier.index, frontier.scores
         if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
             parent_hidden = cand_hidden.gather(1, frontier.parent_slot[..., None].expand(-1, -1, H))
             h = _tree_step(p, frontier.tokens, parent_hidden, frontier.positions, index, frontier.visible, cand_k,
                            cand_v, k_cache, v_cache, last)
             cand_hidden.scatter_(1, frontier.slot[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
-            logprobs = _draft_logprobs(d, h)  # [B,F,Vd]
+            top = _draft_top_k(d, h, top_k)  # [B,F,top_k] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
     return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1)
 
@@ -130,11 +131,11 @@ def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, vi
     return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
 
 
-def _draft_logprobs(d, hidden):
-    """hidden [B,F,H] → log-probabilities [B,F,Vd] over the draft vocabulary (the final norm
-    through the kernel on a GPU)."""
-    normed, _ = rms_norm(hidden, d.norm.weight, d.norm.eps)
-    return torch.log_softmax(d.lm_head(normed).float(), -1)
+def _draft_top_k(d, hidden, top_k: int):
+    """hidden [B,F,H] → (log-probabilities, draft-vocabulary rows) [B,F,top_k] of each node's
+    best children, best first, ties to the lowest row (the final norm, lm_head, log-softmax and
+    top-k in two launches on a GPU: kernels/lm_head_topk.py)."""
+    return norm_lm_head_topk(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
 
 
 class TreeLoop(SpecLoop):

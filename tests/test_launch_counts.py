@@ -22,7 +22,7 @@ CEILINGS = {
     # candidates alone past the root's children (218 before); session 16 took the verified
     # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before) and EAGLE-2's
     # selection into one per depth and one for the rerank (kernels/tree_select.py: 183 before)
-    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 80},
+    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 72},
 }
 
 

@@ -20,9 +20,11 @@ def _draft(expand, B, depth, top_k, Vd, g, dev):
     drafted, frontiers = 0, []
     for level in range(depth):
         F_ = 1 if index is None else index.shape[1]
-        logprobs = (-torch.randint(0, 4, (B, F_, Vd), generator=g).float() / 2).to(dev)  # many equal scores
+        logprobs = -torch.randint(0, 4, (B, F_, Vd), generator=g).float() / 2  # many equal scores
+        # (taken on the CPU for both sides: torch.topk orders ties differently on a GPU)
         top = logprobs.topk(top_k, dim=-1)
-        frontier = expand(top.indices, top.values, draft_ids, index, scores, drafted, level, last, cand, top_k)
+        frontier = expand(top.indices.to(dev), top.values.to(dev), draft_ids, index, scores, drafted, level, last, cand,
+                          top_k)
         frontiers.append(frontier)
         drafted += F_ * top_k
         index, scores = frontier.index, frontier.scores

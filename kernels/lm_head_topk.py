@@ -1,0 +1,169 @@
+"""A drafter's tree head in two launches: final RMSNorm, lm_head, log-softmax and top-k.
+
+    hidden [..., H], norm_weight [H], weight [V,H] (lm_head, no bias), k <= V
+    → values [..., k] float32, the k largest log-probabilities of each row, best first;
+      indices [..., k] int64, their lm_head rows (ties: the lowest row first)
+
+Why a kernel: an EAGLE-2 tree drafts one level per drafter step and needs each frontier node's
+best k children with their log-probabilities. In torch that is a norm, a matmul, a float copy, a
+log-softmax and torch.topk, whose radix select over a 16,384-wide row took 60-72 µs on an H200
+(one block per row), four times per depth-4 tree step: more than half the tree's drafting time
+(BENCHMARKS.md, session 17). Here the first launch (as kernels/lm_head_argmax.py's) normalises
+the rows, multiplies them by a BLOCK_V-row slice of the lm_head and keeps, per slice, its
+maximum, its sum of exp(logit - maximum) and its k best logits; the second merges a row's slices:
+the log-sum-exp and the k best of all slices' candidates. The logits never reach memory.
+
+Numerics of the torch form (the reference): the norm as kernels/rms_norm.py, each logit rounded
+to the lm_head's dtype as a matmul's output is, then log-softmax in float32. Ranking is by the
+logits (a log-softmax subtracts one number from the whole row), ties to the lowest row, and a
+NaN logit counts as -inf (never chosen before a number, no probability). Only the summation
+orders differ from the torch form: the matmul's and the log-sum-exp's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import use_kernel
+from kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V, INTERPRETED
+from kernels.rms_norm import rms_norm_reference
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+MAX_K = 64  # children per node: the merge keeps every slice's k best in one block of lanes
+
+
+def log_softmax_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V] → (values [..., k] float32 log-probabilities, indices [..., k] int64): the
+    k best by logit, ties to the lowest index (a stable sort: torch.topk leaves ties' order open)."""
+    x = logits.float()
+    x = x.masked_fill(x.isnan(), float("-inf"))
+    indices = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.log_softmax(x, -1).gather(-1, indices), indices
+
+
+def norm_lm_head_topk_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                                k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    normed, _ = rms_norm_reference(hidden, norm_weight, eps)
+    return log_softmax_topk_reference(F.linear(normed, weight), k)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _norm_gemv_topk_chunks_kernel(x_ptr, nw_ptr, w_ptr, max_ptr, sum_ptr, val_ptr, idx_ptr, R, V, H, eps,
+                                      stride_x, stride_w, NSPLIT, K: tl.constexpr, IEEE: tl.constexpr,
+                                      BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One (slice of BLOCK_V lm_head rows, block of BLOCK_R hidden rows): for each hidden row,
+        the slice's largest logit, its sum of exp(logit - largest), and its K best logits with
+        their columns (an exhausted slice pads with -inf at column V, which loses every tie)."""
+        split = tl.program_id(0)
+        rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = split * BLOCK_V + tl.arange(0, BLOCK_V)
+        row_in, col_in = rows < R, cols < V
+        hs = tl.arange(0, BLOCK_H)
+        x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+        square_sum = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):  # the rows' statistics first (H values each: cheap to read twice)
+            x = tl.load(x_rows + h0 + hs[None, :], mask=row_in[:, None] & (h0 + hs < H)[None, :], other=0.0)
+            square_sum += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        rstd = 1.0 / tl.sqrt(square_sum / H + eps)
+        acc = tl.zeros([BLOCK_R, BLOCK_V], dtype=tl.float32)
+        w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+        for h0 in range(0, H, BLOCK_H):
+            h_in = h0 + hs < H
+            x = tl.load(x_rows + h0 + hs[None, :], mask=row_in[:, None] & h_in[None, :], other=0.0)
+            normed = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32)
+            nw = tl.load(nw_ptr + h0 + hs, mask=h_in, other=0.0).to(tl.float32)
+            xn = (normed * nw[None, :]).to(w_ptr.dtype.element_ty)  # [BLOCK_R, BLOCK_H], as the norm stores it
+            w = tl.load(w_rows + h0 + hs[None, :], mask=col_in[:, None] & h_in[None, :], other=0.0)
+            if IEEE:  # float32 products, exact (no TF32): float32 weights, or the interpreter
+                acc = tl.dot(xn.to(tl.float32), tl.trans(w).to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xn, tl.trans(w), acc)
+        logits = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # each logit rounded as a matmul's output
+        logits = tl.where((logits != logits) | ~col_in[None, :], float("-inf"), logits)  # NaN: no probability
+        m = tl.max(logits, 1)  # [BLOCK_R]
+        shift = tl.where(m == float("-inf"), 0.0, m)  # a slice of -inf sums to 0, not NaN
+        total = tl.sum(tl.exp(logits - shift[:, None]), 1)
+        slot = rows.to(tl.int64) * NSPLIT + split
+        tl.store(max_ptr + slot, m, mask=row_in)
+        tl.store(sum_ptr + slot, total, mask=row_in)
+        avail = col_in[None, :] & row_in[:, None]  # [BLOCK_R, BLOCK_V]: columns not yet taken
+        for j in tl.static_range(K):
+            best = tl.max(tl.where(avail, logits, float("-inf")), 1)
+            first = tl.min(tl.where(avail & (logits == best[:, None]), cols[None, :], V), 1)  # V: none left
+            tl.store(val_ptr + slot * K + j, best, mask=row_in)
+            tl.store(idx_ptr + slot * K + j, first.to(tl.int64), mask=row_in)
+            avail = avail & (cols[None, :] != first[:, None])
+
+    @triton.jit
+    def _topk_merge_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, out_val_ptr, out_idx_ptr, NSPLIT, V,
+                           K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+        """One row: the log-sum-exp of its slices, then its K best of the slices' NSPLIT * K
+        candidates (ties: the lowest column), as log-probabilities."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        m = tl.load(max_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=float("-inf"))
+        total = tl.load(sum_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=0.0)
+        top = tl.max(m, 0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        lse = shift + tl.log(tl.sum(total * tl.exp(m - shift), 0))
+        c = tl.arange(0, BLOCK_C)
+        n = NSPLIT * K
+        v = tl.load(val_ptr + row * n + c, mask=c < n, other=float("-inf"))
+        ix = tl.load(idx_ptr + row * n + c, mask=c < n, other=V)
+        avail = c < n
+        for j in tl.static_range(K):
+            best = tl.max(tl.where(avail, v, float("-inf")), 0)
+            pick = tl.min(tl.where(avail & (v == best), ix, V), 0)
+            lane = tl.min(tl.where(avail & (v == best) & (ix == pick), c, BLOCK_C), 0)
+            tl.store(out_val_ptr + row * K + j, best - lse)
+            tl.store(out_idx_ptr + row * K + j, pick)
+            avail = avail & (c != lane)
+
+
+def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    H = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != H or norm_weight.shape != (H,):
+        raise ValueError(f"norm_lm_head_topk: hidden {tuple(hidden.shape)}, norm weight {tuple(norm_weight.shape)}, "
+                         f"lm_head {tuple(weight.shape)}: need [..., H], [H] and [V,H]")
+    V = weight.shape[0]
+    if not 1 <= k <= min(V, MAX_K):
+        raise ValueError(f"norm_lm_head_topk: k={k} must be in 1..{min(V, MAX_K)} (an lm_head of {V} rows)")
+    lead = hidden.shape[:-1]
+    x = hidden.reshape(-1, H)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    R = x.shape[0]
+    nsplit = triton.cdiv(V, BLOCK_V)
+    dev = hidden.device
+    values = torch.empty(R, k, dtype=torch.float32, device=dev)
+    indices = torch.empty(R, k, dtype=torch.long, device=dev)
+    if R:
+        maxima = torch.empty(R, nsplit, dtype=torch.float32, device=dev)
+        sums = torch.empty_like(maxima)
+        best = torch.empty(R, nsplit, k, dtype=torch.float32, device=dev)
+        columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
+        _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
+            x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
+            K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H)
+        _topk_merge_kernel[(R,)](maxima, sums, best, columns, values, indices, nsplit, V, K=k,
+                                 BLOCK_S=triton.next_power_of_2(nsplit), BLOCK_C=triton.next_power_of_2(nsplit * k))
+    return values.reshape(*lead, k), indices.reshape(*lead, k)
+
+
+def norm_lm_head_topk(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    fn = norm_lm_head_topk_triton if use_kernel(hidden) else norm_lm_head_topk_reference
+    return fn(hidden, norm_weight, eps, weight, k)
