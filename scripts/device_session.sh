@@ -23,9 +23,10 @@
 #                                                     # answers served up to 256 tokens (python -m train.promise),
 #                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1),
 #                                                     # for draft trees too with TREES="[[4,4,24]]" (EAGLE-3)
-#   bash scripts/device_session.sh profile-tree       # no target needed (carry .whl): the tree kernels' GPU tests, the graphed
-#                                                     # tree test, then chain and tree steps side by side on random weights
-#                                                     # of the real shapes (PROFILE_TREES), each traced kernel by kernel
+#   bash scripts/device_session.sh profile-tree       # once the target is whole (its graphed test loads it): the tree
+#                                                     # kernels' GPU tests, the graphed tree test, then chain and tree steps
+#                                                     # side by side on random weights of the real shapes (PROFILE_TREES),
+#                                                     # each traced kernel by kernel (eager trees where the graph test fails)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -332,7 +333,7 @@ tree-promise)  # NAME...: a copy of each `fresh` export (/tmp/run-NAME-tree) pro
   ;;
 profile-tree)  # a tree step's cost against a chain's before any drafter is trained (issue 20)
   python3 -m pytest -q -p no:cacheprovider tests/test_tree_select.py tests/test_tree_accept.py tests/test_tree_attention.py \
-    2>&1 | tail -2 | tee $R/tree-kernels.log
+    tests/test_lm_head_topk.py 2>&1 | tail -2 | tee $R/tree-kernels.log
   python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_tree_decoding.py > /tmp/tree-gpu.log 2>&1
   grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" /tmp/tree-gpu.log | tail -4 | tee -a $R/tree-kernels.log
   tail -c 100000 /tmp/tree-gpu.log > $R/tree-gpu.log
@@ -341,9 +342,9 @@ profile-tree)  # a tree step's cost against a chain's before any drafter is trai
   trees=${PROFILE_TREES:-4,4,24 6,8,48}
   first=${trees%% *}
   python3 scripts/profile_spec.py --rows "EAGLE-3" $(for t in $trees; do echo --tree $t; done) --trace \
-    --trace-rows "EAGLE-3 k=4,EAGLE-3 tree ${first//,/-}" --out $R/profile 2>&1 | tee $R/profile.log | grep -v -i "warn\|Loading weights" \
+    --trace-rows "EAGLE-3 k=4,EAGLE-3 tree ${first//,/-}" --out /tmp/profile 2>&1 | tee $R/profile.log | grep -v -i "warn\|Loading weights" \
     | grep -v "^ *\(aten\|cuda\|void\|Memcpy\|Memset\|triton\|ampere\|sm90\|nvjet\|cutlass\)" | head -40
-  for f in $R/profile/trace-*.json.gz; do
+  for f in /tmp/profile/trace-*.json.gz; do  # (the traces stay there: too large to come back)
     echo "== $f"; python3 scripts/trace_kernels.py $f --range draftsmith.loop_run --top 32 | tee $R/$(basename $f .json.gz).txt
   done
   collect
