@@ -1,4 +1,4 @@
-"""EAGLE-2 selection on fixed candidate buffers, a launch per depth and one for the rerank
+"""EAGLE-2 selection on fixed candidate buffers, a launch per depth and two for the rerank
 instead of about twenty-five and fifteen: what inference/tree.py's `expand_depth` and
 `finalize` compute (its `expand_level_reference` and `finalize_reference` compose them on these
 buffers; its `expand_level` and `finalize_candidates` run these kernels on CUDA tensors), laid
@@ -77,9 +77,13 @@ if triton is not None:
                        o_positions_ptr,
                        K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr, AT_ROOT: tl.constexpr):
-        """One program per row; lanes m: the new candidates (BLOCK_M >= N_NEW = F k). AT_ROOT: the
-        frontier is the root alone (parent -1, score 0; frontier_ptr and fscores_ptr unread)."""
+        """One program per (row, block of BLOCK_C ancestor columns); lanes m: the new candidates
+        (BLOCK_M >= N_NEW = F k). Every program ranks the new candidates (cheap: N_NEW^2 compares);
+        the first of a row stores them and the next frontier, each stores its columns of their
+        ancestor rows (C of them: one program doing them all took 160 µs at C = 510 on an H200).
+        AT_ROOT: the frontier is the root alone (parent -1, score 0; frontier_ptr and fscores_ptr unread)."""
         row = tl.program_id(0).to(tl.int64)
+        first_block = tl.program_id(1) == 0
         m = tl.arange(0, BLOCK_M)
         live = m < N_NEW
         f, j = m // K, m % K
@@ -96,60 +100,66 @@ if triton is not None:
             parent = tl.load(frontier_ptr + row * s_fr_b + f, mask=live, other=-1)
         token = tl.load(draft_ids_ptr + cid, mask=live, other=-1)
         c = OFF + m
-        tl.store(tokens_ptr + row * s_c_b + c, token, mask=live)
-        tl.store(parents_ptr + row * s_c_b + c, parent, mask=live)
-        tl.store(scores_ptr + row * s_c_b + c, score, mask=live)
         # the rank of each new candidate in a stable descending sort of their scores
         ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
         rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
         chosen = live & (rank < TOPK)
         out = row * TOPK + rank
-        tl.store(o_index_ptr + out, c, mask=chosen)
-        tl.store(o_scores_ptr + out, score, mask=chosen)
-        tl.store(o_tokens_ptr + out, token, mask=chosen)
-        tl.store(o_slot_ptr + out, c + 1, mask=chosen)
-        tl.store(o_parent_slot_ptr + out, parent + 1, mask=chosen)
-        tl.store(o_positions_ptr + out, tl.load(last_ptr + row) + LEVEL + 1, mask=chosen)
-        # a new candidate's ancestor row: its parent's (candidates before OFF) and itself
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            inside = cols < C
-            from_parent = tl.load(anc_ptr + row * s_a_b + parent[:, None] * s_a_r + cols[None, :],
-                                  mask=live[:, None] & (parent[:, None] >= 0) & (cols[None, :] < OFF), other=0)
-            sees = ((from_parent != 0) | (cols[None, :] == c[:, None])).to(tl.uint8)
-            tl.store(anc_ptr + row * s_a_b + c[:, None] * s_a_r + cols[None, :], sees, mask=live[:, None] & inside[None, :])
-            tl.store(o_visible_ptr + out[:, None] * C + cols[None, :], sees, mask=chosen[:, None] & inside[None, :])
+        if first_block:
+            tl.store(tokens_ptr + row * s_c_b + c, token, mask=live)
+            tl.store(parents_ptr + row * s_c_b + c, parent, mask=live)
+            tl.store(scores_ptr + row * s_c_b + c, score, mask=live)
+            tl.store(o_index_ptr + out, c, mask=chosen)
+            tl.store(o_scores_ptr + out, score, mask=chosen)
+            tl.store(o_tokens_ptr + out, token, mask=chosen)
+            tl.store(o_slot_ptr + out, c + 1, mask=chosen)
+            tl.store(o_parent_slot_ptr + out, parent + 1, mask=chosen)
+            tl.store(o_positions_ptr + out, tl.load(last_ptr + row) + LEVEL + 1, mask=chosen)
+        # a new candidate's ancestor row: its parent's (candidates before OFF) and itself; the
+        # parents' rows (< OFF) are never the ones written (>= OFF), so the blocks do not race
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        inside = cols < C
+        from_parent = tl.load(anc_ptr + row * s_a_b + parent[:, None] * s_a_r + cols[None, :],
+                              mask=live[:, None] & (parent[:, None] >= 0) & (cols[None, :] < OFF), other=0)
+        sees = ((from_parent != 0) | (cols[None, :] == c[:, None])).to(tl.uint8)
+        tl.store(anc_ptr + row * s_a_b + c[:, None] * s_a_r + cols[None, :], sees, mask=live[:, None] & inside[None, :])
+        tl.store(o_visible_ptr + out[:, None] * C + cols[None, :], sees, mask=chosen[:, None] & inside[None, :])
 
     @triton.jit
-    def _finalize_kernel(tokens_ptr, parents_ptr, scores_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
-                         o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
-                         C, N, K, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
-        """One program per row, in three passes over blocks of candidates, each pass reading what
-        the one before wrote (rank_ptr, node_ptr, kept_ptr: [B,C] scratch)."""
+    def _rank_kernel(scores_ptr, rank_ptr, C, s_c_b, BLOCK: tl.constexpr):
+        """One program per (row, block of candidates): each candidate's rank by (score descending,
+        index ascending), against every candidate of the row (one program doing a whole row's
+        C^2 compares took 72 µs at C = 510 on an H200)."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
-        # 1. each candidate's rank by (score descending, index ascending)
-        for i0 in range(0, C, BLOCK):
-            i = i0 + lanes
-            si = tl.load(scores_ptr + row * s_c_b + i, mask=i < C, other=0.0)
-            rank = tl.zeros([BLOCK], tl.int32)
-            for j0 in range(0, C, BLOCK):
-                j = j0 + lanes
-                sj = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
-                ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (j[None, :] < i[:, None]))
-                rank += tl.sum((ahead & (j[None, :] < C)).to(tl.int32), 1)
-            tl.store(rank_ptr + row * C + i, rank, mask=i < C)
-        tl.debug_barrier()
-        # 2. the kept candidates' nodes (how many kept come before), their tokens, depths, positions
+        i = tl.program_id(1) * BLOCK + lanes
+        si = tl.load(scores_ptr + row * s_c_b + i, mask=i < C, other=0.0)
+        rank = tl.zeros([BLOCK], tl.int32)
+        for j0 in range(0, C, BLOCK):
+            j = j0 + lanes
+            sj = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
+            ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (j[None, :] < i[:, None]))
+            rank += tl.sum((ahead & (j[None, :] < C)).to(tl.int32), 1)
+        tl.store(rank_ptr + row * C + i, rank, mask=i < C)
+
+    @triton.jit
+    def _finalize_kernel(tokens_ptr, parents_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
+                         o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
+                         C, N, K, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
+        """One program per row, in two passes over blocks of candidates, the second reading what
+        the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr)."""
+        row = tl.program_id(0).to(tl.int64)
+        lanes = tl.arange(0, BLOCK)
+        # 1. the kept candidates' nodes (how many kept come before: a running prefix count),
+        # their tokens, depths, positions
         base = tl.load(base_ptr + row)
+        before = 0
         for i0 in range(0, C, BLOCK):
             i = i0 + lanes
             kept = (tl.load(rank_ptr + row * C + i, mask=i < C, other=N) < N) & (i < C)
-            node = tl.zeros([BLOCK], tl.int32)
-            for j0 in range(0, C, BLOCK):
-                j = j0 + lanes
-                kept_j = (tl.load(rank_ptr + row * C + j, mask=j < C, other=N) < N) & (j < C)
-                node += tl.sum((kept_j[None, :] & (j[None, :] < i[:, None])).to(tl.int32), 1)
+            kept_count = kept.to(tl.int32)
+            node = before + tl.cumsum(kept_count, 0) - kept_count
+            before += tl.sum(kept_count, 0)
             depth = tl.where(i < K, 1, 2 + (i - K) // PER_DEPTH)
             tl.store(node_ptr + row * C + i, node, mask=kept)
             tl.store(kept_ptr + row * C + node, i, mask=kept)
@@ -157,7 +167,7 @@ if triton is not None:
             tl.store(o_depths_ptr + row * N + node, depth, mask=kept)
             tl.store(o_positions_ptr + row * N + node, base + depth, mask=kept)
         tl.debug_barrier()
-        # 3. parents as node indices, and the mask among the kept (every kept node's ancestors are kept)
+        # 2. parents as node indices, and the mask among the kept (every kept node's ancestors are kept)
         for n0 in range(0, N, BLOCK):
             n = n0 + lanes
             # (clamped: every kept slot is written when the ranks are a permutation, as they are for
@@ -202,13 +212,14 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
     visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
     if B:
-        _expand_kernel[(B,)](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
+        block_c = min(64, triton.next_power_of_2(C))
+        _expand_kernel[(B, triton.cdiv(C, block_c))](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
                              cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
                              index, scores, tokens, slot, parent_slot, visible.view(torch.uint8), positions,
                              k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
                              child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
                              cand.ancestors.stride(0), cand.ancestors.stride(1),
-                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=min(64, triton.next_power_of_2(C)), N_NEW=n_new,
+                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=block_c, N_NEW=n_new,
                              AT_ROOT=at_root)
     return Frontier(index, scores, tokens, slot, parent_slot, visible, positions)
 
@@ -227,8 +238,10 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
     tokens, parents, depths, positions = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(4))
     mask = torch.empty(B, N, N, dtype=torch.bool, device=dev)
     if B:
-        _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
+        block = min(64, triton.next_power_of_2(C))
+        _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
+        _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
                                positions, C, N, k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
-                               cand.ancestors.stride(1), BLOCK=min(64, triton.next_power_of_2(C)))
+                               cand.ancestors.stride(1), BLOCK=block)
     return tokens, parents, depths, mask, positions

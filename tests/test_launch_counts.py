@@ -21,8 +21,10 @@ CEILINGS = {
     # session 15 gave the frontier its depth as a number and extended the ancestor matrix of
     # candidates alone past the root's children (218 before); session 16 took the verified
     # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before) and EAGLE-2's
-    # selection into one per depth and one for the rerank (kernels/tree_select.py: 183 before)
-    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 72},
+    # selection into one per depth and one for the rerank (kernels/tree_select.py: 183 before);
+    # session 17 the tree's head into two (kernels/lm_head_topk.py: 80 before) and the rerank's
+    # ranks into a launch of their own (parallel over candidates: 72 before)
+    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 73},
 }
 
 
