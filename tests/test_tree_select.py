@@ -32,7 +32,8 @@ def _draft(expand, B, depth, top_k, Vd, g, dev):
     return cand, frontiers, last
 
 
-@pytest.mark.parametrize("B,depth,top_k,Vd", [(1, 1, 1, 5), (2, 4, 4, 40), (3, 3, 3, 7), (2, 2, 5, 9)])
+# (2, 3, 6, 30): 78 candidates, more than one 64-column block of ancestor rows and of ranks
+@pytest.mark.parametrize("B,depth,top_k,Vd", [(1, 1, 1, 5), (2, 4, 4, 40), (3, 3, 3, 7), (2, 2, 5, 9), (2, 3, 6, 30)])
 def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
     dev = kernel_device()
     for seed in range(3):
