@@ -203,11 +203,18 @@ def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores
     return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
 
 
-def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions) -> Tree:
-    """`finalize_reference`, through one kernel launch on CUDA tensors."""
+def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
+                        out: Tree | None = None) -> Tree:
+    """`finalize_reference`, through two kernel launches on CUDA tensors; into `out`'s tensors
+    when given (a drafter drafting in CUDA graphs keeps one Tree that every graph writes)."""
     if use_kernel(cand.tokens):
-        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions))
-    return finalize_reference(cand, k, top_k, total_tokens, base_positions)
+        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out))
+    tree = finalize_reference(cand, k, top_k, total_tokens, base_positions)
+    if out is None:
+        return tree
+    for buffer, value in zip(out, tree):
+        buffer.copy_(value)
+    return out
 
 
 # ---------------------------------------------------------------------------- static trees

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.verify import sampling_probs
+from kernels.emit import feed
 from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
@@ -56,12 +57,19 @@ class EagleTreeProposer(Eagle3Proposer):
                              f"total_tokens={total_tokens} must be in 1..{candidates} (and depth, top_k >= 1)")
         self.top_k, self.total_tokens, self.candidates = top_k, total_tokens, candidates
         self.verify_tokens = total_tokens  # the verify step feeds the root and these nodes
+        # the drafted tree: one set of buffers that every draft writes (the first, eager draft and
+        # each captured step alike), so the verify step always reads the latest tree
+        long = dict(dtype=torch.long, device=self.last.device)
+        self.tree_out = Tree(torch.zeros(batch, total_tokens, **long), torch.zeros(batch, total_tokens, **long),
+                             torch.zeros(batch, total_tokens, **long),
+                             torch.zeros(batch, total_tokens, total_tokens, dtype=torch.bool, device=self.last.device),
+                             torch.zeros(batch, total_tokens, **long))
 
     @torch.no_grad()
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens)
+                                self.total_tokens, out=self.tree_out)
 
 
 def tree_candidate_count(depth: int, top_k: int) -> int:
@@ -70,13 +78,15 @@ def tree_candidate_count(depth: int, top_k: int) -> int:
 
 
 @torch.no_grad()
-def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int):
+def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
+                     out: Tree | None = None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
     written). The runtime passes its proposer's state; training's held-out walk
     (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
-    both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth."""
+    both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
+    (into `out`'s tensors when given)."""
     d = p.drafter
     B, H = hidden.shape
     cfg = d.config
@@ -105,7 +115,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             cand_hidden.scatter_(1, frontier.slot[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
             top = _draft_top_k(d, h, top_k)  # [B,F,top_k] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1)
+    return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1, out)
 
 
 def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v, k_cache,
@@ -144,23 +154,23 @@ class TreeLoop(SpecLoop):
     path (greedy), or at T > 0 the longest path along one draw from the target after each
     node (the target's distribution exactly: inference/tree.py, sampled_tree_verify)."""
 
+    def __init__(self, model, cache, proposer, batch: int, *args, **kwargs):
+        super().__init__(model, cache, proposer, batch, *args, **kwargs)
+        # the verify step's input: the root, then the tree's nodes ([B,N+1], N = total_tokens)
+        self.fed_ids = self.fed_ids.new_zeros(batch, proposer.verify_tokens + 1)
+        self.fed_positions = torch.zeros_like(self.fed_ids)
+
     def draft_phase(self):
-        """The tree into static buffers: the first draft and the proposer's step are two graphs,
-        each allocating its own outputs, and the verify graph reads one set of tensors (without
-        the copy it would verify the first draft's tree at every step)."""
-        tree = self.proposer.draft_tree()
-        if getattr(self, "tree", None) is None or any(a.shape != b.shape for a, b in zip(self.tree, tree)):
-            self.tree = Tree(*(t.clone() for t in tree))  # the first, eager, draft: held by the loop
-        else:
-            for static, new in zip(self.tree, tree):
-                static.copy_(new)
+        """The tree, in the proposer's buffers: the first draft and the proposer's step are two
+        graphs, and both write the one Tree that the verify graph reads."""
+        self.tree = self.proposer.draft_tree()
 
     def verify_phase(self):
-        tree, cache = self.tree, self.cache
-        base = self.length - 1  # the root's position and slot
-        root = self.tokens.gather(1, base[:, None])
-        fed = torch.cat([root, tree.tokens.clamp_min(0)], 1)  # [B,N+1]
-        positions = torch.cat([base[:, None], tree.positions], 1)
+        tree, cache, fed, positions = self.tree, self.cache, self.fed_ids, self.fed_positions
+        # each row's last token (the root) and the tree's tokens (empty slots fed as 0), at the
+        # root's position and the nodes' (one launch on a GPU: kernels/emit.py's feed)
+        feed(self.tokens, self.length, tree.tokens, fed, positions, tree.positions)
+        base, root = positions[:, 0], fed[:, 0]  # [B]: the root's position and slot, its token
         # the root and node i are written at slots base and base + 1 + i; every query sees the
         # cache up to the root, node i also its ancestors and itself (the model builds the rest)
         logits, aux = self.model(fed, positions, cache, self.aux_layers, tree_mask=tree.mask)
@@ -172,7 +182,7 @@ class TreeLoop(SpecLoop):
             choice = logits.argmax(-1)  # [B,N+1]
         # the accepted path, what is emitted, the cache's moves and the proposer's next input
         # (one launch on a GPU: kernels/tree_accept.py)
-        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root[:, 0], ~self.done, self.k,
+        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, ~self.done, self.k,
                                cache.k.shape[-2])
         self.emit(accepted.path_tokens, accepted.length, accepted.bonus)
         # the accepted path's entries move from their tree slots to the slots after the root

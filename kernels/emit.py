@@ -1,5 +1,5 @@
 """Emission of a verified step into the device loop's state, one launch instead of about twenty;
-and `feed`, the next verify step's input, one launch instead of six.
+and `feed`, the next verify step's input (a chain's or a tree's), one launch instead of six.
 
     drafts [B,k] (target ids; -1 in empty slots), accepted [B] in 0..k, bonus [B],
     eos [E] end-of-sequence ids, budget [1] (max new tokens)
@@ -23,13 +23,17 @@ except ImportError:
     triton = None
 
 
-def feed_reference(tokens, length, drafts, fed, positions):
+def feed_reference(tokens, length, drafts, fed, positions, draft_positions=None):
     """The verify step's input: each row's last token, then its drafts (an empty slot, -1, fed as
-    token 0), at positions length-1 .. length-1+k. tokens [B,S], length [B], drafts [B,k] →
+    token 0), at positions length-1 .. length-1+k, or length-1 and then `draft_positions`
+    [B,k] (a tree's nodes sit at their depth). tokens [B,S], length [B], drafts [B,k] →
     fed, positions [B,k+1], written in place."""
     last = (length - 1)[:, None]
     fed.copy_(torch.cat([tokens.gather(1, last), drafts.clamp_min(0)], 1))
-    positions.copy_(last + torch.arange(drafts.shape[1] + 1, device=drafts.device))
+    if draft_positions is None:
+        positions.copy_(last + torch.arange(drafts.shape[1] + 1, device=drafts.device))
+    else:
+        positions.copy_(torch.cat([last, draft_positions], 1))
 
 
 def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
@@ -86,34 +90,43 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _feed_kernel(tokens_ptr, length_ptr, drafts_ptr, fed_ptr, positions_ptr, K, stride_t, stride_d, stride_f,
-                     stride_p, BLOCK: tl.constexpr):
+    def _feed_kernel(tokens_ptr, length_ptr, drafts_ptr, fed_ptr, positions_ptr, dpos_ptr, K, stride_t, stride_d,
+                     stride_f, stride_p, stride_dp, BLOCK: tl.constexpr, DRAFT_POSITIONS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         j = tl.arange(0, BLOCK)
         last = tl.load(length_ptr + row) - 1
-        draft = tl.load(drafts_ptr + row * stride_d + j - 1, mask=(j >= 1) & (j <= K), other=0)
+        is_draft = (j >= 1) & (j <= K)
+        draft = tl.load(drafts_ptr + row * stride_d + j - 1, mask=is_draft, other=0)
         token = tl.where(j == 0, tl.load(tokens_ptr + row * stride_t + last), tl.maximum(draft, 0))
         tl.store(fed_ptr + row * stride_f + j, token, mask=j <= K)
-        tl.store(positions_ptr + row * stride_p + j, last + j, mask=j <= K)
+        if DRAFT_POSITIONS:
+            position = tl.where(j == 0, last, tl.load(dpos_ptr + row * stride_dp + j - 1, mask=is_draft, other=0))
+        else:
+            position = last + j
+        tl.store(positions_ptr + row * stride_p + j, position, mask=j <= K)
 
 
-def feed_triton(tokens, length, drafts, fed, positions):
+def feed_triton(tokens, length, drafts, fed, positions, draft_positions=None):
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, k = drafts.shape
     drafts = drafts if drafts.stride(-1) == 1 else drafts.contiguous()  # the kernel reads unit steps
     if any(t.stride(-1) != 1 for t in (tokens, fed, positions)) or not length.is_contiguous():
         raise ValueError("feed: tokens, fed and positions need a contiguous last dimension, length contiguity")
+    if draft_positions is not None and draft_positions.shape != drafts.shape:
+        raise ValueError(f"feed: draft positions {tuple(draft_positions.shape)} for drafts {tuple(drafts.shape)}")
+    dpos = drafts if draft_positions is None else draft_positions.contiguous()  # (unread without positions)
     if B:
-        _feed_kernel[(B,)](tokens, length, drafts, fed, positions, k, tokens.stride(0), max(drafts.stride(0), 1),
-                           fed.stride(0), positions.stride(0), BLOCK=triton.next_power_of_2(k + 1))
+        _feed_kernel[(B,)](tokens, length, drafts, fed, positions, dpos, k, tokens.stride(0), max(drafts.stride(0), 1),
+                           fed.stride(0), positions.stride(0), max(dpos.stride(0), 1),
+                           BLOCK=triton.next_power_of_2(k + 1), DRAFT_POSITIONS=draft_positions is not None)
 
 
-def feed(tokens, length, drafts, fed, positions):
+def feed(tokens, length, drafts, fed, positions, draft_positions=None):
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
     from kernels import use_kernel
 
-    (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions)
+    (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions, draft_positions)
 
 
 def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):

@@ -46,8 +46,8 @@ if triton is not None:
     @triton.jit
     def _tree_accept_kernel(tokens_ptr, parents_ptr, mask_ptr, choice_ptr, base_ptr, root_ptr, active_ptr,
                             path_ptr, length_ptr, bonus_ptr, path_tokens_ptr, fed_ptr, index_ptr, src_ptr, dst_ptr,
-                            N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                            N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o, stride_base,
+                            stride_root, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes d: depths (BLOCK_D >= D + 1)."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
@@ -85,12 +85,12 @@ if triton is not None:
         on_fed = (d >= 1) & (d <= length)
         fed_node = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None]), i[None, :], 0), 1)
         fed_token = tl.load(tokens_ptr + row * stride_t + fed_node, mask=on_fed, other=0)
-        root = tl.load(root_ptr + row)
+        root = tl.load(root_ptr + row * stride_root)
         tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
         tl.store(index_ptr + out_fed + d, tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1)), mask=d <= D)
         # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
         # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
-        base = tl.load(base_ptr + row)
+        base = tl.load(base_ptr + row * stride_base)
         active = tl.load(active_ptr + row) != 0
         n_valid = tl.where(active, length, 0)
         valid = (d < n_valid) & has
@@ -115,7 +115,7 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     # bool tensors go in as their bytes (one byte each, 0 or 1)
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     active = active.view(torch.uint8) if active.dtype == torch.bool else active
-    base, root, active = base.contiguous(), root.contiguous(), active.contiguous()
+    active = active.contiguous()  # (base and root may be strided: a column of the verify step's input)
     dev, long = tree_tokens.device, torch.long
     path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
     fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
@@ -123,6 +123,6 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     if B:
         _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active, path, length, bonus, path_tokens, fed, index, src, dst,
                                   N, D, slots, tree_tokens.stride(0), parents.stride(0), mask.stride(0),
-                                  mask.stride(1), choice.stride(0), D,
+                                  mask.stride(1), choice.stride(0), D, base.stride(0), root.stride(0),
                                   BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1))
     return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)

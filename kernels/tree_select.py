@@ -224,8 +224,9 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     return Frontier(index, scores, tokens, slot, parent_slot, visible, positions)
 
 
-def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions):
-    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree."""
+def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None):
+    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree;
+    into `out` (those five tensors, [B,N] int64 and the mask [B,N,N] bool) when given."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -235,8 +236,16 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         raise ValueError(f"total_tokens={N} needs 1..{C} (the candidates drafted)")
     dev = cand.tokens.device
     scratch = [torch.empty(B, C, dtype=torch.int32, device=dev) for _ in range(3)]
-    tokens, parents, depths, positions = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(4))
-    mask = torch.empty(B, N, N, dtype=torch.bool, device=dev)
+    if out is None:
+        tokens, parents, depths, positions = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(4))
+        mask = torch.empty(B, N, N, dtype=torch.bool, device=dev)
+    else:
+        tokens, parents, depths, mask, positions = out
+        for name, t in zip(("tokens", "parents", "depths", "positions"), (tokens, parents, depths, positions)):
+            if t.shape != (B, N) or t.dtype != torch.long or not t.is_contiguous():
+                raise ValueError(f"finalize: out {name} {tuple(t.shape)} {t.dtype}, need [{B},{N}] int64, contiguous")
+        if mask.shape != (B, N, N) or mask.dtype != torch.bool or not mask.is_contiguous():
+            raise ValueError(f"finalize: out mask {tuple(mask.shape)} {mask.dtype}, need [{B},{N},{N}] bool, contiguous")
     if B:
         block = min(64, triton.next_power_of_2(C))
         _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)

@@ -312,21 +312,28 @@ def test_block_sample_kernel_matches_reference(dtype, B, k, V, with_q):
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("B,k", [(1, 1), (5, 4), (3, 7), (2, 0)])
-def test_feed_kernel_matches_reference(B, k):
+@pytest.mark.parametrize("B,k", [(1, 1), (5, 4), (3, 7), (2, 0), (3, 24)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_feed_kernel_matches_reference(B, k, tree):
+    """A chain's input (positions one after another) and a tree's (each node at its own
+    position, given)."""
     from kernels.emit import feed_reference, feed_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B + k)
-    tokens = torch.randint(0, 50, (B, 20), device=device)
-    length = torch.randint(1, 20 - k, (B,), device=device)
+    tokens = torch.randint(0, 50, (B, 40), device=device)
+    length = torch.randint(1, 40 - k, (B,), device=device)
     drafts = torch.randint(-1, 50, (B, k), device=device)  # -1: an empty slot, fed as token 0
+    draft_positions = length[:, None] - 1 + torch.randint(1, 5, (B, k), device=device) if tree else None
     want = [torch.full((B, k + 1), -9, dtype=torch.long, device=device) for _ in range(2)]
     got = [w.clone() for w in want]
-    feed_reference(tokens, length, drafts, *want)
-    feed_triton(tokens, length, drafts, *got)
+    feed_reference(tokens, length, drafts, *want, draft_positions)
+    feed_triton(tokens, length, drafts, *got, draft_positions)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.equal(want[0][:, 0], tokens.gather(1, (length - 1)[:, None])[:, 0])
+    assert torch.equal(want[1][:, 0], length - 1)
+    if tree:
+        assert torch.equal(want[1][:, 1:], draft_positions)
 
 
 @needs_triton_backend

@@ -23,8 +23,10 @@ CEILINGS = {
     # tree's bookkeeping into one kernel (kernels/tree_accept.py: verify 98 before) and EAGLE-2's
     # selection into one per depth and one for the rerank (kernels/tree_select.py: 183 before);
     # session 17 the tree's head into two (kernels/lm_head_topk.py: 80 before) and the rerank's
-    # ranks into a launch of their own (parallel over candidates: 72 before)
-    "eagle3-tree": {"verify_phase": 41, "proposer_phase": 73},
+    # ranks into a launch of their own (parallel over candidates: 72 before), then the verify
+    # step's input through the chain's feed kernel and one Tree that every draft writes in place
+    # (no copies: 41 / 73 before)
+    "eagle3-tree": {"verify_phase": 37, "proposer_phase": 68},
 }
 
 
