@@ -35,14 +35,25 @@ except ImportError:
     triton = None
 
 MAX_K = 64  # children per node: the merge keeps every slice's k best in one block of lanes
+# lm_head rows per program: 128 on a GPU (as kernels/lm_head_argmax.py: 128 programs for a 16,384-row
+# draft vocabulary); 1,024 in Triton's CPU interpreter, whose cost is per program (CI runs whole
+# tree loops through it), unless a caller asks for slices of its own (the kernel's tests do)
+TOPK_BLOCK_V = 1024 if INTERPRETED else BLOCK_V
 
 
 def log_softmax_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] → (values [..., k] float32 log-probabilities, indices [..., k] int64): the
-    k best by logit, ties to the lowest index (a stable sort: torch.topk leaves ties' order open)."""
+    k best by logit, ties to the lowest index. torch.topk leaves the order of ties open, so it
+    ranks one int64 key per logit that has no ties: the float's bits, mapped to an order-keeping
+    integer, above the index counted down (a stable sort of the row ranks the same, 30-100 times
+    slower on a CPU)."""
     x = logits.float()
-    x = x.masked_fill(x.isnan(), float("-inf"))
-    indices = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    x = x.masked_fill(x.isnan(), float("-inf")) + 0.0  # NaN ranks last; -0.0 becomes 0.0 (they tie)
+    bits = x.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = the floats' order
+    countdown = 0xFFFFFFFF - torch.arange(x.shape[-1], device=x.device)  # a lower index ranks higher
+    key = ordered * 2 ** 32 + countdown
+    indices = 0xFFFFFFFF - key.topk(k, dim=-1).values % 2 ** 32
     return torch.log_softmax(x, -1).gather(-1, indices), indices
 
 
@@ -128,7 +139,7 @@ if triton is not None:
 
 
 def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                             k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = hidden.shape[-1]
@@ -145,7 +156,7 @@ def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, ep
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     R = x.shape[0]
-    nsplit = triton.cdiv(V, BLOCK_V)
+    nsplit = triton.cdiv(V, block_v)
     dev = hidden.device
     values = torch.empty(R, k, dtype=torch.float32, device=dev)
     indices = torch.empty(R, k, dtype=torch.long, device=dev)
@@ -156,7 +167,7 @@ def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, ep
         columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
         _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
-            K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H)
+            K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H)
         _topk_merge_kernel[(R,)](maxima, sums, best, columns, values, indices, nsplit, V, K=k,
                                  BLOCK_S=triton.next_power_of_2(nsplit), BLOCK_C=triton.next_power_of_2(nsplit * k))
     return values.reshape(*lead, k), indices.reshape(*lead, k)

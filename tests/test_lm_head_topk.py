@@ -27,7 +27,7 @@ def test_norm_lm_head_topk_matches_reference(dev, dtype, lead, H, V, k):
     norm_weight = (torch.rand(H, generator=g) + 0.5).to(dev, dtype)
     weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dev, dtype)
     want_values, want_indices = norm_lm_head_topk_reference(hidden, norm_weight, 1e-5, weight, k)
-    values, indices = norm_lm_head_topk_triton(hidden, norm_weight, 1e-5, weight, k)
+    values, indices = norm_lm_head_topk_triton(hidden, norm_weight, 1e-5, weight, k, block_v=128)  # the GPU's slices
     assert values.shape == indices.shape == (*lead, k) and values.dtype == torch.float32
     assert indices.dtype == torch.long and int(indices.min()) >= 0 and int(indices.max()) < V
     assert (indices.unsqueeze(-1) == indices.unsqueeze(-2)).sum(-1).eq(1).all()  # k different rows
@@ -52,7 +52,7 @@ def test_ties_go_to_the_lowest_row_across_slices(dev):
     weight = torch.zeros(V, H, device=dev)
     weight[[650, 300, 5], 0] = 8.0
     hidden = torch.ones(2, H, device=dev)
-    values, indices = norm_lm_head_topk_triton(hidden, torch.ones(H, device=dev), 1e-6, weight, 5)
+    values, indices = norm_lm_head_topk_triton(hidden, torch.ones(H, device=dev), 1e-6, weight, 5, block_v=128)
     assert indices.tolist() == [[5, 300, 650, 0, 1]] * 2
     lse = math.log(3 * math.exp(8.0) + (V - 3))
     torch.testing.assert_close(values[0], torch.tensor([8.0 - lse] * 3 + [-lse] * 2, device=dev))
@@ -64,7 +64,7 @@ def test_a_nan_logit_is_never_chosen_before_a_number(dev):
     weight = torch.randn(V, H, generator=g).to(dev)
     weight[[2, 140]] = float("nan")  # rows 2 and 140 give NaN logits
     hidden = torch.randn(3, H, generator=g).to(dev)
-    values, indices = norm_lm_head_topk_triton(hidden, torch.ones(H, device=dev), 1e-6, weight, 6)
+    values, indices = norm_lm_head_topk_triton(hidden, torch.ones(H, device=dev), 1e-6, weight, 6, block_v=128)
     want_values, want_indices = norm_lm_head_topk_reference(hidden, torch.ones(H, device=dev), 1e-6, weight, 6)
     assert not torch.isin(indices, torch.tensor([2, 140], device=dev)).any()
     assert torch.equal(indices, want_indices) and torch.isfinite(values).all()
