@@ -29,9 +29,9 @@ import torch.nn.functional as F
 
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
+from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from inference.verify import sampling_probs
 from kernels.emit import feed
-from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
