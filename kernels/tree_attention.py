@@ -24,8 +24,10 @@ decode_attention. Here, as in decode_attention, the g*M score rows of a KV head 
 (tl.dot), so each cache key up to the base is read once per tile, not once per (query, head);
 the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
 and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
-one more split with its own mask; a second launch merges the splits into o_proj's layout, in
-float32.
+cut into tiles of at most 64 nodes, one more split each, under its own mask; a second launch
+merges the splits into o_proj's layout, in float32. (The tree block was one split of one tile
+once: a drafter's candidate buffer of 264 nodes, depth 5 with top-k 8, made it a 64 x 512 tile
+that took ~30 us a level on an H200, against ~6 us for 200 nodes.)
 """
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 # Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
 # tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
 TARGET_PROGRAMS = 512
-MAX_SPLITS = 63  # + the tree block: 64 split slots, one power-of-two tile for the merge
+MAX_SPLITS = 63  # + a verify step's tree block (one tile): 64 split slots, a power of two for the merge
+MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
 
 
 if triton is not None:
@@ -110,8 +113,9 @@ if triton is not None:
         G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
         Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
         visible up to the base, in tiles of BLOCK_S keys with an online softmax (splits past the
-        base do nothing); split `tree_split` is the tree block of N keys, one tile under each
-        query's mask row. Each writes per (query, head) softmax statistics for the merge."""
+        base do nothing); split tree_split + i is tile i of the tree block (nodes i*BLOCK_N ..,
+        under each query's mask row). Each writes per (query, head) softmax statistics for the
+        merge."""
         b = tl.program_id(0).to(tl.int64)
         tiles = tl.cdiv(M * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
@@ -126,9 +130,9 @@ if triton is not None:
         q_offs = b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
         q_ok = real[:, None] & dim_ok[None, :]
         slot = ((b * M + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q] where this split's stats go
-        if split == tree_split:
+        if split >= tree_split:
             q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)  # [BLOCK_Q, BLOCK_D]
-            nodes = tl.arange(0, BLOCK_N)
+            nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
             node_ok = nodes < N
             if IN_CACHE:  # node j at cache slot base + 1 + j
                 offs = b * stride_cb + kv * stride_ch + (base + 1 + nodes)[:, None] * stride_cs + dims[None, :]
@@ -142,7 +146,7 @@ if triton is not None:
             seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mq + nodes[None, :],
                            mask=real[:, None] & node_ok[None, :], other=0) != 0  # [BLOCK_Q, BLOCK_N]
             s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
-            m = tl.max(s, 1)  # -inf for a query that sees no node (the root): its weight in the merge is 0
+            m = tl.max(s, 1)  # -inf for a query that sees no node of the tile (the root): weight 0 in the merge
             p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
@@ -172,18 +176,19 @@ if triton is not None:
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
-    @triton.jit(do_not_specialize=["M", "span"])
-    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, stride_ot,
+    @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
+    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, tree_end, stride_ot,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
         """One (query token, query head): merge the statistics of the cache splits up to the base
-        and of the tree block. Split 0 always holds a visible key, so the max is finite; the tree
-        block's m is -inf for the root (weight 0)."""
+        and of the tree block's tiles (splits tree_split .. tree_end-1). Split 0 always holds a
+        visible key, so the max is finite; a tree tile's m is -inf where the query sees none of
+        its nodes (the root sees none): weight 0."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
         head = tl.program_id(1)
         splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, span)
         start = (token * tl.num_programs(1) + head) * BLOCK_SPLITS
         j = tl.arange(0, BLOCK_SPLITS)
-        used = (j < splits) | (j == tree_split)
+        used = (j < splits) | ((j >= tree_split) & (j < tree_end))
         m = tl.load(m_ptr + start + j, mask=used, other=float("-inf"))
         w = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)  # [BLOCK_SPLITS] rescaling of each split
         l = tl.sum(w * tl.load(l_ptr + start + j, mask=used, other=0.0), 0)
@@ -196,7 +201,7 @@ if triton is not None:
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
                           max_splits: int = MAX_SPLITS):
     """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
-    splits + 1) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
+    splits + tree tiles) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
     max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -229,24 +234,25 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_q = min(64, max(16, triton.next_power_of_2(M * G)))
     tiles = triton.cdiv(M * G, block_q)
     block_s, block_d = min(64, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
-    block_n = max(16, triton.next_power_of_2(N))
+    block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
+    tree_tiles = triton.cdiv(N, block_n) if N else 0
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     splits = max(1, min(max_splits, MAX_SPLITS, triton.cdiv(S, block_s), triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
     span = block_s * triton.cdiv(triton.cdiv(S, splits), block_s)
-    tree_split = triton.cdiv(S, span)  # the tree block's split index, after the cache's
-    block_splits = triton.next_power_of_2(tree_split + 1)
+    tree_split = triton.cdiv(S, span)  # the tree block's first split index, after the cache's
+    block_splits = triton.next_power_of_2(tree_split + tree_tiles)
     # per (token, head, split) statistics, block_splits slots each (one power-of-two tile for the
     # merge); slots of splits past a row's base are never written nor read
     m = torch.empty(B * M * nh * block_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
-    _tree_partial_kernel[(B, nkv * tiles, tree_split + 1)](
+    _tree_partial_kernel[(B, nkv * tiles, tree_split + tree_tiles)](
         q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
         IN_CACHE=in_cache, IEEE=q.dtype == torch.float32)
-    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, out.stride(1),
+    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles, out.stride(1),
                                       D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
 

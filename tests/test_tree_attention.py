@@ -97,6 +97,42 @@ def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits,
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+@pytest.mark.parametrize("B,N,M,S,nh,nkv,d", [(2, 150, 8, 37, 9, 3, 64), (1, 264, 8, 19, 9, 3, 64), (3, 70, 5, 71, 4, 4, 48)])
+def test_a_drafters_candidate_buffer_of_several_tiles_matches_reference(dtype, tol, B, N, M, S, nh, nkv, d):
+    """A drafter's tree level: the frontier's M queries over a candidate buffer of N > 64 nodes
+    (tiles of 64 in parallel splits), each seeing its ancestors: the last frontier node of the
+    first row sees nodes of every tile, and nodes past those drafted so far stay zero."""
+    q, k_cache, v_cache, base, tree_k, tree_v, _ = operands(B, N, S, nh, nkv, d, dtype, seed=N + M)
+    g = torch.Generator().manual_seed(N)
+    parents = random_parents(B, N, g)
+    drafted = N - 3  # the last 3 candidates not drafted yet: never visible
+    # the first row's last drafted node: a path through every tile (2 -> 65 [-> 130] -> it)
+    path = [2, 65] + ([130] if N > 131 else []) + [drafted - 1]
+    for parent, child in zip(path, path[1:]):
+        parents[0, child] = parent
+    tree_k[:, :, drafted:] = 0
+    tree_v[:, :, drafted:] = 0
+    frontier = torch.arange(drafted - M, drafted)
+    mask = ancestor_mask(parents).to(q.device)[:, frontier]  # [B,M,N]
+    assert bool(mask[0, -1, :64].any()) and bool(mask[0, -1, 64:128].any()) and not mask[:, :, drafted:].any()
+    q = q[:, :, :M].contiguous()
+    ref = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, mask)
+    assert got.shape == ref.shape == (B, M, nh * d)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@needs_triton_backend
+def test_a_verify_block_of_several_tiles_matches_reference():
+    """The target's verify step over a tree of 70 nodes (two tiles read from the cache)."""
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 70, 150, 9, 3, 64, torch.float32, seed=70)
+    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton_backend
 def test_unseen_keys_are_never_read():
     """Cache keys past the row's base (past its tree block, when the block is in the cache):
     poisoning them with NaN changes nothing. Tree keys outside a query's mask row are read by the
