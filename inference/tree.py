@@ -183,7 +183,8 @@ def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, front
     cand.ancestors[:, off:end, end:] = False
     index = new.frontier
     visible = new.ancestors.gather(1, index[..., None].expand(-1, -1, end))
-    return Frontier(index, new.frontier_scores, new.tokens.gather(1, index), index + 1, new.parents.gather(1, index) + 1,
+    # candidate off + f k + j is child j of frontier row f
+    return Frontier(index, new.frontier_scores, new.tokens.gather(1, index), (index - off) // k,
                     F.pad(visible, (0, C - end)), (last + level + 1)[:, None].expand_as(index))
 
 

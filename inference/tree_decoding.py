@@ -64,12 +64,18 @@ class EagleTreeProposer(Eagle3Proposer):
                              torch.zeros(batch, total_tokens, **long),
                              torch.zeros(batch, total_tokens, total_tokens, dtype=torch.bool, device=self.last.device),
                              torch.zeros(batch, total_tokens, **long))
+        # the candidates' K/V [B,nkv,C,d], written level by level by every draft: kept, not zeroed
+        # per draft (slots not yet written this draft hold an earlier draft's finite values, and a
+        # node never sees them: its mask row holds its ancestors alone)
+        B, nkv, _, head_dim = self.k_cache.shape
+        self.cand_k = self.k_cache.new_zeros(B, nkv, candidates, head_dim)
+        self.cand_v = torch.zeros_like(self.cand_k)
 
     @torch.no_grad()
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens, out=self.tree_out)
+                                self.total_tokens, out=self.tree_out, cand_kv=(self.cand_k, self.cand_v))
 
 
 def tree_candidate_count(depth: int, top_k: int) -> int:
@@ -79,24 +85,26 @@ def tree_candidate_count(depth: int, top_k: int) -> int:
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None):
+                     out: Tree | None = None, cand_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
     written). The runtime passes its proposer's state; training's held-out walk
     (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
-    (into `out`'s tensors when given)."""
+    (into `out`'s tensors when given). cand_kv: the candidates' K/V buffers [B,nkv,C,d] to
+    write (finite; a new pair of zeros when None)."""
     d = p.drafter
     B, H = hidden.shape
     cfg = d.config
     candidates = tree_candidate_count(depth, top_k)
-    cand_k = k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim)
-    cand_v = torch.zeros_like(cand_k)
-    # [B,1+C,H]: the root's hidden at slot 0, candidate c's at 1 + c (a parent index -1 reads the root)
-    # (only slots already written are read: the root's, then each drafted frontier's)
-    cand_hidden = hidden.new_empty(B, 1 + candidates, H)
-    cand_hidden[:, 0] = hidden
+    if cand_kv is None:
+        cand_kv = (k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim),
+                   k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim))
+    cand_k, cand_v = cand_kv
+    # [B,F,H]: the drafter's output at the frontier just drafted from (the root alone first); a
+    # new frontier node's parent is one of its rows (Frontier.parent_row)
+    drafted_from = hidden[:, None]
     # every candidate's token, parent, score and ancestors, depth by depth (kernels/tree_select.py:
     # one launch per depth on a GPU)
     cand = Candidates.empty(B, candidates, hidden.device)
@@ -109,10 +117,10 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
         drafted += child_ids.shape[1] * top_k
         index, scores = frontier.index, frontier.scores
         if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
-            parent_hidden = cand_hidden.gather(1, frontier.parent_slot[..., None].expand(-1, -1, H))
+            parent_hidden = drafted_from.gather(1, frontier.parent_row[..., None].expand(-1, -1, H))
             h = _tree_step(p, frontier.tokens, parent_hidden, frontier.positions, index, frontier.visible, cand_k,
                            cand_v, k_cache, v_cache, last)
-            cand_hidden.scatter_(1, frontier.slot[..., None].expand(-1, -1, H), h.to(cand_hidden.dtype))
+            drafted_from = h.to(hidden.dtype)
             top = _draft_top_k(d, h, top_k)  # [B,F,top_k] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
     return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1, out)

@@ -49,8 +49,8 @@ class Frontier(NamedTuple):
     index: torch.Tensor  # [B,F] candidate indices (-1: the root)
     scores: torch.Tensor  # [B,F] their cumulative scores
     tokens: torch.Tensor  # [B,F] their tokens, the drafter's next input
-    slot: torch.Tensor  # [B,F] 1 + index: where each node's hidden state is kept (0: the root's)
-    parent_slot: torch.Tensor  # [B,F] 1 + each node's parent: where its parent's hidden state is kept
+    parent_row: torch.Tensor  # [B,F] each node's parent's row in the frontier it was drafted from
+    # (0 at the first depth: the root): where the drafter's output holds its parent's hidden state
     visible: torch.Tensor  # [B,F,C] bool: each node's ancestors and itself
     positions: torch.Tensor  # [B,F] the position each node is fed at (last + depth)
 
@@ -73,7 +73,7 @@ if triton is not None:
     @triton.jit
     def _expand_kernel(child_ids_ptr, child_lp_ptr, draft_ids_ptr, frontier_ptr, fscores_ptr, last_ptr,
                        tokens_ptr, parents_ptr, scores_ptr, anc_ptr,
-                       o_index_ptr, o_scores_ptr, o_tokens_ptr, o_slot_ptr, o_parent_slot_ptr, o_visible_ptr,
+                       o_index_ptr, o_scores_ptr, o_tokens_ptr, o_parent_row_ptr, o_visible_ptr,
                        o_positions_ptr,
                        K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr, AT_ROOT: tl.constexpr):
@@ -112,8 +112,7 @@ if triton is not None:
             tl.store(o_index_ptr + out, c, mask=chosen)
             tl.store(o_scores_ptr + out, score, mask=chosen)
             tl.store(o_tokens_ptr + out, token, mask=chosen)
-            tl.store(o_slot_ptr + out, c + 1, mask=chosen)
-            tl.store(o_parent_slot_ptr + out, parent + 1, mask=chosen)
+            tl.store(o_parent_row_ptr + out, f, mask=chosen)
             tl.store(o_positions_ptr + out, tl.load(last_ptr + row) + LEVEL + 1, mask=chosen)
         # a new candidate's ancestor row: its parent's (candidates before OFF) and itself; the
         # parents' rows (< OFF) are never the ones written (>= OFF), so the blocks do not race
@@ -208,20 +207,20 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
         frontier, frontier_scores = last, last  # (not read)
     frontier, frontier_scores = frontier.contiguous(), frontier_scores.contiguous()
     dev, long = child_ids.device, torch.long
-    index, tokens, slot, parent_slot, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(5))
+    index, tokens, parent_row, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(4))
     scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
     visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
     if B:
         block_c = min(64, triton.next_power_of_2(C))
         _expand_kernel[(B, triton.cdiv(C, block_c))](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
                              cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
-                             index, scores, tokens, slot, parent_slot, visible.view(torch.uint8), positions,
+                             index, scores, tokens, parent_row, visible.view(torch.uint8), positions,
                              k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
                              child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
                              cand.ancestors.stride(0), cand.ancestors.stride(1),
                              BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=block_c, N_NEW=n_new,
                              AT_ROOT=at_root)
-    return Frontier(index, scores, tokens, slot, parent_slot, visible, positions)
+    return Frontier(index, scores, tokens, parent_row, visible, positions)
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None):

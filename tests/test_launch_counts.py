@@ -25,8 +25,10 @@ CEILINGS = {
     # session 17 the tree's head into two (kernels/lm_head_topk.py: 80 before) and the rerank's
     # ranks into a launch of their own (parallel over candidates: 72 before), then the verify
     # step's input through the chain's feed kernel and one Tree that every draft writes in place
-    # (no copies: 41 / 73 before)
-    "eagle3-tree": {"verify_phase": 37, "proposer_phase": 68},
+    # (no copies: 41 / 73 before); session 18 each level's parents read from the drafter's last
+    # output (no buffer of every candidate's hidden state to fill) and the candidates' K/V kept
+    # in the proposer (68 before)
+    "eagle3-tree": {"verify_phase": 37, "proposer_phase": 62},
 }
 
 

@@ -46,6 +46,12 @@ def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
         for level, (w_front, o_front) in enumerate(zip(want_frontiers, got_frontiers)):
             for name, w, o in zip(w_front._fields, w_front, o_front):
                 assert torch.equal(o.cpu(), w), (name, level, seed)
+            # parent_row names each node's parent in the frontier before (the root at depth 1)
+            parents = want_cand.parents.gather(1, w_front.index)
+            if level == 0:
+                assert (parents == -1).all() and (w_front.parent_row == 0).all()
+            else:
+                assert torch.equal(parents, want_frontiers[level - 1].index.gather(1, w_front.parent_row))
         C = want_cand.tokens.shape[1]
         for total in sorted({1, (C + 1) // 2, C}):
             want = finalize_reference(want_cand, top_k, top_k, total, last + 1)
