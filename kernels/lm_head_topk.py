@@ -66,6 +66,23 @@ def norm_lm_head_topk_reference(hidden: torch.Tensor, norm_weight: torch.Tensor,
 if triton is not None:
 
     @triton.jit
+    def _rank_key(value, column):
+        """int64 keys that order (value descending, column ascending) as plain integers: the
+        float's bits mapped to an order-keeping int32 above the column counted down (value finite
+        or -inf, never NaN nor -0.0; 0 <= column < 2^31). One max then finds a best and its lowest
+        column at once (two reductions otherwise; the merge needed three)."""
+        bits = value.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        return (ordered.to(tl.int64) << 32) + (2147483647 - column).to(tl.int64)
+
+    @triton.jit
+    def _unrank_key(key):
+        """`_rank_key` undone: (value float32, column int64)."""
+        ordered = (key >> 32).to(tl.int32)
+        bits = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered)
+        return bits.to(tl.float32, bitcast=True), 2147483647 - (key - ((key >> 32) << 32))
+
+    @triton.jit
     def _norm_gemv_topk_chunks_kernel(x_ptr, nw_ptr, w_ptr, max_ptr, sum_ptr, val_ptr, idx_ptr, R, V, H, eps,
                                       stride_x, stride_w, NSPLIT, K: tl.constexpr, IEEE: tl.constexpr,
                                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -98,25 +115,31 @@ if triton is not None:
                 acc = tl.dot(xn, tl.trans(w), acc)
         logits = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # each logit rounded as a matmul's output
         logits = tl.where((logits != logits) | ~col_in[None, :], float("-inf"), logits)  # NaN: no probability
+        logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 ties with 0.0 (its bits would rank it below)
         m = tl.max(logits, 1)  # [BLOCK_R]
         shift = tl.where(m == float("-inf"), 0.0, m)  # a slice of -inf sums to 0, not NaN
         total = tl.sum(tl.exp(logits - shift[:, None]), 1)
         slot = rows.to(tl.int64) * NSPLIT + split
         tl.store(max_ptr + slot, m, mask=row_in)
         tl.store(sum_ptr + slot, total, mask=row_in)
-        avail = col_in[None, :] & row_in[:, None]  # [BLOCK_R, BLOCK_V]: columns not yet taken
+        # [BLOCK_R, BLOCK_V] rank keys; taken and missing columns hold `gone`, below every real key
+        gone = tl.full([BLOCK_R, BLOCK_V], -2147483648, tl.int32).to(tl.int64) << 32
+        key = tl.where(col_in[None, :] & row_in[:, None], _rank_key(logits, cols[None, :]), gone)
         for j in tl.static_range(K):
-            best = tl.max(tl.where(avail, logits, float("-inf")), 1)
-            first = tl.min(tl.where(avail & (logits == best[:, None]), cols[None, :], V), 1)  # V: none left
-            tl.store(val_ptr + slot * K + j, best, mask=row_in)
-            tl.store(idx_ptr + slot * K + j, first.to(tl.int64), mask=row_in)
-            avail = avail & (cols[None, :] != first[:, None])
+            best = tl.max(key, 1)  # [BLOCK_R]
+            value, column = _unrank_key(best)
+            none_left = (best >> 32).to(tl.int32) == -2147483648  # an exhausted slice: -inf at column V
+            tl.store(val_ptr + slot * K + j, tl.where(none_left, float("-inf"), value), mask=row_in)
+            tl.store(idx_ptr + slot * K + j, tl.where(none_left, V, column), mask=row_in)
+            key = tl.where(key == best[:, None], gone, key)
 
     @triton.jit
     def _topk_merge_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, out_val_ptr, out_idx_ptr, NSPLIT, V,
                            K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         """One row: the log-sum-exp of its slices, then its K best of the slices' NSPLIT * K
-        candidates (ties: the lowest column), as log-probabilities."""
+        candidates (ties: the lowest column), as log-probabilities. A column is one slice's, so
+        real keys are unique; exhausted slices' pads (-inf at column V) rank below every real
+        one, and k <= V picks k real ones."""
         row = tl.program_id(0).to(tl.int64)
         s = tl.arange(0, BLOCK_S)
         m = tl.load(max_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=float("-inf"))
@@ -128,14 +151,14 @@ if triton is not None:
         n = NSPLIT * K
         v = tl.load(val_ptr + row * n + c, mask=c < n, other=float("-inf"))
         ix = tl.load(idx_ptr + row * n + c, mask=c < n, other=V)
-        avail = c < n
+        gone = tl.full([BLOCK_C], -2147483648, tl.int32).to(tl.int64) << 32
+        key = tl.where(c < n, _rank_key(v, ix), gone)
         for j in tl.static_range(K):
-            best = tl.max(tl.where(avail, v, float("-inf")), 0)
-            pick = tl.min(tl.where(avail & (v == best), ix, V), 0)
-            lane = tl.min(tl.where(avail & (v == best) & (ix == pick), c, BLOCK_C), 0)
-            tl.store(out_val_ptr + row * K + j, best - lse)
-            tl.store(out_idx_ptr + row * K + j, pick)
-            avail = avail & (c != lane)
+            best = tl.max(key, 0)
+            value, column = _unrank_key(best)
+            tl.store(out_val_ptr + row * K + j, value - lse)
+            tl.store(out_idx_ptr + row * K + j, column)
+            key = tl.where(key == best, gone, key)
 
 
 def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
