@@ -7,7 +7,11 @@
 #   bash scripts/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
 #                                                     # and 1, HumanEval's half), then EAGLE-3, DFlash and MTP on their recipes
 #   bash scripts/device_session.sh tree-promise NAME  # a copy of a `fresh` EAGLE-3 export promising trees alone (TREES)
-#   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test)
+#   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test);
+#                                                     # BRING=NAME...: each finished export packed into $OUT as `bring` does
+# A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
+# trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
+# e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
@@ -245,6 +249,11 @@ wait)
   fi
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
   train_summary
+  for name in ${BRING:-}; do  # the exports come back as parts once written: a lost machine keeps nothing
+    pgrep -f "out_dir=/tmp/run-$name " > /dev/null && { echo "$name: still training, not brought"; continue; }
+    [ -d /tmp/run-$name/export ] || { echo "$name: no export to bring"; continue; }
+    python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct 2>&1 | tail -1
+  done
   collect
   ;;
 bench)
