@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import use_kernel
 from kernels.rejection_sample import inverse_cdf
-from kernels.tree_accept import TreeAccept, tree_accept_triton
+from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
 from kernels.tree_select import Candidates, Frontier, candidate_depths, expand_level_triton, finalize_triton, \
     root_frontier
 
@@ -397,6 +397,12 @@ def compaction_moves(src_positions, dst_positions, valid, slots: int):
 
 
 def move_entries(k_cache, v_cache, src, dst):
+    """`move_entries_reference`, in one kernel launch on CUDA tensors (kernels/tree_accept.py)."""
+    fn = move_entries_triton if use_kernel(k_cache) else move_entries_reference
+    return fn(k_cache, v_cache, src, dst)
+
+
+def move_entries_reference(k_cache, v_cache, src, dst):
     """Cache entries [..., B,nkv,S,d] moved by position, in place: entry src[b, j] → dst[b, j]
     in every leading index (a target's layers [L,B,nkv,S,d] at once: one gather and one
     scatter per cache, where a loop over 30 layers launched ~450 kernels and cost ~1.2 ms of a

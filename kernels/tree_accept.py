@@ -16,6 +16,10 @@ The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compact
 `tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
 tensors. The kernel computes the same in one program per row (it also never matches an empty
 slot against a choice of -1, which argmax and a draw never give).
+
+The moves themselves (`move_entries_triton`, inference/tree.py's `move_entries` on CUDA tensors):
+one launch for the keys and values of every layer, where a gather and a scatter per cache took
+four launches of ~4 us each on an H200 (BENCHMARKS.md, session 18).
 """
 from __future__ import annotations
 
@@ -99,6 +103,53 @@ if triton is not None:
         fill_dst = tl.where(n_valid > 0, base + n_valid, still)
         tl.store(src_ptr + out + d, tl.where(valid, base + 1 + node, fill_src), mask=in_path)
         tl.store(dst_ptr + out + d, tl.where(valid, base + 1 + d, fill_dst), mask=in_path)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _move_entries_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, B, NKV, D, stride_l, stride_b, stride_h, stride_s,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (layer, row, KV head): its D entries at slots src read, then written at slots dst.
+        The barrier keeps every read of the program before its first write (a path's slots and
+        their destinations overlap); programs touch disjoint (layer, row, head) planes."""
+        pid = tl.program_id(0)
+        head = pid % NKV
+        b = (pid // NKV) % B
+        layer = pid // (NKV * B)
+        j = tl.arange(0, BLOCK_M)
+        j_in = j < D
+        src = tl.load(src_ptr + b * D + j, mask=j_in, other=0)
+        dst = tl.load(dst_ptr + b * D + j, mask=j_in, other=0)
+        dims = tl.arange(0, BLOCK_D)
+        both = j_in[:, None] & (dims < HEAD_DIM)[None, :]
+        plane = layer.to(tl.int64) * stride_l + b.to(tl.int64) * stride_b + head * stride_h
+        k = tl.load(k_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
+        v = tl.load(v_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
+        tl.debug_barrier()
+        tl.store(k_ptr + plane + dst[:, None] * stride_s + dims[None, :], k, mask=both)
+        tl.store(v_ptr + plane + dst[:, None] * stride_s + dims[None, :], v, mask=both)
+
+
+def move_entries_triton(k_cache, v_cache, src, dst):
+    """Caches [..., B,nkv,S,d] (one layout for both), src / dst [B,D] slots (every slot a move,
+    duplicates writing the same value: `compaction_moves`), in place."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
+        raise ValueError(f"move_entries: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} need one layout "
+                         "with a contiguous last dimension")
+    B, nkv, S, d = k_cache.shape[-4:]
+    if src.shape != dst.shape or src.dim() != 2 or src.shape[0] != B:
+        raise ValueError(f"move_entries: src {tuple(src.shape)} / dst {tuple(dst.shape)} do not fit {B} rows")
+    k, v = k_cache.view(-1, B, nkv, S, d), v_cache.view(-1, B, nkv, S, d)  # the layers as one leading dim
+    D = src.shape[1]
+    if k.shape[0] * B * nkv and D:
+        _move_entries_kernel[(k.shape[0] * B * nkv,)](k, v, src.contiguous(), dst.contiguous(), B, nkv, D,
+                                                       k.stride(0), k.stride(1), k.stride(2), k.stride(3),
+                                                       HEAD_DIM=d, BLOCK_M=triton.next_power_of_2(D),
+                                                       BLOCK_D=triton.next_power_of_2(d))
+    return k_cache, v_cache
 
 
 def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,

@@ -4,8 +4,8 @@ slots, finished rows, roots at the cache's first and last slots, and choices tha
 import pytest
 import torch
 
-from inference.tree import ancestor_mask, tree_accept_reference
-from kernels.tree_accept import tree_accept_triton
+from inference.tree import ancestor_mask, move_entries_reference, tree_accept_reference
+from kernels.tree_accept import move_entries_triton, tree_accept_triton
 from tests.conftest import kernel_device
 from tests.test_tree import random_parents
 
@@ -50,3 +50,32 @@ def test_tree_accept_on_a_chain_accepts_the_matching_prefix():
     assert got.path.tolist() == [[0, 1, -1, -1]] and got.length.tolist() == [2] and got.bonus.tolist() == [5]
     assert got.fed.tolist() == [[42, 7, 8, 0, 0]] and got.index.tolist() == [[0, 1, 2, 1, 1]]
     assert got.src.tolist() == [[11, 12, 12, 12]] and got.dst.tolist() == [[11, 12, 12, 12]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lead,B,nkv,N,D,d", [((), 1, 1, 3, 3, 16), ((3,), 2, 3, 24, 4, 64), ((2,), 4, 2, 37, 6, 48)])
+def test_move_entries_kernel_matches_reference(dtype, lead, B, nkv, N, D, d):
+    """The moves a verified tree makes (kernels/tree_accept.py's src / dst: paths whose slots and
+    destinations overlap, rows with nothing accepted, duplicate moves) on caches of one layer
+    [B,nkv,S,d] and of stacked layers [L,B,nkv,S,d]: the kernel moves what the reference does."""
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(B * 10 + N)
+    S = N + 11
+    parents = random_parents(B, N, g)
+    parents = torch.where(ancestor_mask(parents).sum(-1) > D, -1, parents)
+    mask = ancestor_mask(parents)
+    tokens = torch.randint(0, 2, (B, N), generator=g)
+    choice = torch.randint(0, 2, (B, N + 1), generator=g)
+    base = torch.randint(0, S - N, (B,), generator=g)
+    active = torch.ones(B, dtype=torch.bool)
+    active[-1] = B == 1  # a finished row: only no-op moves
+    moves = tree_accept_reference(tokens, parents, mask, choice, base, torch.zeros(B, dtype=torch.long), active, D, S)
+    assert moves.length.max() > 1  # some path moves several entries
+    k = torch.randn(*lead, B, nkv, S, d, generator=g).to(dtype)
+    v = torch.randn(*lead, B, nkv, S, d, generator=g).to(dtype)
+    want_k, want_v = move_entries_reference(k.clone(), v.clone(), moves.src, moves.dst)
+    got_k, got_v = k.clone().to(dev), v.clone().to(dev)
+    out = move_entries_triton(got_k, got_v, moves.src.to(dev), moves.dst.to(dev))
+    assert out[0] is got_k and out[1] is got_v  # in place
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+    assert not torch.equal(want_k, k)  # the case moved something
