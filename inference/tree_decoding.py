@@ -64,18 +64,18 @@ class EagleTreeProposer(Eagle3Proposer):
                              torch.zeros(batch, total_tokens, **long),
                              torch.zeros(batch, total_tokens, total_tokens, dtype=torch.bool, device=self.last.device),
                              torch.zeros(batch, total_tokens, **long))
-        # the candidates' K/V [B,nkv,C,d], written level by level by every draft: kept, not zeroed
-        # per draft (slots not yet written this draft hold an earlier draft's finite values, and a
-        # node never sees them: its mask row holds its ancestors alone)
+        # the candidates' K and V [2,B,nkv,C,d], written level by level: one buffer, zeroed once
+        # per draft (one launch, not two). No node sees a slot not written this draft (its mask
+        # row holds its ancestors and itself), but the kernel still multiplies such slots' values
+        # by weight 0: an earlier draft's inf there would make NaN of every later draft.
         B, nkv, _, head_dim = self.k_cache.shape
-        self.cand_k = self.k_cache.new_zeros(B, nkv, candidates, head_dim)
-        self.cand_v = torch.zeros_like(self.cand_k)
+        self.cand_kv = self.k_cache.new_zeros(2, B, nkv, candidates, head_dim)
 
     @torch.no_grad()
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens, out=self.tree_out, cand_kv=(self.cand_k, self.cand_v))
+                                self.total_tokens, out=self.tree_out, cand_kv=self.cand_kv.zero_())
 
 
 def tree_candidate_count(depth: int, top_k: int) -> int:
@@ -85,23 +85,22 @@ def tree_candidate_count(depth: int, top_k: int) -> int:
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None, cand_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+                     out: Tree | None = None, cand_kv: torch.Tensor | None = None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
     written). The runtime passes its proposer's state; training's held-out walk
     (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
-    (into `out`'s tensors when given). cand_kv: the candidates' K/V buffers [B,nkv,C,d] to
-    write (finite; a new pair of zeros when None)."""
+    (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
+    V (new ones when None)."""
     d = p.drafter
     B, H = hidden.shape
     cfg = d.config
     candidates = tree_candidate_count(depth, top_k)
     if cand_kv is None:
-        cand_kv = (k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim),
-                   k_cache.new_zeros(B, cfg.num_key_value_heads, candidates, cfg.head_dim))
-    cand_k, cand_v = cand_kv
+        cand_kv = k_cache.new_zeros(2, B, cfg.num_key_value_heads, candidates, cfg.head_dim)
+    cand_k, cand_v = cand_kv.unbind()
     # [B,F,H]: the drafter's output at the frontier just drafted from (the root alone first); a
     # new frontier node's parent is one of its rows (Frontier.parent_row)
     drafted_from = hidden[:, None]

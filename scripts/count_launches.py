@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 # ops that only describe memory (views, metadata) launch nothing
 NO_LAUNCH = {"view", "_unsafe_view", "expand", "slice", "select", "t", "transpose", "unsqueeze", "squeeze", "as_strided",
-             "reshape", "detach", "alias", "permute", "split_with_sizes", "split", "narrow", "empty", "lift_fresh",
+             "reshape", "detach", "alias", "permute", "split_with_sizes", "split", "unbind", "narrow", "empty", "lift_fresh",
              "_to_copy", "empty_like", "new_empty", "promote_types", "empty_strided", "result_type"}
 
 

@@ -242,6 +242,8 @@ wait)
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     # the device loop through every kernel (the kernels' CUDA builds) against its torch path
     python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py tests/test_chain_kernels.py tests/test_tree_attention.py -k "kernel or tree" 2>&1 | tail -2 | tee -a $R/regression.log
+    # the tree's own kernels (head top-k, selection, bookkeeping and cache moves) on CUDA
+    python3 -m pytest -q -p no:cacheprovider tests/test_lm_head_topk.py tests/test_tree_select.py tests/test_tree_accept.py 2>&1 | tail -2 | tee -a $R/regression.log
     # draft trees in CUDA graphs: where the captured tree step equals the eager one (a case of -m gpu),
     # the bench graphs them
     grep -q "PASSED tests/test_tree_decoding.py::test_graphed_tree" /tmp/gpu-tests.log && touch /tmp/trees-graph-ok

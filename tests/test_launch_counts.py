@@ -26,10 +26,10 @@ CEILINGS = {
     # ranks into a launch of their own (parallel over candidates: 72 before), then the verify
     # step's input through the chain's feed kernel and one Tree that every draft writes in place
     # (no copies: 41 / 73 before); session 18 each level's parents read from the drafter's last
-    # output (no buffer of every candidate's hidden state to fill) and the candidates' K/V kept
-    # in the proposer (68 before), and the accepted path's cache moves in one launch
+    # output (no buffer of every candidate's hidden state to fill) and the candidates' K and V in
+    # one buffer zeroed once (68 before), and the accepted path's cache moves in one launch
     # (kernels/tree_accept.py: verify 37 before)
-    "eagle3-tree": {"verify_phase": 34, "proposer_phase": 62},
+    "eagle3-tree": {"verify_phase": 34, "proposer_phase": 63},
 }
 
 
