@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from kernels import use_kernel
 from kernels.decode_attention import grouped_cache_attention
+from kernels.lm_head_argmax import INTERPRETED
 
 try:
     import triton
@@ -89,6 +90,12 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 TARGET_PROGRAMS = 512
 MAX_SPLITS = 63  # + a verify step's tree block (one tile): 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
+# Tuning knobs for scripts/bench_attention.py, which times the variants on a GPU: the most score
+# rows a program takes (a verify step of 41 queries x 3 heads per KV head is 123 rows: two tiles
+# of 64, or four of 32), and 16-bit products (16-bit caches: q, k, v and the probabilities in the
+# cache's dtype, float32 sums, as flash attention does) instead of TF32 on float32 copies.
+MAX_BLOCK_Q = 64
+PRODUCTS_16BIT = False
 
 
 if triton is not None:
@@ -97,8 +104,25 @@ if triton is not None:
     def _dot(a, b, IEEE: tl.constexpr):
         if IEEE:  # float32 caches: exact float32 products (no TF32), so tests compare exactly
             return tl.dot(a, b, input_precision="ieee")
-        else:  # 16-bit caches: TF32 products (10 mantissa bits, more than the inputs' 7 or 10)
+        else:  # 16-bit caches: TF32 products (10 mantissa bits, more than the inputs' 7 or 10), or 16-bit ones
             return tl.dot(a, b)
+
+    @triton.jit
+    def _operand(x, LOW: tl.constexpr):
+        """A loaded tile as the products take it: as stored (16-bit products), or in float32."""
+        if LOW:
+            return x
+        else:
+            return x.to(tl.float32)
+
+    @triton.jit
+    def _dot_pv(p, v, IEEE: tl.constexpr, ROUND_P: tl.constexpr, P_DTYPE: tl.constexpr):
+        """Probabilities [rows, keys] float32 times values [keys, D] (`_operand`), float32 sums;
+        ROUND_P: the probabilities rounded to the cache's dtype first (16-bit products, or their
+        emulation in float32 under the interpreter, whose 16-bit dots are not exact)."""
+        if ROUND_P:
+            p = p.to(P_DTYPE)
+        return _dot(p.to(v.dtype), v, IEEE)
 
     # M, N (queries, tree nodes) vary with the tree's size: not specialised on
     @triton.jit(do_not_specialize=["M", "N", "span"])
@@ -108,7 +132,7 @@ if triton is not None:
                              stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
-                             IEEE: tl.constexpr):
+                             IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr):
         """One (row, KV head and tile of BLOCK_Q score rows, split). The row's M queries times the
         G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
         Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
@@ -131,7 +155,7 @@ if triton is not None:
         q_ok = real[:, None] & dim_ok[None, :]
         slot = ((b * M + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q] where this split's stats go
         if split >= tree_split:
-            q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)  # [BLOCK_Q, BLOCK_D]
+            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)  # [BLOCK_Q, BLOCK_D]
             nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
             node_ok = nodes < N
             if IN_CACHE:  # node j at cache slot base + 1 + j
@@ -141,8 +165,8 @@ if triton is not None:
                 offs = b * stride_tb + kv * stride_th + nodes[:, None] * stride_tt + dims[None, :]
                 k_ptr, v_ptr = kt_ptr, vt_ptr
             both = node_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
-            v = tl.load(v_ptr + offs, mask=both, other=0.0).to(tl.float32)
+            k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
+            v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
             seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mq + nodes[None, :],
                            mask=real[:, None] & node_ok[None, :], other=0) != 0  # [BLOCK_Q, BLOCK_N]
             s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
@@ -150,9 +174,9 @@ if triton is not None:
             p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
-            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], _dot(p, v, IEEE), mask=real[:, None])
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty), mask=real[:, None])
         elif split * span <= base:
-            q = tl.load(q_ptr + q_offs, mask=q_ok, other=0.0).to(tl.float32)
+            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)
             hi = tl.minimum(split * span + span, base + 1)  # the split's visible slots end here
             # finite start: exp(m - m_new) stays defined; the first tile holds a visible key
             m = tl.full([BLOCK_Q], -1.0e30, tl.float32)
@@ -163,14 +187,14 @@ if triton is not None:
                 inside = keys < hi  # the same for every query of the row
                 offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
                 both = inside[:, None] & dim_ok[None, :]
-                k = tl.load(kc_ptr + offs, mask=both, other=0.0).to(tl.float32)  # [BLOCK_S, BLOCK_D]
-                v = tl.load(vc_ptr + offs, mask=both, other=0.0).to(tl.float32)
+                k = _operand(tl.load(kc_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_S, BLOCK_D]
+                v = _operand(tl.load(vc_ptr + offs, mask=both, other=0.0), LOW)
                 s = tl.where(inside[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
                 m_new = tl.maximum(m, tl.max(s, 1))
                 p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_S], 0 outside
                 alpha = tl.exp(m - m_new)
                 l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot(p, v, IEEE)
+                acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
                 m = m_new
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, l, mask=real)
@@ -231,7 +255,8 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     G = nh // nkv
     # score rows per program: up to 64 (a tree of 15 nodes times G = 4 heads is one tile), so few
     # variants compile; tl.dot needs inner sizes of at least 16: small heads and trees are padded
-    block_q = min(64, max(16, triton.next_power_of_2(M * G)))
+    block_q = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(M * G)))
+    low = PRODUCTS_16BIT and q.dtype != torch.float32
     tiles = triton.cdiv(M * G, block_q)
     block_s, block_d = min(64, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
@@ -251,7 +276,7 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32)
+        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low)
     _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles, out.stride(1),
                                       D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out

@@ -28,7 +28,8 @@
 #                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1),
 #                                                     # for draft trees too with TREES="[[4,4,24]]" (EAGLE-3)
 #   bash scripts/device_session.sh profile-tree       # once the target is whole (its graphed test loads it): the tree
-#                                                     # kernels' GPU tests, the graphed tree test, then chain and tree steps
+#                                                     # kernels' GPU tests, the graphed tree test, the tree-attention
+#                                                     # variants (scripts/bench_attention.py), then chain and tree steps
 #                                                     # side by side on random weights of the real shapes (PROFILE_TREES),
 #                                                     # each traced kernel by kernel (eager trees where the graph test fails)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
@@ -350,6 +351,8 @@ profile-tree)  # a tree step's cost against a chain's before any drafter is trai
   tail -c 100000 /tmp/tree-gpu.log > $R/tree-gpu.log
   grep -q "PASSED tests/test_tree_decoding.py::test_graphed_tree" /tmp/tree-gpu.log && touch /tmp/trees-graph-ok
   [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
+  # the tree-attention kernel's tuning variants, timed alone (kernels/tree_attention.py MAX_BLOCK_Q, PRODUCTS_16BIT)
+  python3 scripts/bench_attention.py --out $R 2>&1 | tee $R/bench_attention.log | tail -8
   trees=${PROFILE_TREES:-4,4,24 6,8,48}
   first=${trees%% *}
   python3 scripts/profile_spec.py --rows "EAGLE-3" $(for t in $trees; do echo --tree $t; done) --trace \

@@ -179,3 +179,20 @@ def test_reference_equals_plain_attention_over_the_path():
     values = torch.cat([v_cache[:, :, :4], tree_v[:, :, [0, 2]]], 2)
     att = torch.softmax(q[:, :, 2:3] @ keys.transpose(-1, -2) / d ** 0.5, -1) @ values  # [B,nh,1,d]
     torch.testing.assert_close(out[:, 2], att[:, :, 0].reshape(B, nh * d))
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("max_block_q,products_16bit", [(16, False), (32, True), (64, True)])
+def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit):
+    """scripts/bench_attention.py's variants (score rows per program, 16-bit products) compute
+    the same attention: a verify step of 41 queries over a ragged cache, and a drafter's level."""
+    import kernels.tree_attention as ta
+    monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
+    monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
+    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    args = operands(2, 22, 150, 6, 2, 64, torch.bfloat16, seed=4)
+    torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
+                               rtol=2e-2, atol=2e-2)

@@ -1,0 +1,87 @@
+"""The tree-attention kernel's tuning variants timed on a GPU, beside the chain's decode attention,
+at SmolLM2-135M's shapes (9 query / 3 KV heads of 64) in bf16: the target's verify step over a
+tree of N nodes, and a drafter's level (8 frontier queries over its cache and a candidate buffer).
+
+    python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400]
+
+Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program) and PRODUCTS_16BIT
+(16-bit products instead of TF32 on float32 copies). Each variant is checked against the torch
+reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
+as the runtime runs them; medians in microseconds). A verify step calls the kernel once per
+layer (30), a drafter level once: multiply before comparing with a step's milliseconds.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench_cudagraph
+
+import kernels.tree_attention as ta
+from inference.tree import ancestor_mask
+from kernels.decode_attention import decode_attention_triton
+
+
+def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n,n] an EAGLE-2-like tree: each node's parent among the nodes before it (-1: the root)."""
+    parents = torch.tensor([-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)])
+    return ancestor_mask(parents[None])[0]
+
+
+def cases(S: int, base: int):
+    """(name, q, k_cache, v_cache, base, tree_k, tree_v, mask) on the GPU."""
+    dev, bf, g = "cuda", torch.bfloat16, torch.Generator().manual_seed(0)
+    nh, nkv, d = 9, 3, 64
+    k_cache = torch.randn(1, nkv, S, d, generator=g).to(dev, bf)
+    v_cache = torch.randn(1, nkv, S, d, generator=g).to(dev, bf)
+    base_t = torch.tensor([base], device=dev)
+    for n in (24, 40, 60):  # the verify step: the root and n nodes, the block in the cache after the root
+        mask = torch.cat([torch.zeros(1, n, dtype=torch.bool), random_tree_mask(n, g)], 0)[None].to(dev)
+        q = torch.randn(1, nh, n + 1, d, generator=g).to(dev, bf)
+        yield f"verify, {n} nodes", q, k_cache, v_cache, base_t, None, None, mask
+    for c in (40, 200, 264):  # a drafter's level: 8 frontier nodes over c candidates (4-4-24, 4-8-40, 5-8-40)
+        mask = random_tree_mask(c, g)[-8:][None].to(dev)
+        q = torch.randn(1, nh, 8, d, generator=g).to(dev, bf)
+        tree_k, tree_v = (torch.randn(1, nkv, c, d, generator=g).to(dev, bf) for _ in range(2))
+        yield f"drafter level, 8 of {c} candidates", q, k_cache, v_cache, base_t, tree_k, tree_v, mask
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="write bench_attention.json here")
+    parser.add_argument("--cache", type=int, default=1024, help="cache slots S")
+    parser.add_argument("--base", type=int, default=400, help="the root's slot (keys visible before the tree)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
+    rows = []
+    variants = list(itertools.product((16, 32, 64), (False, True)))
+    for name, *operands in cases(args.cache, args.base):
+        reference = ta.tree_attention_reference(*operands).float()
+        row = {"case": name}
+        for block_q, low in variants:
+            ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = block_q, low
+            got = ta.tree_attention_triton(*operands).float()
+            torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2)
+            row[f"block_q {block_q}{', 16-bit' if low else ''}"] = do_bench_cudagraph(
+                lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
+        rows.append(row)
+        print(name, "  ".join(f"{k}: {v:.2f}" for k, v in row.items() if k != "case"), "µs", flush=True)
+    ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = 64, False
+    # the chain's verify for comparison: 5 queries at positions base .. base + 4
+    _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
+    q5 = q[:, :, :5].contiguous()
+    positions = torch.arange(args.base, args.base + 5, device="cuda")[None]
+    chain = do_bench_cudagraph(lambda: decode_attention_triton(q5, k_cache, v_cache, positions), rep=50) * 1000
+    rows.append({"case": "chain verify (decode attention), 5 queries", "decode_attention": chain})
+    print(f"chain verify (decode attention), 5 queries: {chain:.2f} µs")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_attention.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
