@@ -123,7 +123,7 @@ if triton is not None:
         dst = tl.load(dst_ptr + b * D + j, mask=j_in, other=0)
         dims = tl.arange(0, BLOCK_D)
         both = j_in[:, None] & (dims < HEAD_DIM)[None, :]
-        plane = layer.to(tl.int64) * stride_l + b.to(tl.int64) * stride_b + head * stride_h
+        plane = layer.to(tl.int64) * stride_l + b.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
         k = tl.load(k_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
         v = tl.load(v_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
         tl.debug_barrier()

@@ -262,7 +262,10 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
-    splits = max(1, min(max_splits, MAX_SPLITS, triton.cdiv(S, block_s), triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
+    # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
+    # would double the merge's tile)
+    splits = max(1, min(max_splits, MAX_SPLITS, 64 - tree_tiles, triton.cdiv(S, block_s),
+                        triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
     span = block_s * triton.cdiv(triton.cdiv(S, splits), block_s)
     tree_split = triton.cdiv(S, span)  # the tree block's first split index, after the cache's
     block_splits = triton.next_power_of_2(tree_split + tree_tiles)
