@@ -174,7 +174,8 @@ if triton is not None:
             p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
-            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty), mask=real[:, None])
+            acc = _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)  # [BLOCK_Q, BLOCK_D]
+            tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
         elif split * span <= base:
             q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)
             hi = tl.minimum(split * span + span, base + 1)  # the split's visible slots end here
