@@ -94,8 +94,12 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # rows a program takes (a verify step of 41 queries x 3 heads per KV head is 123 rows: two tiles
 # of 64, or four of 32), and 16-bit products (16-bit caches: q, k, v and the probabilities in the
 # cache's dtype, float32 sums, as flash attention does) instead of TF32 on float32 copies.
-MAX_BLOCK_Q = 64
-PRODUCTS_16BIT = False
+# Timed on an H200 (BENCHMARKS.md, session 19; partial and merge, µs per call, bf16): 16 rows with
+# 16-bit products was the fastest or within 0.4 µs of it at every shape, e.g. a verify over 40
+# nodes 7.05 against 7.97 for 64 rows in TF32, over 60 nodes 7.40 against 10.22, a drafter level
+# 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
+MAX_BLOCK_Q = 16
+PRODUCTS_16BIT = True
 
 
 if triton is not None:

@@ -58,6 +58,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
+    defaults = ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT
     variants = list(itertools.product((16, 32, 64), (False, True)))
     for name, *operands in cases(args.cache, args.base):
         reference = ta.tree_attention_reference(*operands).float()
@@ -70,7 +71,7 @@ def main():
                 lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
         rows.append(row)
         print(name, "  ".join(f"{k}: {v:.2f}" for k, v in row.items() if k != "case"), "µs", flush=True)
-    ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = 64, False
+    ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = defaults
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
     _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
     q5 = q[:, :, :5].contiguous()
