@@ -100,6 +100,11 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
 MAX_BLOCK_Q = 16
 PRODUCTS_16BIT = True
+# Not timed yet (scripts/bench_attention.py sweeps them): the most cache keys a split scores at
+# once (a split of 2 tiles loops twice; one of 32 keys halves each product) and the partial
+# kernel's warps.
+MAX_BLOCK_S = 64
+NUM_WARPS = 4
 
 
 if triton is not None:
@@ -263,7 +268,7 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_q = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(M * G)))
     low = PRODUCTS_16BIT and q.dtype != torch.float32
     tiles = triton.cdiv(M * G, block_q)
-    block_s, block_d = min(64, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
+    block_s, block_d = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
@@ -284,7 +289,8 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low)
+        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low,
+        num_warps=NUM_WARPS)
     _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles, out.stride(1),
                                       D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out

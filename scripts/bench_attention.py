@@ -4,8 +4,9 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
 
     python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400]
 
-Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program) and PRODUCTS_16BIT
-(16-bit products instead of TF32 on float32 copies). Each variant is checked against the torch
+Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program), PRODUCTS_16BIT
+(16-bit products instead of TF32 on float32 copies), TARGET_PROGRAMS (how finely the cache is
+split), MAX_BLOCK_S (cache keys per tile) and NUM_WARPS; the first variant is the defaults in TF32. Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
 as the runtime runs them; medians in microseconds). A verify step calls the kernel once per
 layer (30), a drafter level once: multiply before comparing with a step's milliseconds.
@@ -58,20 +59,41 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
-    defaults = ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT
-    variants = list(itertools.product((16, 32, 64), (False, True)))
+    knobs = ("MAX_BLOCK_Q", "PRODUCTS_16BIT", "TARGET_PROGRAMS", "MAX_BLOCK_S", "NUM_WARPS")
+    defaults = {knob: getattr(ta, knob) for knob in knobs}
+    # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
+    # defaults' TF32 control); now the cache split's size, its tile of keys, and the warps
+    variants = [dict(defaults)] + [
+        dict(MAX_BLOCK_Q=block_q, PRODUCTS_16BIT=low, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
+        for block_q, low, programs, block_s, warps in itertools.product(
+            (16, 32), (True,), (512, 2048), (32, 64), (2, 4))]
+    variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
+
+    def label(v):
+        return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']}")
+
     for name, *operands in cases(args.cache, args.base):
         reference = ta.tree_attention_reference(*operands).float()
         row = {"case": name}
-        for block_q, low in variants:
-            ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = block_q, low
+        for variant in variants:
+            for knob, value in variant.items():
+                setattr(ta, knob, value)
             got = ta.tree_attention_triton(*operands).float()
             torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2)
-            row[f"block_q {block_q}{', 16-bit' if low else ''}"] = do_bench_cudagraph(
-                lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
+            row[label(variant)] = do_bench_cudagraph(lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
         rows.append(row)
-        print(name, "  ".join(f"{k}: {v:.2f}" for k, v in row.items() if k != "case"), "µs", flush=True)
-    ta.MAX_BLOCK_Q, ta.PRODUCTS_16BIT = defaults
+        best = min((k for k in row if k != "case"), key=row.get)
+        print(f"{name}: defaults {row[label(variants[0])]:.2f} (TF32) / "
+              f"{row.get(label(defaults), float('nan')):.2f} µs; best {best}: {row[best]:.2f} µs", flush=True)
+    for knob, value in defaults.items():
+        setattr(ta, knob, value)
+    # one number per variant, as a step weighs them: 30 calls of each verify case (one per layer),
+    # 5 of each drafter case (one per level)
+    totals = {k: sum(r[k] * (30 if r["case"].startswith("verify") else 5) for r in rows) for k in rows[0] if k != "case"}
+    for k in sorted(totals, key=totals.get)[:5]:
+        print(f"  weighted (30 x each verify case + 5 x each drafter case): {k}: {totals[k]:.1f} µs "
+              f"(defaults: {totals[label(defaults)]:.1f})")
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
     _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
     q5 = q[:, :, :5].contiguous()

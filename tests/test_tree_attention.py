@@ -182,13 +182,17 @@ def test_reference_equals_plain_attention_over_the_path():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("max_block_q,products_16bit", [(16, False), (32, True), (64, False)])
-def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit):
-    """scripts/bench_attention.py's variants (score rows per program, 16-bit products) compute
-    the same attention: a verify step of 41 queries over a ragged cache, and a drafter's level."""
+@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s",
+                         [(16, False, 512, 64), (32, True, 2048, 32), (64, False, 512, 64)])
+def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s):
+    """scripts/bench_attention.py's variants (score rows per program, 16-bit products, finer
+    cache splits, smaller key tiles) compute the same attention: a verify step of 41 queries over
+    a ragged cache, and a drafter's level."""
     import kernels.tree_attention as ta
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
     monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
+    monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
+    monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
