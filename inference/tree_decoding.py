@@ -95,7 +95,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
     V (new ones when None)."""
     d = p.drafter
-    B, H = hidden.shape
+    B = hidden.shape[0]
     cfg = d.config
     candidates = tree_candidate_count(depth, top_k)
     if cand_kv is None:
@@ -116,29 +116,31 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
         drafted += child_ids.shape[1] * top_k
         index, scores = frontier.index, frontier.scores
         if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
-            parent_hidden = drafted_from.gather(1, frontier.parent_row[..., None].expand(-1, -1, H))
-            h = _tree_step(p, frontier.tokens, parent_hidden, frontier.positions, index, frontier.visible, cand_k,
-                           cand_v, k_cache, v_cache, last)
+            h = _tree_step(p, frontier.tokens, drafted_from, frontier.parent_row, frontier.positions, index,
+                           frontier.visible, cand_k, cand_v, k_cache, v_cache, last)
             drafted_from = h.to(hidden.dtype)
             top = _draft_top_k(d, h, top_k)  # [B,F,top_k] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
     return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1, out)
 
 
-def _tree_step(p: Eagle3Proposer, tokens, parent_hidden, positions, frontier, visible, cand_k, cand_v, k_cache,
-               v_cache, last):
-    """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, positions, frontier
-    [B,F], parent_hidden [B,F,H], visible [B,F,C] (each node's ancestors and itself).
+def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, frontier, visible, cand_k, cand_v,
+               k_cache, v_cache, last):
+    """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, parent_row, positions,
+    frontier [B,F], visible [B,F,C] (each node's ancestors and itself); node f's parent hidden
+    state is drafted_from[b, parent_row[b, f]] ([B,F0,H], the level before's output).
     Their K/V go to the candidate buffers [B,nkv,C,d] at their candidate index; each node
     attends to the drafter's cache [B,nkv,S,d] up to the row's last step-0 entry `last` [B]
     and to the visible candidates. → hidden [B,F,H]."""
     d = p.drafter
     layer, cfg = d.layers[0], d.config
-    B, F_, H = parent_hidden.shape
+    H = drafted_from.shape[-1]
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    # [B,F,2H]: the normed embedding, then the normed parent hidden (one launch on a GPU)
-    both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, parent_hidden,
-                         layer.hidden_norm.weight, layer.hidden_norm.eps)
+    # [B,F,2H]: the normed embedding, then the normed parent hidden, gathered on the way into
+    # parent_hidden [B,F,H] (the residual; one launch on a GPU)
+    parent_hidden = drafted_from.new_empty(*tokens.shape, H)
+    both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, drafted_from,
+                         layer.hidden_norm.weight, layer.hidden_norm.eps, x_rows=parent_row, x_out=parent_hidden)
     # q rotated; k rotated and v written to the candidate buffers at the nodes' candidate indices
     # (one launch on a GPU: kernels/rope_cache.py, its slots being the candidate indices)
     q = rope_cache(F.linear(both, p.qkv_weight), positions, d.inv_freq, cand_k, cand_v, nh, nkv, slots=frontier)

@@ -131,10 +131,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 # ----------------------------------------------------------------------------- an EAGLE layer's two input norms
+def gather_rows(x: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+    """x [B,F0,H], x_rows [B,F] → [B,F,H]: row x_rows[b, f] of x[b] at (b, f)."""
+    return x.gather(1, x_rows[..., None].expand(-1, -1, x.shape[-1]))
+
+
 def rms_norm_pair_reference(table: torch.Tensor, ids: torch.Tensor, table_weight: torch.Tensor, x: torch.Tensor,
-                            x_weight: torch.Tensor, eps: float) -> torch.Tensor:
+                            x_weight: torch.Tensor, eps: float, x_rows: torch.Tensor | None = None,
+                            x_out: torch.Tensor | None = None) -> torch.Tensor:
     """EAGLE-3's layer input: [rms_norm(table[ids]) * table_weight, rms_norm(x) * x_weight]
-    side by side, ids [...], x [..., H] → [..., 2H] in x's dtype."""
+    side by side, ids [...], x [..., H] → [..., 2H] in x's dtype. With x_rows [B,F] (a draft
+    tree's parents), x is [B,F0,H] and its rows are gathered first (`gather_rows`); x_out [B,F,H]
+    then receives them, unnormalised (the layer's residual)."""
+    if x_rows is not None:
+        x = gather_rows(x, x_rows)
+        if x_out is not None:
+            x_out.copy_(x)
     H = x.shape[-1]
     both = x.new_empty(*x.shape[:-1], 2 * H)
     rms_norm_reference(table, table_weight, eps, ids=ids, out=both[..., :H])
@@ -145,10 +157,11 @@ def rms_norm_pair_reference(table: torch.Tensor, ids: torch.Tensor, table_weight
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_pair_kernel(table_ptr, ids_ptr, tw_ptr, x_ptr, xw_ptr, out_ptr, H, eps, stride_t, stride_x,
-                              BLOCK: tl.constexpr):
-        """One (row, half): half 0 normalises table row ids[row], half 1 row `row` of x; each is
-        written into its half of out's row [2H]."""
+    def _rms_norm_pair_kernel(table_ptr, ids_ptr, tw_ptr, x_ptr, xw_ptr, out_ptr, rows_ptr, xo_ptr, H, eps, stride_t,
+                              stride_x, F, F0, BLOCK: tl.constexpr, GATHER: tl.constexpr, WRITE_X: tl.constexpr):
+        """One (row, half): half 0 normalises table row ids[row], half 1 row `row` of x (GATHER:
+        row rows[row] of x's batch row row // F, of F0 rows, also copied to xo when WRITE_X); each
+        is written into its half of out's row [2H]."""
         row = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)
         cols = tl.arange(0, BLOCK)
@@ -157,38 +170,55 @@ if triton is not None:
             h = tl.load(table_ptr + tl.load(ids_ptr + row) * stride_t + cols, mask=inside, other=0.0)
             w = tl.load(tw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         else:
-            h = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0)
+            if GATHER:
+                source = (row // F) * F0 + tl.load(rows_ptr + row)
+            else:
+                source = row
+            h = tl.load(x_ptr + source * stride_x + cols, mask=inside, other=0.0)
             w = tl.load(xw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+            if WRITE_X:
+                tl.store(xo_ptr + row * H + cols, h.to(xo_ptr.dtype.element_ty), mask=inside)
         hf = h.to(out_ptr.dtype.element_ty).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / H + eps)
         normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + row * 2 * H + half * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def rms_norm_pair_triton(table, ids, table_weight, x, x_weight, eps):
+def rms_norm_pair_triton(table, ids, table_weight, x, x_weight, eps, x_rows=None, x_out=None):
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = x.shape[-1]
-    if table.shape[-1] != H or table_weight.shape != (H,) or x_weight.shape != (H,) or ids.shape != x.shape[:-1]:
+    rows_shape = x.shape[:-1] if x_rows is None else x_rows.shape
+    if table.shape[-1] != H or table_weight.shape != (H,) or x_weight.shape != (H,) or ids.shape != rows_shape:
         raise ValueError(f"rms_norm_pair: table {tuple(table.shape)}, ids {tuple(ids.shape)}, x {tuple(x.shape)}, "
                          f"weights {tuple(table_weight.shape)} / {tuple(x_weight.shape)}")
+    if x_rows is not None and (x.dim() != 3 or x_rows.dim() != 2 or x_rows.shape[0] != x.shape[0]):
+        raise ValueError(f"rms_norm_pair: gathering rows {tuple(x_rows.shape)} of x {tuple(x.shape)}: need [B,F] of [B,F0,H]")
+    if x_out is not None and (x_rows is None or x_out.shape != (*x_rows.shape, H) or not x_out.is_contiguous()):
+        raise ValueError(f"rms_norm_pair: x_out {tuple(x_out.shape)} needs x_rows and a contiguous [B,F,H]")
     x2 = x.reshape(-1, H)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     ids2 = ids.reshape(-1).contiguous()
     table2 = table if table.stride(-1) == 1 else table.contiguous()
-    both = torch.empty(x2.shape[0], 2 * H, dtype=x.dtype, device=x.device)
-    if x2.shape[0]:
-        _rms_norm_pair_kernel[(x2.shape[0], 2)](table2, ids2, table_weight, x2, x_weight, both, H, eps,
-                                                table2.stride(0), x2.stride(0), BLOCK=triton.next_power_of_2(H))
-    return both.view(*x.shape[:-1], 2 * H)
+    n = ids2.shape[0]
+    both = torch.empty(n, 2 * H, dtype=x.dtype, device=x.device)
+    rows = ids2 if x_rows is None else x_rows.reshape(-1).contiguous()  # (unread without GATHER)
+    F, F0 = (1, 1) if x_rows is None else (x_rows.shape[1], x.shape[1])
+    if n:
+        _rms_norm_pair_kernel[(n, 2)](table2, ids2, table_weight, x2, x_weight, both, rows,
+                                      both if x_out is None else x_out, H, eps, table2.stride(0), x2.stride(0), F, F0,
+                                      BLOCK=triton.next_power_of_2(H), GATHER=x_rows is not None,
+                                      WRITE_X=x_out is not None)
+    return both.view(*rows_shape, 2 * H)
 
 
-def rms_norm_pair(table, ids, table_weight, x, x_weight, eps) -> torch.Tensor:
+def rms_norm_pair(table, ids, table_weight, x, x_weight, eps, x_rows=None, x_out=None) -> torch.Tensor:
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere: one
-    launch for the two norms an EAGLE-3 layer starts with."""
+    launch for the two norms an EAGLE-3 layer starts with (and a draft tree's gather of its
+    parents' hidden states, x_rows / x_out)."""
     fn = rms_norm_pair_triton if use_kernel(x) else rms_norm_pair_reference
-    return fn(table, ids, table_weight, x, x_weight, eps)
+    return fn(table, ids, table_weight, x, x_weight, eps, x_rows, x_out)
 
 
 # ----------------------------------------------------------------------------- per-head norms

@@ -275,8 +275,9 @@ bench)
   done
   # BENCH_ONLY=NAME: that export alone; tree-promise copies (run-NAME-tree) are the same weights
   drafters=$(ls -d /tmp/run-${BENCH_ONLY:-*}/export 2> /dev/null | grep -v -- '-tree/export' | tr '\n' ' ')
-  # EAGLE-3 trees: a small sweep where they run graphed (eager trees are slow: one setting)
-  trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,4,24 4,8,40 6,8,48 6,10,60" || echo "4,4,24")}
+  # EAGLE-3 trees: a sweep where they run graphed (eager trees are slow: one setting). Session 19's
+  # best was the deepest tried (6-10-60 over 4-8-40 with the recipe's drafter): deeper and wider too
+  trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,8,40 5,10,50 6,10,60 6,10,80 7,10,70 8,10,80" || echo "4,4,24")}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
     --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45

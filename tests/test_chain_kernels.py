@@ -78,6 +78,32 @@ def test_rms_norm_pair_matches_reference(dev, dtype, shape, H):
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_pair_gathers_a_trees_parents(dev, dtype):
+    """A draft tree's level: each node's parent row of the last output (x_rows) is normalised
+    and copied out (x_out, the residual), in the same launch; rows repeat and skip."""
+    from kernels.rms_norm import gather_rows, rms_norm_pair_reference, rms_norm_pair_triton
+
+    g = torch.Generator().manual_seed(7)
+    B, F0, F, H = 2, 3, 5, 70
+    table = torch.randn(50, H, generator=g).to(dev, dtype)
+    ids = torch.randint(0, 50, (B, F), generator=g).to(dev)
+    x = (torch.randn(B, F0, H, generator=g) * 4).to(dev, dtype)
+    rows = torch.tensor([[2, 2, 0, 1, 2], [0, 0, 0, 2, 1]]).to(dev)
+    tw, xw = ((torch.rand(H, generator=g) + 0.5).to(dev, dtype) for _ in range(2))
+    out = torch.full((B, F, H), float("nan"), dtype=dtype, device=dev)
+    got = rms_norm_pair_triton(table, ids, tw, x, xw, 1e-6, x_rows=rows, x_out=out)
+    gathered = gather_rows(x, rows)
+    assert torch.equal(out, gathered) and gathered[1, 3].equal(x[1, 2])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), rms_norm_pair_reference(table, ids, tw, gathered, xw, 1e-6).float(),
+                               rtol=tol, atol=tol)
+    ref_out = torch.empty_like(out)
+    torch.testing.assert_close(rms_norm_pair_reference(table, ids, tw, x, xw, 1e-6, x_rows=rows, x_out=ref_out).float(),
+                               got.float(), rtol=tol, atol=tol)
+    assert torch.equal(ref_out, gathered)
+
+
 @pytest.mark.parametrize("B,q,k,H", [(1, 1, 1, 8), (5, 5, 4, 70), (3, 8, 7, 576), (18, 6, 4, 1100)])  # H > one 1,024 block
 def test_chain_bookkeeping_matches_reference(dev, B, q, k, H):
     """Every accepted count from 0 to q - 1, finished rows (inactive) keeping their state."""

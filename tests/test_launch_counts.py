@@ -28,8 +28,9 @@ CEILINGS = {
     # (no copies: 41 / 73 before); session 18 each level's parents read from the drafter's last
     # output (no buffer of every candidate's hidden state to fill) and the candidates' K and V in
     # one buffer zeroed once (68 before), and the accepted path's cache moves in one launch
-    # (kernels/tree_accept.py: verify 37 before)
-    "eagle3-tree": {"verify_phase": 34, "proposer_phase": 63},
+    # (kernels/tree_accept.py: verify 37 before); session 19 each level's gather of its parents
+    # into the input norms' launch (kernels/rms_norm.py rms_norm_pair x_rows: 63 before)
+    "eagle3-tree": {"verify_phase": 34, "proposer_phase": 60},
 }
 
 
