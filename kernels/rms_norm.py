@@ -143,6 +143,8 @@ def rms_norm_pair_reference(table: torch.Tensor, ids: torch.Tensor, table_weight
     side by side, ids [...], x [..., H] → [..., 2H] in x's dtype. With x_rows [B,F] (a draft
     tree's parents), x is [B,F0,H] and its rows are gathered first (`gather_rows`); x_out [B,F,H]
     then receives them, unnormalised (the layer's residual)."""
+    if x_out is not None and x_rows is None:
+        raise ValueError("rms_norm_pair: x_out receives gathered rows: it needs x_rows")
     if x_rows is not None:
         x = gather_rows(x, x_rows)
         if x_out is not None:

@@ -31,6 +31,8 @@ that took ~30 us a level on an H200, against ~6 us for 200 nodes.)
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -105,6 +107,43 @@ PRODUCTS_16BIT = True
 # kernel's warps.
 MAX_BLOCK_S = 64
 NUM_WARPS = 4
+# the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
+# are at least 16 wide)
+TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8)}
+
+
+def apply_tuning(spec: str) -> dict:
+    """Set the knobs above from "KNOB=VALUE,KNOB=VALUE" (DRAFTSMITH_TREE_ATTENTION, read at
+    import; scripts/bench_attention.py prints the best such line for the GPU it runs on). An
+    unknown knob or a value out of its range is a ValueError naming it. → the knobs set."""
+    chosen = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in TUNING:
+            raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: unknown knob {name!r} (known: {', '.join(TUNING)})")
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        allowed = TUNING[name]
+        if number not in allowed:
+            shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
+            raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: {name}={value!r} is not one of {shown}")
+        chosen[name] = bool(number) if name == "PRODUCTS_16BIT" else number
+    globals().update(chosen)
+    return chosen
+
+
+def tuning_spec() -> str:
+    """The knobs as they stand, in apply_tuning's form."""
+    return ",".join(f"{name}={int(globals()[name])}" for name in TUNING)
+
+
+try:
+    apply_tuning(os.environ.get("DRAFTSMITH_TREE_ATTENTION", ""))
+except ValueError as error:  # a bad setting stops the process with one line, before any model loads
+    raise SystemExit(f"error: {error}") from None
 
 
 if triton is not None:

@@ -6,7 +6,9 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
 
 Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program), PRODUCTS_16BIT
 (16-bit products instead of TF32 on float32 copies), TARGET_PROGRAMS (how finely the cache is
-split), MAX_BLOCK_S (cache keys per tile) and NUM_WARPS; the first variant is the defaults in TF32. Each variant is checked against the torch
+split), MAX_BLOCK_S (cache keys per tile) and NUM_WARPS; the first variant is the defaults in TF32.
+The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
+any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
 as the runtime runs them; medians in microseconds). A verify step calls the kernel once per
 layer (30), a drafter level once: multiply before comparing with a step's milliseconds.
@@ -93,7 +95,13 @@ def main():
     totals = {k: sum(r[k] * (30 if r["case"].startswith("verify") else 5) for r in rows) for k in rows[0] if k != "case"}
     for k in sorted(totals, key=totals.get)[:5]:
         print(f"  weighted (30 x each verify case + 5 x each drafter case): {k}: {totals[k]:.1f} µs "
-              f"(defaults: {totals[label(defaults)]:.1f})")
+              f"(defaults: {totals.get(label(defaults), float('nan')):.1f})")
+    best = next(v for v in variants if label(v) == min(totals, key=totals.get))
+    for knob, value in best.items():
+        setattr(ta, knob, value)
+    print(f"best on this GPU: DRAFTSMITH_TREE_ATTENTION={ta.tuning_spec()}")
+    for knob, value in defaults.items():
+        setattr(ta, knob, value)
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
     _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
     q5 = q[:, :, :5].contiguous()

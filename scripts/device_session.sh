@@ -12,7 +12,8 @@
 # A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
 # trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
 # e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`
-#   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle)
+#   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
+#                                                     # TUNE_ATTENTION=1: scripts/bench_attention.py first, its best variant exported
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
 #                                                     # validations alone, in parallel
@@ -270,6 +271,11 @@ bench)
   # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
   [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
   pkill -f "^python3 -m train " && sleep 3
+  if [ "${TUNE_ATTENTION:-0}" = 1 ]; then  # time the tree-attention variants first, bench with the best
+    python3 scripts/bench_attention.py --out $R 2>&1 | tee $R/bench_attention.log | tail -8
+    spec=$(grep -a "^best on this GPU" $R/bench_attention.log | sed 's/.*DRAFTSMITH_TREE_ATTENTION=//')
+    [ -n "$spec" ] && export DRAFTSMITH_TREE_ATTENTION=$spec && echo "tree attention: $spec"
+  fi
   for d in /tmp/run-*; do
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
   done

@@ -66,6 +66,9 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     assert best["chain"]["row"] == "runtime EAGLE-3 (k=2)" and best["chain"]["verify_tokens_per_step"] == 3
     assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 2
     assert best["device"] == "cpu" and best["target"] == "tiny-random-llama"
+    # the tree-attention knobs in effect are recorded (DRAFTSMITH_TREE_ATTENTION's form)
+    from kernels.tree_attention import apply_tuning
+    assert summary["tree_attention"].startswith("MAX_BLOCK_Q=") and apply_tuning(summary["tree_attention"])
 
 
 def test_best_tree_is_the_fastest_swept_beside_the_chain_at_its_depth():

@@ -102,6 +102,15 @@ def test_rms_norm_pair_gathers_a_trees_parents(dev, dtype):
     torch.testing.assert_close(rms_norm_pair_reference(table, ids, tw, x, xw, 1e-6, x_rows=rows, x_out=ref_out).float(),
                                got.float(), rtol=tol, atol=tol)
     assert torch.equal(ref_out, gathered)
+    # x a view whose batch and row dimensions cannot merge (reshaped by a copy), and one whose
+    # rows are two apart (reshaped as a view with that stride)
+    wide = (torch.randn(B, 2 * F0 + 1, H, generator=g) * 4).to(dev, dtype)
+    for view in (wide[:, :F0], wide[:, 1::2]):
+        out = torch.empty(B, F, H, dtype=dtype, device=dev)
+        got = rms_norm_pair_triton(table, ids, tw, view, xw, 1e-6, x_rows=rows, x_out=out)
+        assert torch.equal(out, gather_rows(view, rows))
+        torch.testing.assert_close(got.float(), rms_norm_pair_reference(table, ids, tw, view, xw, 1e-6,
+                                                                        x_rows=rows).float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("B,q,k,H", [(1, 1, 1, 8), (5, 5, 4, 70), (3, 8, 7, 576), (18, 6, 4, 1100)])  # H > one 1,024 block

@@ -3,6 +3,7 @@ set in conftest), over odd shapes, GQA and each dtype, with the tree block apart
 candidates) and in the cache after the root (the target's verify step); small shapes keep the
 interpreter fast."""
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,17 +183,21 @@ def test_reference_equals_plain_attention_over_the_path():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s",
-                         [(16, False, 512, 64), (32, True, 2048, 32), (64, False, 512, 64)])
-def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s):
-    """scripts/bench_attention.py's variants (score rows per program, 16-bit products, finer
-    cache splits, smaller key tiles) compute the same attention: a verify step of 41 queries over
-    a ragged cache, and a drafter's level."""
+@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps",
+                         [(16, False, 512, 64, 4), (32, True, 16, 32, 2), (16, True, 2048, 32, 4),
+                          (64, False, 512, 64, 4)])
+def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
+                                             num_warps):
+    """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
+    splits coarse and fine, smaller key tiles, warps) compute the same attention: a verify step of
+    41 queries over a ragged cache, and a drafter's level. (150 slots in tiles of 32 make 5
+    splits at most: 16 programs leave one split looping over every tile, 2,048 one tile a split.)"""
     import kernels.tree_attention as ta
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
     monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
+    monkeypatch.setattr(ta, "NUM_WARPS", num_warps)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
@@ -200,3 +205,32 @@ def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_
     args = operands(2, 22, 150, 6, 2, 64, torch.bfloat16, seed=4)
     torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_tuning_knobs_from_a_setting_line(monkeypatch):
+    """DRAFTSMITH_TREE_ATTENTION's form sets the knobs the kernel reads at each call; an unknown
+    knob or a value out of range is an error naming it, and nothing is set."""
+    import kernels.tree_attention as ta
+    for knob in ta.TUNING:
+        monkeypatch.setattr(ta, knob, getattr(ta, knob))  # restored after the test
+    assert ta.apply_tuning("MAX_BLOCK_S=32, NUM_WARPS=2,PRODUCTS_16BIT=0") == dict(
+        MAX_BLOCK_S=32, NUM_WARPS=2, PRODUCTS_16BIT=False)
+    assert (ta.MAX_BLOCK_S, ta.NUM_WARPS, ta.PRODUCTS_16BIT) == (32, 2, False)
+    assert ta.apply_tuning(ta.tuning_spec()) and "MAX_BLOCK_S=32" in ta.tuning_spec()
+    ta.apply_tuning("MAX_BLOCK_Q=32")
+    for bad, named in [("NUM_WARPS=3", "NUM_WARPS"), ("BLOCK_Q=16", "BLOCK_Q"), ("MAX_BLOCK_Q=64,TARGET_PROGRAMS=0",
+                                                                                    "TARGET_PROGRAMS"),
+                       ("PRODUCTS_16BIT=True", "PRODUCTS_16BIT"), ("MAX_BLOCK_S", "MAX_BLOCK_S")]:
+        with pytest.raises(ValueError, match=named):
+            ta.apply_tuning(bad)
+    assert ta.MAX_BLOCK_Q == 32  # the failed line's valid first knob was not set
+
+
+def test_a_bad_tuning_setting_stops_the_process_with_one_line():
+    import subprocess
+    import sys
+    env = dict(os.environ, DRAFTSMITH_TREE_ATTENTION="NUM_WARPS=3")
+    run = subprocess.run([sys.executable, "-c", "import kernels.tree_attention"], env=env, capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode != 0
+    assert run.stderr.strip() == "error: DRAFTSMITH_TREE_ATTENTION: NUM_WARPS='3' is not one of 1, 2, 4, 8"
