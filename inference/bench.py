@@ -31,13 +31,6 @@ def _sync():
         torch.cuda.synchronize()
 
 
-def tree_attention_tuning() -> str:
-    """The tree-attention kernel's knobs in effect, as DRAFTSMITH_TREE_ATTENTION sets them."""
-    from kernels.tree_attention import tuning_spec
-
-    return tuning_spec()
-
-
 def _timed(fn):
     _sync()
     t0 = time.perf_counter()
@@ -134,6 +127,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from inference.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
     from inference.fallback import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
+    from kernels.tree_attention import tuning_spec
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -291,7 +285,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         "target": target, "prompts": prompts_spec, "num_prompts": len(prompts), "max_new_tokens": max_new,
         "k": ks, "transformers_prompts": len(hf_subset), "batch_size": batch_size,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
-        "tree_attention": tree_attention_tuning(),  # the kernel's knobs in effect (DRAFTSMITH_TREE_ATTENTION)
+        "tree_attention": tuning_spec(),  # the tree-attention kernel's knobs in effect (DRAFTSMITH_TREE_ATTENTION)
         "rows": {name: {kk: vv for kk, vv in r.items() if kk != "outputs"} for name, r in results.items()},
     }
     # the sweep's best tree for this target and device, beside the same drafter's chain

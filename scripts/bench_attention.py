@@ -61,8 +61,7 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
-    knobs = ("MAX_BLOCK_Q", "PRODUCTS_16BIT", "TARGET_PROGRAMS", "MAX_BLOCK_S", "NUM_WARPS")
-    defaults = {knob: getattr(ta, knob) for knob in knobs}
+    defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
     # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
     # defaults' TF32 control); now the cache split's size, its tile of keys, and the warps
     variants = [dict(defaults)] + [
@@ -88,8 +87,6 @@ def main():
         best = min((k for k in row if k != "case"), key=row.get)
         print(f"{name}: defaults {row[label(variants[0])]:.2f} (TF32) / "
               f"{row.get(label(defaults), float('nan')):.2f} µs; best {best}: {row[best]:.2f} µs", flush=True)
-    for knob, value in defaults.items():
-        setattr(ta, knob, value)
     # one number per variant, as a step weighs them: 30 calls of each verify case (one per layer),
     # 5 of each drafter case (one per level)
     totals = {k: sum(r[k] * (30 if r["case"].startswith("verify") else 5) for r in rows) for k in rows[0] if k != "case"}
