@@ -107,10 +107,14 @@ PRODUCTS_16BIT = True
 # kernel's warps.
 MAX_BLOCK_S = 64
 NUM_WARPS = 4
+# Not timed yet either: the last program of each (row, KV head, score-row tile) to finish merges
+# the splits itself (an atomic count per group), instead of a second launch: one launch a call
+# fewer (~2.3 µs and a gap on an H200, 35 calls a tree step) for a merge at the tail.
+MERGE_IN_PARTIAL = False
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8)}
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "MERGE_IN_PARTIAL": (0, 1)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -130,7 +134,7 @@ def apply_tuning(spec: str) -> dict:
         if number not in allowed:
             shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
             raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: {name}={value!r} is not one of {shown}")
-        chosen[name] = bool(number) if name == "PRODUCTS_16BIT" else number
+        chosen[name] = bool(number) if name in ("PRODUCTS_16BIT", "MERGE_IN_PARTIAL") else number
     globals().update(chosen)
     return chosen
 
@@ -175,19 +179,21 @@ if triton is not None:
     # M, N (queries, tree nodes) vary with the tree's size: not specialised on
     @triton.jit(do_not_specialize=["M", "N", "span"])
     def _tree_partial_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                             M, N, G, nh, span, tree_split, scale,
+                             count_ptr, out_ptr, M, N, G, nh, span, tree_split, scale,
                              stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                             stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
+                             stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ot,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
-                             IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr):
+                             IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr, MERGE: tl.constexpr):
         """One (row, KV head and tile of BLOCK_Q score rows, split). The row's M queries times the
         G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
         Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
         visible up to the base, in tiles of BLOCK_S keys with an online softmax (splits past the
         base do nothing); split tree_split + i is tile i of the tree block (nodes i*BLOCK_N ..,
         under each query's mask row). Each writes per (query, head) softmax statistics for the
-        merge."""
+        merge. MERGE: each program then counts itself done in count_ptr[group] (zero between
+        calls); the group's last merges every split's statistics into out, as the merge kernel
+        would, and sets the count back to zero."""
         b = tl.program_id(0).to(tl.int64)
         tiles = tl.cdiv(M * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
@@ -248,6 +254,40 @@ if triton is not None:
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
+        if MERGE:
+            _merge_if_last(base_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, b, t, head, real, dims, M, nh,
+                           span, tree_split, stride_ot, D, BLOCK_D, BLOCK_SPLITS, BLOCK_Q)
+
+    @triton.jit
+    def _merge_if_last(base_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, b, t, head, real, dims, M, nh, span,
+                       tree_split, stride_ot, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                       BLOCK_Q: tl.constexpr):
+        """The tail of MERGE: split-K with a count (the stores above are made visible by the
+        barrier and the count's release; the last program reads them past L1 after its acquire)."""
+        group = b * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()  # every thread's statistics stored before the count says so
+        finished = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
+        if finished == tl.num_programs(2) - 1:  # the group's last program: every split is written
+            tl.atomic_xchg(count_ptr + group, 0)  # ready for the next call (and graph replay)
+            splits = tl.cdiv(tl.load(base_ptr + b) + 1, span)  # cache splits that hold visible keys
+            first = ((b * M + t) * nh + head) * BLOCK_SPLITS  # [BLOCK_Q] each row's split slots
+            j = tl.arange(0, BLOCK_SPLITS)
+            used = (j < splits) | ((j >= tree_split) & (j < tl.num_programs(2)))
+            both = real[:, None] & used[None, :]
+            m = tl.load(m_ptr + first[:, None] + j[None, :], mask=both, other=float("-inf"), cache_modifier=".cg")
+            top = tl.max(m, 1)  # finite: split 0 always holds a visible key
+            w = tl.where(both, tl.exp(m - tl.where(real, top, 0.0)[:, None]), 0.0)  # [BLOCK_Q, BLOCK_SPLITS]
+            l = tl.sum(w * tl.load(l_ptr + first[:, None] + j[None, :], mask=both, other=0.0, cache_modifier=".cg"), 1)
+            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+            for split in range(0, tl.num_programs(2)):
+                if (split < splits) | (split >= tree_split):
+                    weight = tl.sum(tl.where(j[None, :] == split, w, 0.0), 1)  # [BLOCK_Q]: column `split` of w
+                    part = tl.load(acc_ptr + (first + split)[:, None] * BLOCK_D + dims[None, :], mask=real[:, None],
+                                   other=0.0, cache_modifier=".cg")
+                    acc += weight[:, None] * part
+            out = acc / tl.where(real, l, 1.0)[:, None]
+            tl.store(out_ptr + (b * M + t)[:, None] * stride_ot + (head * D)[:, None] + dims[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=real[:, None] & (dims < D)[None, :])
 
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, tree_end, stride_ot,
@@ -323,16 +363,34 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     m = torch.empty(B * M * nh * block_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
+    counts = group_counts(B * nkv * tiles, q.device) if MERGE_IN_PARTIAL else None
     _tree_partial_kernel[(B, nkv * tiles, tree_split + tree_tiles)](
-        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
+        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, m if counts is None else counts, out,
+        M, N, G, nh, span, tree_split, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
+        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1), out.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
         IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low,
-        num_warps=NUM_WARPS)
-    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles, out.stride(1),
-                                      D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
+        MERGE=counts is not None, num_warps=NUM_WARPS)
+    if counts is None:
+        _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles,
+                                          out.stride(1), D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
+
+
+_COUNTS: dict = {}  # device → int32 zeros, one count per program group (MERGE_IN_PARTIAL)
+
+
+def group_counts(groups: int, device) -> torch.Tensor | None:
+    """The zeroed counts MERGE_IN_PARTIAL's groups meet at (each call leaves them zero), kept per
+    device and grown when a call needs more; None while a CUDA graph is being captured and none
+    fit yet (a buffer allocated there would belong to the graph): that call merges in a launch."""
+    counts = _COUNTS.get(str(device))
+    if counts is None or counts.numel() < groups:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        counts = _COUNTS[str(device)] = torch.zeros(max(groups, 1024), dtype=torch.int32, device=device)
+    return counts
 
 
 def tree_attention(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):

@@ -183,21 +183,23 @@ def test_reference_equals_plain_attention_over_the_path():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps",
-                         [(16, False, 512, 64, 4), (32, True, 16, 32, 2), (16, True, 2048, 32, 4),
-                          (64, False, 512, 64, 4)])
+@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps,merge",
+                         [(16, False, 512, 64, 4, False), (32, True, 16, 32, 2, True), (16, True, 2048, 32, 4, True),
+                          (64, False, 512, 64, 4, False)])
 def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
-                                             num_warps):
+                                             num_warps, merge):
     """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
-    splits coarse and fine, smaller key tiles, warps) compute the same attention: a verify step of
-    41 queries over a ragged cache, and a drafter's level. (150 slots in tiles of 32 make 5
-    splits at most: 16 programs leave one split looping over every tile, 2,048 one tile a split.)"""
+    splits coarse and fine, smaller key tiles, warps, the merge in the partial launch) compute the
+    same attention: a verify step of 41 queries over a ragged cache, and a drafter's level. (150
+    slots in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every
+    tile, 2,048 one tile a split.)"""
     import kernels.tree_attention as ta
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
     monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
     monkeypatch.setattr(ta, "NUM_WARPS", num_warps)
+    monkeypatch.setattr(ta, "MERGE_IN_PARTIAL", merge)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
@@ -234,3 +236,23 @@ def test_a_bad_tuning_setting_stops_the_process_with_one_line():
                          text=True, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode != 0
     assert run.stderr.strip() == "error: DRAFTSMITH_TREE_ATTENTION: NUM_WARPS='3' is not one of 1, 2, 4, 8"
+
+
+@needs_triton_backend
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the early merge divides by unwritten sums
+def test_the_merge_in_the_partial_launch_leaves_its_counts_at_zero(monkeypatch):
+    """MERGE_IN_PARTIAL: the last program of each group merges (float32: the same numbers as the
+    two-launch kernel) and sets its count back to zero, so the next call, or a graph's replay,
+    starts clean; counts left over from a broken call would merge before every split is in."""
+    import kernels.tree_attention as ta
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 12, 90, 6, 2, 16, torch.float32, seed=5)
+    monkeypatch.setattr(ta, "MERGE_IN_PARTIAL", False)
+    two_launches = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    monkeypatch.setattr(ta, "MERGE_IN_PARTIAL", True)
+    for _ in range(2):
+        merged = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+        torch.testing.assert_close(merged, two_launches, rtol=1e-5, atol=1e-5)
+        assert not ta._COUNTS[str(q.device)].any()
+    ta._COUNTS[str(q.device)][0] = 1  # a count not at zero: group 0 merges one split early
+    assert not torch.allclose(tree_attention_triton(q, k_cache, v_cache, base, None, None, mask), two_launches)
+    ta._COUNTS[str(q.device)].zero_()
