@@ -275,13 +275,14 @@ if triton is not None:
             used = (j < splits) | ((j >= tree_split) & (j < tl.num_programs(2)))
             both = real[:, None] & used[None, :]
             m = tl.load(m_ptr + first[:, None] + j[None, :], mask=both, other=float("-inf"), cache_modifier=".cg")
-            top = tl.max(m, 1)  # finite: split 0 always holds a visible key
-            w = tl.where(both, tl.exp(m - tl.where(real, top, 0.0)[:, None]), 0.0)  # [BLOCK_Q, BLOCK_SPLITS]
+            shift = tl.where(real, tl.max(m, 1), 0.0)  # finite: split 0 always holds a visible key
+            w = tl.where(both, tl.exp(m - shift[:, None]), 0.0)  # [BLOCK_Q, BLOCK_SPLITS]
             l = tl.sum(w * tl.load(l_ptr + first[:, None] + j[None, :], mask=both, other=0.0, cache_modifier=".cg"), 1)
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
             for split in range(0, tl.num_programs(2)):
                 if (split < splits) | (split >= tree_split):
-                    weight = tl.sum(tl.where(j[None, :] == split, w, 0.0), 1)  # [BLOCK_Q]: column `split` of w
+                    m_split = tl.load(m_ptr + first + split, mask=real, other=float("-inf"), cache_modifier=".cg")
+                    weight = tl.where(real, tl.exp(m_split - shift), 0.0)  # [BLOCK_Q]: w's column `split`
                     part = tl.load(acc_ptr + (first + split)[:, None] * BLOCK_D + dims[None, :], mask=real[:, None],
                                    other=0.0, cache_modifier=".cg")
                     acc += weight[:, None] * part
@@ -378,17 +379,27 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     return out
 
 
-_COUNTS: dict = {}  # device → int32 zeros, one count per program group (MERGE_IN_PARTIAL)
+# device → int32 zeros, one count per program group (MERGE_IN_PARTIAL). One stream per device
+# uses them at a time (as the runtime's graphs replay, in order): two calls at once on two streams
+# would count into each other's groups.
+_COUNTS: dict = {}
+_RETIRED: list = []  # counts outgrown: a graph captured earlier still adds into them, so they stay
 
 
 def group_counts(groups: int, device) -> torch.Tensor | None:
     """The zeroed counts MERGE_IN_PARTIAL's groups meet at (each call leaves them zero), kept per
-    device and grown when a call needs more; None while a CUDA graph is being captured and none
-    fit yet (a buffer allocated there would belong to the graph): that call merges in a launch."""
+    device and grown when a call needs more; None while a CUDA graph is being captured on that
+    device and none fit yet (a buffer allocated there would belong to the graph): that call
+    merges in a second launch."""
+    device = torch.device(device)
     counts = _COUNTS.get(str(device))
     if counts is None or counts.numel() < groups:
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                if torch.cuda.is_current_stream_capturing():
+                    return None
+        if counts is not None:
+            _RETIRED.append(counts)
         counts = _COUNTS[str(device)] = torch.zeros(max(groups, 1024), dtype=torch.int32, device=device)
     return counts
 

@@ -256,3 +256,16 @@ def test_the_merge_in_the_partial_launch_leaves_its_counts_at_zero(monkeypatch):
     ta._COUNTS[str(q.device)][0] = 1  # a count not at zero: group 0 merges one split early
     assert not torch.allclose(tree_attention_triton(q, k_cache, v_cache, base, None, None, mask), two_launches)
     ta._COUNTS[str(q.device)].zero_()
+
+
+def test_outgrown_counts_stay_alive_for_the_graphs_that_hold_them(monkeypatch):
+    """A graph captured before the counts grew still adds into the old buffer: it is kept, not
+    freed (its memory reused by another tensor would be counted into)."""
+    import kernels.tree_attention as ta
+    monkeypatch.setattr(ta, "_COUNTS", {})
+    monkeypatch.setattr(ta, "_RETIRED", [])
+    small = ta.group_counts(10, "cpu")
+    assert ta.group_counts(500, "cpu") is small and small.numel() == 1024 and not small.any()
+    large = ta.group_counts(2000, "cpu")
+    assert large.numel() == 2000 and len(ta._RETIRED) == 1 and ta._RETIRED[0] is small
+    assert ta.group_counts(3, "cpu") is large
