@@ -64,13 +64,17 @@ def main():
     rows = []
     defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
     # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
-    # defaults' TF32 control); now the cache split's size, its tile of keys, and the warps
+    # defaults' TF32 control); now the cache split's size, its tile of keys, the warps and the merge
     variants = [dict(defaults)] + [
         dict(MAX_BLOCK_Q=block_q, PRODUCTS_16BIT=low, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps,
              MERGE_IN_PARTIAL=merge)
         for block_q, low, programs, block_s, warps, merge in itertools.product(
             (16, 32), (True,), (512, 2048), (32, 64), (2, 4), (False, True))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
+
+    def use(knobs):  # the kernel reads its knobs at each call
+        for knob, value in knobs.items():
+            setattr(ta, knob, value)
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
@@ -80,8 +84,7 @@ def main():
         reference = ta.tree_attention_reference(*operands).float()
         row = {"case": name}
         for variant in variants:
-            for knob, value in variant.items():
-                setattr(ta, knob, value)
+            use(variant)
             got = ta.tree_attention_triton(*operands).float()
             try:
                 torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2)
@@ -100,12 +103,9 @@ def main():
     for k in sorted(totals, key=totals.get)[:5]:
         print(f"  weighted (30 x each verify case + 5 x each drafter case): {k}: {totals[k]:.1f} µs "
               f"(defaults: {totals.get(label(defaults), float('nan')):.1f})")
-    best = next(v for v in variants if label(v) == min(totals, key=totals.get))
-    for knob, value in best.items():
-        setattr(ta, knob, value)
+    use(next(v for v in variants if label(v) == min(totals, key=totals.get)))
     print(f"best on this GPU: DRAFTSMITH_TREE_ATTENTION={ta.tuning_spec()}")
-    for knob, value in defaults.items():
-        setattr(ta, knob, value)
+    use(defaults)
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
     _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
     q5 = q[:, :, :5].contiguous()
