@@ -25,7 +25,9 @@ decode_attention. Here, as in decode_attention, the g*M score rows of a KV head 
 the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
 and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
 cut into tiles of at most 64 nodes, one more split each, under its own mask; a second launch
-merges the splits into o_proj's layout, in float32. (The tree block was one split of one tile
+merges the splits into o_proj's layout, in float32 (or, with ONE_LAUNCH, one program per tile
+of score rows walks the whole cache and then the tree's tiles and writes the output itself: no
+merge launch, no parallelism along the cache). (The tree block was one split of one tile
 once: a drafter's candidate buffer of 264 nodes, depth 5 with top-k 8, made it a 64 x 512 tile
 that took ~30 us a level on an H200, against ~6 us for 200 nodes.)
 """
@@ -102,19 +104,22 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
 MAX_BLOCK_Q = 16
 PRODUCTS_16BIT = True
-# Not timed yet (scripts/bench_attention.py sweeps them): the most cache keys a split scores at
-# once (a split of 2 tiles loops twice; one of 32 keys halves each product) and the partial
-# kernel's warps.
+# Timed in session 20 (scripts/bench_attention.py, H200): 64 keys a tile and 4 warps stayed the
+# best of 16..64 keys and 2..4 warps; the merge done by the last program of each group (an atomic
+# count instead of the second launch) lost at every shape (7.50 against 5.85 µs a verify of 24
+# nodes) and was removed.
 MAX_BLOCK_S = 64
 NUM_WARPS = 4
-# Not timed yet either: the last program of each (row, KV head, score-row tile) to finish merges
-# the splits itself (an atomic count per group), instead of a second launch: one launch a call
-# fewer (~2.3 µs and a gap on an H200, 35 calls a tree step) for a merge at the tail.
-MERGE_IN_PARTIAL = False
+# One launch instead of two (not timed yet): one program per (row, KV head, score-row tile) walks
+# every cache tile up to the base and then the tree's tiles in a single online softmax and writes
+# o_proj's input itself: no split statistics, no merge launch, but no parallelism along the cache
+# either. 0: never; 1: the target's verify step only (its 61 queries x 3 heads already make 36
+# programs, and its cache is short); 2: every call (a drafter's level too).
+ONE_LAUNCH = 0
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "MERGE_IN_PARTIAL": (0, 1)}
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "ONE_LAUNCH": (0, 1, 2)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -134,7 +139,7 @@ def apply_tuning(spec: str) -> dict:
         if number not in allowed:
             shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
             raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: {name}={value!r} is not one of {shown}")
-        chosen[name] = bool(number) if name in ("PRODUCTS_16BIT", "MERGE_IN_PARTIAL") else number
+        chosen[name] = bool(number) if name == "PRODUCTS_16BIT" else number
     globals().update(chosen)
     return chosen
 
@@ -176,54 +181,92 @@ if triton is not None:
             p = p.to(P_DTYPE)
         return _dot(p.to(v.dtype), v, IEEE)
 
-    # M, N (queries, tree nodes) vary with the tree's size: not specialised on
-    @triton.jit(do_not_specialize=["M", "N", "span"])
-    def _tree_partial_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
-                             count_ptr, out_ptr, M, N, G, nh, span, tree_split, scale,
-                             stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                             stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ot,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
-                             IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr, MERGE: tl.constexpr):
-        """One (row, KV head and tile of BLOCK_Q score rows, split). The row's M queries times the
-        G query heads sharing the KV head are M*G score rows (query-major: r = t*G + j).
-        Splits 0 .. tree_split-1 cover `span` cache slots each (a multiple of BLOCK_S), all
-        visible up to the base, in tiles of BLOCK_S keys with an online softmax (splits past the
-        base do nothing); split tree_split + i is tile i of the tree block (nodes i*BLOCK_N ..,
-        under each query's mask row). Each writes per (query, head) softmax statistics for the
-        merge. MERGE: each program then counts itself done in count_ptr[group] (zero between
-        calls); the group's last merges every split's statistics into out, as the merge kernel
-        would, and sets the count back to zero."""
-        b = tl.program_id(0).to(tl.int64)
+    @triton.jit
+    def _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_Q: tl.constexpr, LOW: tl.constexpr):
+        """A program's tile of score rows: the row's M queries times the G query heads sharing the
+        KV head are M*G score rows (query-major: r = t*G + j); program_id(1) is the KV head times
+        the tiles of BLOCK_Q rows. → kv, the rows' query t and head [BLOCK_Q], which are real,
+        the head dimension's columns and which are real, and q [BLOCK_Q, BLOCK_D] (`_operand`)."""
         tiles = tl.cdiv(M * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
         r = (tl.program_id(1) % tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
-        split = tl.program_id(2)
         real = r < M * G
         t = r // G
         head = kv * G + r % G
-        base = tl.load(base_ptr + b)
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < D
         q_offs = b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
-        q_ok = real[:, None] & dim_ok[None, :]
+        q = _operand(tl.load(q_ptr + q_offs, mask=real[:, None] & dim_ok[None, :], other=0.0), LOW)
+        return kv, t, head, real, dims, dim_ok, q
+
+    @triton.jit
+    def _attend_cache(q, kc_ptr, vc_ptr, row, lo, hi, m, l, acc, scale, stride_cs, dims, dim_ok,
+                      BLOCK_S: tl.constexpr, IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr):
+        """The online softmax (m, l, acc) [BLOCK_Q], [BLOCK_Q], [BLOCK_Q, BLOCK_D] carried over the
+        cache slots lo .. hi-1 (all visible) of one row and KV head (`row`: its offset), in tiles
+        of BLOCK_S keys. m must start finite (exp(m - m_new) stays defined)."""
+        for start in range(lo, hi, BLOCK_S):
+            keys = start + tl.arange(0, BLOCK_S)
+            inside = keys < hi  # the same for every query of the row
+            offs = row + keys[:, None] * stride_cs + dims[None, :]
+            both = inside[:, None] & dim_ok[None, :]
+            k = _operand(tl.load(kc_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_S, BLOCK_D]
+            v = _operand(tl.load(vc_ptr + offs, mask=both, other=0.0), LOW)
+            s = tl.where(inside[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_S], 0 outside
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
+    def _tree_tile(q, k_ptr, v_ptr, row, first_slot, stride_n, mask_rows, nodes, N, real, dims, dim_ok, scale,
+                   IEEE: tl.constexpr, LOW: tl.constexpr):
+        """Scores of a tile of tree nodes `nodes` [BLOCK_N] (node j's K/V at slot first_slot + j of
+        `row`: the cache after the root, or a candidate buffer), -inf outside each query's mask row
+        (mask_rows [BLOCK_Q]: pointers to them). → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]."""
+        node_ok = nodes < N
+        offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
+        both = node_ok[:, None] & dim_ok[None, :]
+        k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
+        v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
+        seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
+        s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+        return s, seen, v
+
+    # M, N (queries, tree nodes) vary with the tree's size: not specialised on
+    @triton.jit(do_not_specialize=["M", "N", "span"])
+    def _tree_partial_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr,
+                             M, N, G, nh, span, tree_split, scale,
+                             stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+                             stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
+                             IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr):
+        """One (row, KV head and tile of BLOCK_Q score rows, split). Splits 0 .. tree_split-1
+        cover `span` cache slots each (a multiple of BLOCK_S), all visible up to the base, in
+        tiles of BLOCK_S keys with an online softmax (splits past the base do nothing); split
+        tree_split + i is tile i of the tree block (nodes i*BLOCK_N .., under each query's mask
+        row). Each writes per (query, head) softmax statistics for the merge."""
+        b = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(2)
+        kv, t, head, real, dims, dim_ok, q = _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D,
+                                                         BLOCK_Q, LOW)
+        base = tl.load(base_ptr + b)
+        cache_row = b * stride_cb + kv * stride_ch
         slot = ((b * M + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q] where this split's stats go
         if split >= tree_split:
-            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)  # [BLOCK_Q, BLOCK_D]
             nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
-            node_ok = nodes < N
+            mask_rows = mask_ptr + b * stride_mb + t * stride_mq
             if IN_CACHE:  # node j at cache slot base + 1 + j
-                offs = b * stride_cb + kv * stride_ch + (base + 1 + nodes)[:, None] * stride_cs + dims[None, :]
-                k_ptr, v_ptr = kc_ptr, vc_ptr
+                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N, real,
+                                        dims, dim_ok, scale, IEEE, LOW)
             else:
-                offs = b * stride_tb + kv * stride_th + nodes[:, None] * stride_tt + dims[None, :]
-                k_ptr, v_ptr = kt_ptr, vt_ptr
-            both = node_ok[:, None] & dim_ok[None, :]
-            k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
-            v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
-            seen = tl.load(mask_ptr + b * stride_mb + t[:, None] * stride_mq + nodes[None, :],
-                           mask=real[:, None] & node_ok[None, :], other=0) != 0  # [BLOCK_Q, BLOCK_N]
-            s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+                s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt, mask_rows,
+                                        nodes, N, real, dims, dim_ok, scale, IEEE, LOW)
             m = tl.max(s, 1)  # -inf for a query that sees no node of the tile (the root): weight 0 in the merge
             p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
@@ -231,64 +274,52 @@ if triton is not None:
             acc = _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)  # [BLOCK_Q, BLOCK_D]
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
         elif split * span <= base:
-            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)
-            hi = tl.minimum(split * span + span, base + 1)  # the split's visible slots end here
-            # finite start: exp(m - m_new) stays defined; the first tile holds a visible key
-            m = tl.full([BLOCK_Q], -1.0e30, tl.float32)
+            m = tl.full([BLOCK_Q], -1.0e30, tl.float32)  # finite start; the first tile holds a visible key
             l = tl.zeros([BLOCK_Q], tl.float32)
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-            for start in range(split * span, hi, BLOCK_S):
-                keys = start + tl.arange(0, BLOCK_S)
-                inside = keys < hi  # the same for every query of the row
-                offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
-                both = inside[:, None] & dim_ok[None, :]
-                k = _operand(tl.load(kc_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_S, BLOCK_D]
-                v = _operand(tl.load(vc_ptr + offs, mask=both, other=0.0), LOW)
-                s = tl.where(inside[None, :], _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_S], 0 outside
-                alpha = tl.exp(m - m_new)
-                l = l * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
-                m = m_new
+            m, l, acc = _attend_cache(q, kc_ptr, vc_ptr, cache_row, split * span, tl.minimum(split * span + span, base + 1),
+                                      m, l, acc, scale, stride_cs, dims, dim_ok, BLOCK_S, IEEE, LOW, ROUND_P)
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
-        if MERGE:
-            _merge_if_last(base_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, b, t, head, real, dims, M, nh,
-                           span, tree_split, stride_ot, D, BLOCK_D, BLOCK_SPLITS, BLOCK_Q)
 
-    @triton.jit
-    def _merge_if_last(base_ptr, m_ptr, l_ptr, acc_ptr, count_ptr, out_ptr, b, t, head, real, dims, M, nh, span,
-                       tree_split, stride_ot, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                       BLOCK_Q: tl.constexpr):
-        """The tail of MERGE: split-K with a count (the stores above are made visible by the
-        barrier and the count's release; the last program reads them past L1 after its acquire)."""
-        group = b * tl.num_programs(1) + tl.program_id(1)
-        tl.debug_barrier()  # every thread's statistics stored before the count says so
-        finished = tl.atomic_add(count_ptr + group, 1, sem="acq_rel")
-        if finished == tl.num_programs(2) - 1:  # the group's last program: every split is written
-            tl.atomic_xchg(count_ptr + group, 0)  # ready for the next call (and graph replay)
-            splits = tl.cdiv(tl.load(base_ptr + b) + 1, span)  # cache splits that hold visible keys
-            first = ((b * M + t) * nh + head) * BLOCK_SPLITS  # [BLOCK_Q] each row's split slots
-            j = tl.arange(0, BLOCK_SPLITS)
-            used = (j < splits) | ((j >= tree_split) & (j < tl.num_programs(2)))
-            both = real[:, None] & used[None, :]
-            m = tl.load(m_ptr + first[:, None] + j[None, :], mask=both, other=float("-inf"), cache_modifier=".cg")
-            shift = tl.where(real, tl.max(m, 1), 0.0)  # finite: split 0 always holds a visible key
-            w = tl.where(both, tl.exp(m - shift[:, None]), 0.0)  # [BLOCK_Q, BLOCK_SPLITS]
-            l = tl.sum(w * tl.load(l_ptr + first[:, None] + j[None, :], mask=both, other=0.0, cache_modifier=".cg"), 1)
-            acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-            for split in range(0, tl.num_programs(2)):
-                if (split < splits) | (split >= tree_split):
-                    m_split = tl.load(m_ptr + first + split, mask=real, other=float("-inf"), cache_modifier=".cg")
-                    weight = tl.where(real, tl.exp(m_split - shift), 0.0)  # [BLOCK_Q]: w's column `split`
-                    part = tl.load(acc_ptr + (first + split)[:, None] * BLOCK_D + dims[None, :], mask=real[:, None],
-                                   other=0.0, cache_modifier=".cg")
-                    acc += weight[:, None] * part
-            out = acc / tl.where(real, l, 1.0)[:, None]
-            tl.store(out_ptr + (b * M + t)[:, None] * stride_ot + (head * D)[:, None] + dims[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=real[:, None] & (dims < D)[None, :])
+    @triton.jit(do_not_specialize=["M", "N"])
+    def _tree_one_pass_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr, M, N, G, scale,
+                              stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
+                              stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ot,
+                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr, IEEE: tl.constexpr, LOW: tl.constexpr,
+                              ROUND_P: tl.constexpr):
+        """ONE_LAUNCH: one (row, KV head and tile of BLOCK_Q score rows) walks the cache up to the
+        base, then the tree block's tiles, in one online softmax, and writes o_proj's input."""
+        b = tl.program_id(0).to(tl.int64)
+        kv, t, head, real, dims, dim_ok, q = _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D,
+                                                         BLOCK_Q, LOW)
+        base = tl.load(base_ptr + b)
+        cache_row = b * stride_cb + kv * stride_ch
+        m = tl.full([BLOCK_Q], -1.0e30, tl.float32)  # finite start; slot 0 (at least) is visible
+        l = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+        m, l, acc = _attend_cache(q, kc_ptr, vc_ptr, cache_row, 0, base + 1, m, l, acc, scale, stride_cs, dims, dim_ok,
+                                  BLOCK_S, IEEE, LOW, ROUND_P)
+        mask_rows = mask_ptr + b * stride_mb + t * stride_mq
+        for first in range(0, N, BLOCK_N):
+            nodes = first + tl.arange(0, BLOCK_N)
+            if IN_CACHE:  # node j at cache slot base + 1 + j
+                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N, real,
+                                        dims, dim_ok, scale, IEEE, LOW)
+            else:
+                s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt, mask_rows,
+                                        nodes, N, real, dims, dim_ok, scale, IEEE, LOW)
+            m_new = tl.maximum(m, tl.max(s, 1))  # finite: m is
+            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
+            m = m_new
+        out = acc / tl.where(real, l, 1.0)[:, None]
+        tl.store(out_ptr + (b * M + t)[:, None] * stride_ot + (head * D)[:, None] + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dim_ok[None, :])
 
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, tree_end, stride_ot,
@@ -314,9 +345,10 @@ if triton is not None:
 
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
                           max_splits: int = MAX_SPLITS):
-    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
-    splits + tree tiles) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
-    max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
+    """Two launches: the partial kernel over (B, nkv * score-row tiles, cache splits + tree
+    tiles) and the merge over (B*M, nh); or one over (B, nkv * score-row tiles) where ONE_LAUNCH
+    says. `bias` is the torch path's and is ignored; max_splits caps the cache splits (tests
+    lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, M, d = q.shape
@@ -351,6 +383,14 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_s, block_d = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
+    flags = dict(IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low)
+    if ONE_LAUNCH == 2 or (ONE_LAUNCH == 1 and in_cache):
+        _tree_one_pass_kernel[(B, nkv * tiles)](
+            q, k_cache, v_cache, base, tree_k, tree_v, mask, out, M, N, G, d ** -0.5,
+            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1), out.stride(1),
+            D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_Q=block_q, **flags, num_warps=NUM_WARPS)
+        return out
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
     # would double the merge's tile)
@@ -364,44 +404,15 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     m = torch.empty(B * M * nh * block_splits, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
     acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
-    counts = group_counts(B * nkv * tiles, q.device) if MERGE_IN_PARTIAL else None
     _tree_partial_kernel[(B, nkv * tiles, tree_split + tree_tiles)](
-        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, m if counts is None else counts, out,
-        M, N, G, nh, span, tree_split, d ** -0.5,
+        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1), out.stride(1),
+        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low,
-        MERGE=counts is not None, num_warps=NUM_WARPS)
-    if counts is None:
-        _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles,
-                                          out.stride(1), D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
+        **flags, num_warps=NUM_WARPS)
+    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles,
+                                      out.stride(1), D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
-
-
-# device → int32 zeros, one count per program group (MERGE_IN_PARTIAL). One stream per device
-# uses them at a time (as the runtime's graphs replay, in order): two calls at once on two streams
-# would count into each other's groups.
-_COUNTS: dict = {}
-_RETIRED: list = []  # counts outgrown: a graph captured earlier still adds into them, so they stay
-
-
-def group_counts(groups: int, device) -> torch.Tensor | None:
-    """The zeroed counts MERGE_IN_PARTIAL's groups meet at (each call leaves them zero), kept per
-    device and grown when a call needs more; None while a CUDA graph is being captured on that
-    device and none fit yet (a buffer allocated there would belong to the graph): that call
-    merges in a second launch."""
-    device = torch.device(device)
-    counts = _COUNTS.get(str(device))
-    if counts is None or counts.numel() < groups:
-        if device.type == "cuda":
-            with torch.cuda.device(device):
-                if torch.cuda.is_current_stream_capturing():
-                    return None
-        if counts is not None:
-            _RETIRED.append(counts)
-        counts = _COUNTS[str(device)] = torch.zeros(max(groups, 1024), dtype=torch.int32, device=device)
-    return counts
 
 
 def tree_attention(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
