@@ -25,9 +25,7 @@ decode_attention. Here, as in decode_attention, the g*M score rows of a KV head 
 the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
 and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
 cut into tiles of at most 64 nodes, one more split each, under its own mask; a second launch
-merges the splits into o_proj's layout, in float32 (or, with ONE_LAUNCH, one program per tile
-of score rows walks the whole cache and then the tree's tiles and writes the output itself: no
-merge launch, no parallelism along the cache). (The tree block was one split of one tile
+merges the splits into o_proj's layout, in float32. (The tree block was one split of one tile
 once: a drafter's candidate buffer of 264 nodes, depth 5 with top-k 8, made it a 64 x 512 tile
 that took ~30 us a level on an H200, against ~6 us for 200 nodes.)
 """
@@ -104,22 +102,18 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
 MAX_BLOCK_Q = 16
 PRODUCTS_16BIT = True
-# Timed in session 20 (scripts/bench_attention.py, H200): 64 keys a tile and 4 warps stayed the
-# best of 16..64 keys and 2..4 warps; the merge done by the last program of each group (an atomic
-# count instead of the second launch) lost at every shape (7.50 against 5.85 µs a verify of 24
-# nodes) and was removed.
-MAX_BLOCK_S = 64
+# Timed in session 20 (scripts/bench_attention.py, H200, weighted as a step calls them): 128 keys
+# a tile (679.9 µs against 692.6 for 64; a verify over 40 nodes 6.47 against 7.18) with 4 warps
+# (8 and 2 lost). Two variants lost at every shape and were removed: the merge done by the last
+# program of each group after an atomic count (7.50 against 5.70 µs a verify over 24 nodes), and
+# one launch whose programs walk the whole cache and tree with no split nor merge (7.68 against
+# 7.31 µs over 60 nodes: the lost parallelism along the cache costs more than the launch saved).
+MAX_BLOCK_S = 128
 NUM_WARPS = 4
-# One launch instead of two (not timed yet): one program per (row, KV head, score-row tile) walks
-# every cache tile up to the base and then the tree's tiles in a single online softmax and writes
-# o_proj's input itself: no split statistics, no merge launch, but no parallelism along the cache
-# either. 0: never; 1: the target's verify step only (its 61 queries x 3 heads already make 36
-# programs, and its cache is short); 2: every call (a drafter's level too).
-ONE_LAUNCH = 0
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "ONE_LAUNCH": (0, 1, 2)}
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -283,44 +277,6 @@ if triton is not None:
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
-    @triton.jit(do_not_specialize=["M", "N"])
-    def _tree_one_pass_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr, M, N, G, scale,
-                              stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                              stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ot,
-                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr, IEEE: tl.constexpr, LOW: tl.constexpr,
-                              ROUND_P: tl.constexpr):
-        """ONE_LAUNCH: one (row, KV head and tile of BLOCK_Q score rows) walks the cache up to the
-        base, then the tree block's tiles, in one online softmax, and writes o_proj's input."""
-        b = tl.program_id(0).to(tl.int64)
-        kv, t, head, real, dims, dim_ok, q = _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D,
-                                                         BLOCK_Q, LOW)
-        base = tl.load(base_ptr + b)
-        cache_row = b * stride_cb + kv * stride_ch
-        m = tl.full([BLOCK_Q], -1.0e30, tl.float32)  # finite start; slot 0 (at least) is visible
-        l = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        m, l, acc = _attend_cache(q, kc_ptr, vc_ptr, cache_row, 0, base + 1, m, l, acc, scale, stride_cs, dims, dim_ok,
-                                  BLOCK_S, IEEE, LOW, ROUND_P)
-        mask_rows = mask_ptr + b * stride_mb + t * stride_mq
-        for first in range(0, N, BLOCK_N):
-            nodes = first + tl.arange(0, BLOCK_N)
-            if IN_CACHE:  # node j at cache slot base + 1 + j
-                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N, real,
-                                        dims, dim_ok, scale, IEEE, LOW)
-            else:
-                s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt, mask_rows,
-                                        nodes, N, real, dims, dim_ok, scale, IEEE, LOW)
-            m_new = tl.maximum(m, tl.max(s, 1))  # finite: m is
-            p = tl.where(seen, tl.exp(s - m_new[:, None]), 0.0)
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
-            m = m_new
-        out = acc / tl.where(real, l, 1.0)[:, None]
-        tl.store(out_ptr + (b * M + t)[:, None] * stride_ot + (head * D)[:, None] + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dim_ok[None, :])
-
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, tree_end, stride_ot,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
@@ -345,10 +301,9 @@ if triton is not None:
 
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
                           max_splits: int = MAX_SPLITS):
-    """Two launches: the partial kernel over (B, nkv * score-row tiles, cache splits + tree
-    tiles) and the merge over (B*M, nh); or one over (B, nkv * score-row tiles) where ONE_LAUNCH
-    says. `bias` is the torch path's and is ignored; max_splits caps the cache splits (tests
-    lower it so that one split loops over several tiles)."""
+    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
+    splits + tree tiles) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
+    max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, M, d = q.shape
@@ -384,13 +339,6 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
     flags = dict(IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low)
-    if ONE_LAUNCH == 2 or (ONE_LAUNCH == 1 and in_cache):
-        _tree_one_pass_kernel[(B, nkv * tiles)](
-            q, k_cache, v_cache, base, tree_k, tree_v, mask, out, M, N, G, d ** -0.5,
-            q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1), out.stride(1),
-            D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_Q=block_q, **flags, num_warps=NUM_WARPS)
-        return out
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
     # would double the merge's tile)

@@ -6,9 +6,7 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
 
 Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program), PRODUCTS_16BIT
 (16-bit products instead of TF32 on float32 copies), TARGET_PROGRAMS (how finely the cache is
-split), MAX_BLOCK_S (cache keys per tile), NUM_WARPS and ONE_LAUNCH (one program per score-row
-tile walks the whole cache and tree, no splits and no merge launch: for the verify step only, or
-for every call); the first variant is the defaults in TF32.
+split), MAX_BLOCK_S (cache keys per tile) and NUM_WARPS; the first variant is the defaults in TF32.
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
@@ -65,13 +63,12 @@ def main():
     rows = []
     defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
     # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
-    # defaults' TF32 control); session 20 the split's size, its key tiles and the warps (the
-    # defaults won) and a merge by the last program (it lost, removed); now one launch or two,
-    # with the tiles and warps that suit a program walking the whole cache
+    # defaults' TF32 control); session 20 the split's size, its key tiles and the warps (128 keys
+    # and 4 warps won), a merge by the last program and one launch without splits (both lost,
+    # removed from the kernel)
     variants = [dict(defaults)] + [
-        dict(MAX_BLOCK_Q=block_q, PRODUCTS_16BIT=True, TARGET_PROGRAMS=defaults["TARGET_PROGRAMS"], MAX_BLOCK_S=block_s,
-             NUM_WARPS=warps, ONE_LAUNCH=one)
-        for block_q, block_s, warps, one in itertools.product((16, 32, 64), (64, 128), (4, 8), (0, 1, 2))]
+        dict(MAX_BLOCK_Q=block_q, PRODUCTS_16BIT=True, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
+        for block_q, programs, block_s, warps in itertools.product((16, 32), (512, 2048), (64, 128), (4, 8))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
 
     def use(knobs):  # the kernel reads its knobs at each call
@@ -80,7 +77,7 @@ def main():
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']}{('', ' one launch (verify)', ' one launch')[v['ONE_LAUNCH']]}")
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']}")
 
     for name, *operands in cases(args.cache, args.base):
         reference = ta.tree_attention_reference(*operands).float()

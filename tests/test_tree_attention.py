@@ -99,33 +99,11 @@ def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits,
 
 @needs_triton_backend
 @pytest.mark.parametrize("dtype,tol", DTYPES)
-@pytest.mark.parametrize("B,N,S,nh,nkv,d", SHAPES)
-def test_one_launch_matches_reference(monkeypatch, dtype, tol, B, N, S, nh, nkv, d):
-    """ONE_LAUNCH=2: one program per score-row tile walks the whole cache and then the tree's
-    tiles (no splits, no merge), for the block apart and in the cache."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "ONE_LAUNCH", 2)
-    args = operands(B, N, S, nh, nkv, d, dtype, seed=B * 100 + N * 10 + d)
-    torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
-                               rtol=tol, atol=tol)
-    q, k_cache, v_cache, base, _, _, mask = verify_operands(B, N, S, nh, nkv, d, dtype, seed=N + d)
-    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
-    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
-
-
-@needs_triton_backend
-@pytest.mark.parametrize("one_launch", [0, 2])
-@pytest.mark.parametrize("dtype,tol", DTYPES)
 @pytest.mark.parametrize("B,N,M,S,nh,nkv,d", [(2, 150, 8, 37, 9, 3, 64), (1, 264, 8, 19, 9, 3, 64), (3, 70, 5, 71, 4, 4, 48)])
-def test_a_drafters_candidate_buffer_of_several_tiles_matches_reference(monkeypatch, one_launch, dtype, tol, B, N, M, S,
-                                                                        nh, nkv, d):
+def test_a_drafters_candidate_buffer_of_several_tiles_matches_reference(dtype, tol, B, N, M, S, nh, nkv, d):
     """A drafter's tree level: the frontier's M queries over a candidate buffer of N > 64 nodes
-    (tiles of 64 in parallel splits, or in turn in one launch), each seeing its ancestors: the
-    last frontier node of the first row sees nodes of every tile, and nodes past those drafted so
-    far stay zero."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "ONE_LAUNCH", one_launch)
+    (tiles of 64 in parallel splits), each seeing its ancestors: the last frontier node of the
+    first row sees nodes of every tile, and nodes past those drafted so far stay zero."""
     q, k_cache, v_cache, base, tree_k, tree_v, _ = operands(B, N, S, nh, nkv, d, dtype, seed=N + M)
     g = torch.Generator().manual_seed(N)
     parents = random_parents(B, N, g)
@@ -147,11 +125,8 @@ def test_a_drafters_candidate_buffer_of_several_tiles_matches_reference(monkeypa
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("one_launch", [0, 1])
-def test_a_verify_block_of_several_tiles_matches_reference(monkeypatch, one_launch):
+def test_a_verify_block_of_several_tiles_matches_reference():
     """The target's verify step over a tree of 70 nodes (two tiles read from the cache)."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "ONE_LAUNCH", one_launch)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 70, 150, 9, 3, 64, torch.float32, seed=70)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
@@ -159,13 +134,10 @@ def test_a_verify_block_of_several_tiles_matches_reference(monkeypatch, one_laun
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("one_launch", [0, 2])
-def test_unseen_keys_are_never_read(monkeypatch, one_launch):
+def test_unseen_keys_are_never_read():
     """Cache keys past the row's base (past its tree block, when the block is in the cache):
     poisoning them with NaN changes nothing. Tree keys outside a query's mask row are read by the
     tile its query shares with others, but weigh exactly 0: any finite values change nothing."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "ONE_LAUNCH", one_launch)
     q, k_cache, v_cache, base, tree_k, tree_v, mask = operands(3, 5, 37, 9, 3, 48, torch.float32, seed=7)
     got = tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, mask)
     beyond = torch.arange(37, device=base.device)[None, :] > base[:, None]  # [B,S]
@@ -211,13 +183,12 @@ def test_reference_equals_plain_attention_over_the_path():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps,one_launch",
-                         [(16, False, 512, 64, 4, 0), (32, True, 16, 32, 2, 1), (16, True, 2048, 32, 4, 2),
-                          (64, False, 512, 128, 8, 2)])
+@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps",
+                         [(16, False, 512, 64, 4), (32, True, 16, 32, 2), (16, True, 2048, 32, 4), (64, False, 512, 128, 8)])
 def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
-                                             num_warps, one_launch):
+                                             num_warps):
     """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
-    splits coarse and fine, key tiles, warps, one launch or two) compute the
+    splits coarse and fine, key tiles, warps) compute the
     same attention: a verify step of 41 queries over a ragged cache, and a drafter's level. (150
     slots in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every
     tile, 2,048 one tile a split.)"""
@@ -227,7 +198,6 @@ def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
     monkeypatch.setattr(ta, "NUM_WARPS", num_warps)
-    monkeypatch.setattr(ta, "ONE_LAUNCH", one_launch)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
