@@ -176,12 +176,13 @@ if triton is not None:
         return _dot(p.to(v.dtype), v, IEEE)
 
     @triton.jit
-    def _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_Q: tl.constexpr, LOW: tl.constexpr):
+    def _tile_setup(b, M, G, stride_qb, stride_qh, stride_qt, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_Q: tl.constexpr):
         """A program's tile of score rows: the row's M queries times the G query heads sharing the
         KV head are M*G score rows (query-major: r = t*G + j); program_id(1) is the KV head times
         the tiles of BLOCK_Q rows. → kv, the rows' query t and head [BLOCK_Q], which are real,
-        the head dimension's columns and which are real, and q [BLOCK_Q, BLOCK_D] (`_operand`)."""
+        the head dimension's columns and which are real, and the offsets of q's tile [BLOCK_Q,
+        BLOCK_D] (loaded only by the programs that use it: splits past the base do nothing)."""
         tiles = tl.cdiv(M * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
         r = (tl.program_id(1) % tiles) * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -191,8 +192,7 @@ if triton is not None:
         dims = tl.arange(0, BLOCK_D)
         dim_ok = dims < D
         q_offs = b * stride_qb + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :]
-        q = _operand(tl.load(q_ptr + q_offs, mask=real[:, None] & dim_ok[None, :], other=0.0), LOW)
-        return kv, t, head, real, dims, dim_ok, q
+        return kv, t, head, real, dims, dim_ok, q_offs
 
     @triton.jit
     def _attend_cache(q, kc_ptr, vc_ptr, row, lo, hi, m, l, acc, scale, stride_cs, dims, dim_ok,
@@ -247,12 +247,13 @@ if triton is not None:
         row). Each writes per (query, head) softmax statistics for the merge."""
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(2)
-        kv, t, head, real, dims, dim_ok, q = _tile_setup(q_ptr, b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D,
-                                                         BLOCK_Q, LOW)
+        kv, t, head, real, dims, dim_ok, q_offs = _tile_setup(b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D, BLOCK_Q)
+        q_ok = real[:, None] & dim_ok[None, :]
         base = tl.load(base_ptr + b)
         cache_row = b * stride_cb + kv * stride_ch
         slot = ((b * M + t) * nh + head) * BLOCK_SPLITS + split  # [BLOCK_Q] where this split's stats go
         if split >= tree_split:
+            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)  # [BLOCK_Q, BLOCK_D]
             nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_rows = mask_ptr + b * stride_mb + t * stride_mq
             if IN_CACHE:  # node j at cache slot base + 1 + j
@@ -268,6 +269,7 @@ if triton is not None:
             acc = _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)  # [BLOCK_Q, BLOCK_D]
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
         elif split * span <= base:
+            q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)
             m = tl.full([BLOCK_Q], -1.0e30, tl.float32)  # finite start; the first tile holds a visible key
             l = tl.zeros([BLOCK_Q], tl.float32)
             acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)

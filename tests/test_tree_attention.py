@@ -188,8 +188,8 @@ def test_reference_equals_plain_attention_over_the_path():
 def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
                                              num_warps):
     """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
-    splits coarse and fine, key tiles, warps) compute the
-    same attention: a verify step of 41 queries over a ragged cache, and a drafter's level. (150
+    splits coarse and fine, key tiles, warps) compute the same attention: a verify step of 41
+    queries over a ragged cache, and a drafter's level. (150
     slots in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every
     tile, 2,048 one tile a split.)"""
     import kernels.tree_attention as ta
