@@ -105,7 +105,7 @@ PRODUCTS_16BIT = True
 # Timed in session 20 (scripts/bench_attention.py, H200, weighted as a step calls them): 128 keys
 # a tile (679.9 µs against 692.6 for 64; a verify over 40 nodes 6.47 against 7.18) with 4 warps
 # (8 and 2 lost). Two variants lost at every shape and were removed: the merge done by the last
-# program of each group after an atomic count (7.50 against 5.70 µs a verify over 24 nodes), and
+# program of each group after an atomic count (7.50 against 5.85 µs a verify over 24 nodes), and
 # one launch whose programs walk the whole cache and tree with no split nor merge (7.68 against
 # 7.31 µs over 60 nodes: the lost parallelism along the cache costs more than the launch saved).
 MAX_BLOCK_S = 128
@@ -340,7 +340,6 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_s, block_d = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
-    flags = dict(IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low)
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
     # would double the merge's tile)
@@ -359,7 +358,7 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        **flags, num_warps=NUM_WARPS)
+        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
     _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles,
                                       out.stride(1), D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
     return out
