@@ -71,8 +71,9 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
 
 
 def _tree_row(tree) -> str:
-    depth, top_k, total = tree
-    return f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}, {total} nodes)"
+    depth, top_k, total, *children = tree
+    wide = f", {children[0]} children" if children else ""
+    return f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}{wide}, {total} nodes)"
 
 
 def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict | None:
@@ -91,7 +92,7 @@ def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict |
     tree, row = max(swept, key=lambda tr: tr[1]["tokens_per_s"])
     chains = {k: f"runtime EAGLE-3 (k={k})" for k in ks if f"runtime EAGLE-3 (k={k})" in rows}
     chain_k = tree[0] if tree[0] in chains else max(chains, key=lambda k: rows[chains[k]]["tokens_per_s"], default=None)
-    best = {"target": target, "device": device, "tree": dict(zip(("depth", "top_k", "total_tokens"), tree)),
+    best = {"target": target, "device": device, "tree": dict(zip(("depth", "top_k", "total_tokens", "children"), tree)),
             **side(_tree_row(tree), row), "chain": None, "tree_vs_chain": None,
             "swept": [{"tree": list(t), **side(_tree_row(t), r)} for t, r in swept]}
     if chain_k is not None:
@@ -106,7 +107,8 @@ def _best_tree_line(best: dict) -> str:
     t, c = best["tree"], best["chain"]
     tau = (lambda x: "-" if x is None else f"{x:.3f}")
     line = (f"best tree on {best['target']} ({best['device']}, of {len(best['swept'])} swept): depth {t['depth']}, "
-            f"top-k {t['top_k']}, {t['total_tokens']} nodes: {best['tokens_per_s']:.1f} tok/s, tau {tau(best['tau'])}, "
+            f"top-k {t['top_k']}, " + (f"{t['children']} children, " if "children" in t else "")
+            + f"{t['total_tokens']} nodes: {best['tokens_per_s']:.1f} tok/s, tau {tau(best['tau'])}, "
             f"{best['verify_tokens_per_step']} verify tokens per step")
     if c is not None:
         ratio = best["tree_vs_chain"]
@@ -143,7 +145,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         check_fits(len(p), max_new, context, f"prompt {q['id']} of {prompts_spec}")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     rt = load_runtime(path, dtype=dtype, device=device)
-    k_max = max([*ks, *(n for _, _, n in trees)])  # a tree verifies its N nodes after the root
+    k_max = max([*ks, *(t[2] for t in trees)])  # a tree verifies its N nodes after the root
     # one cache length for every prompt and row: each row captures its graphs once, in the warm-up
     max_len = -(-cache_size(prompts, max_new, k_max) // CACHE_BUCKET) * CACHE_BUCKET
     modules = []
@@ -212,11 +214,13 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         for k in _drafter_ks(module, ks):
             proposer = drafter_proposer(module, k, 1, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k})"] = lambda p=proposer: runtime(p)
-        for depth, top_k, total in trees if _drafter_name(module) == "EAGLE-3" else ():
+        for tree in trees if _drafter_name(module) == "EAGLE-3" else ():
             from inference.tree_decoding import EagleTreeProposer
 
-            proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config)
-            rows[_tree_row((depth, top_k, total))] = lambda p=proposer: runtime(p)
+            depth, top_k, total, *children = tree
+            proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config,
+                                         children=children[0] if children else None)
+            rows[_tree_row(tree)] = lambda p=proposer: runtime(p)
     if batch_size > 1:
         rows[f"runtime plain, batch {batch_size}"] = lambda: runtime(None, batch_size)
         for module in modules:
@@ -344,9 +348,10 @@ def main(argv=None) -> int:
                     "drafter (at its first k), speedup against plain at the same batch")
     ap.add_argument("--hf-prompts", type=int, default=None, help="transformers rows on the first N prompts only "
                     "(they run at tens of tokens/s); unset: all")
-    ap.add_argument("--tree", action="append", default=[], metavar="DEPTH,TOPK,NODES",
-                    help="also draft EAGLE-2 trees with each EAGLE-3 drafter (greedy): depth, children kept per depth, "
-                         "nodes verified per step; repeat for a sweep")
+    ap.add_argument("--tree", action="append", default=[], metavar="DEPTH,TOPK,NODES[,CHILDREN]",
+                    help="also draft EAGLE-2 trees with each EAGLE-3 drafter (greedy): depth, nodes kept per depth (and "
+                         "the root's children), nodes verified per step, and optionally the children each kept node "
+                         "below the root is expanded into (TOPK by default); repeat for a sweep")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
@@ -358,7 +363,7 @@ def main(argv=None) -> int:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
-        trees = [parse_tree_spec(spec) for spec in args.tree]
+        trees = [parse_tree_spec(spec, children=True) for spec in args.tree]
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)

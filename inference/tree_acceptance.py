@@ -27,18 +27,19 @@ UNKNOWN = -2  # a target choice the text cannot tell: equals no token and no emp
 
 
 def tree_label(tree) -> str:
-    depth, top_k, total = tree
-    return f"{depth},{top_k},{total}"
+    """(depth, top_k, total[, children]) → "D,K,N[,C]", as --tree takes it."""
+    return ",".join(str(x) for x in tree)
 
 
-def tree_spec_problem(depth, top_k, total) -> str | None:
-    """Why (depth, top_k, total_tokens) is no tree the runtime can draft, or None."""
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in (depth, top_k, total)):
-        return "depth, top-k and nodes must be integers"
-    if min(depth, top_k, total) < 1:
-        return "depth, top-k and nodes must be positive"
-    if total > tree_candidate_count(depth, top_k):
-        return f"nodes at most the {tree_candidate_count(depth, top_k)} candidates such a tree drafts"
+def tree_spec_problem(depth, top_k, total, children=None) -> str | None:
+    """Why (depth, top_k, total_tokens[, children]) is no tree the runtime can draft, or None."""
+    numbers = (depth, top_k, total) + (() if children is None else (children,))
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in numbers):
+        return "depth, top-k, nodes and children must be integers"
+    if min(numbers) < 1:
+        return "depth, top-k, nodes and children must be positive"
+    if total > tree_candidate_count(depth, top_k, children):
+        return f"nodes at most the {tree_candidate_count(depth, top_k, children)} candidates such a tree drafts"
     return None
 
 

@@ -3,8 +3,9 @@ target verifies every node in one forward under the tree mask, the longest match
 root-to-leaf path is accepted (greedy, or at T > 0 along one draw from the target per node),
 and the path's K/V entries move into place in the target's cache.
 
-Shapes: B rows, N tree nodes (`total_tokens`), D depth, K children kept per depth (`top_k`),
-C = K + (D-1) K^2 candidates drafted, S cache slots, H hidden, Vd draft vocabulary.
+Shapes: B rows, N tree nodes (`total_tokens`), D depth, K nodes kept per depth (`top_k`, also
+the root's children), k children drafted per kept node below depth 1 (`children`, K by default),
+C = K + (D-1) K k candidates drafted, S cache slots, H hidden, Vd draft vocabulary.
 
 Positions and slots: the root (the row's last verified token) sits at position and slot
 base = length - 1; node i is fed at position base + depth(i) and written at slot base + 1 + i
@@ -43,20 +44,24 @@ from kernels.tree_select import Candidates
 
 class EagleTreeProposer(Eagle3Proposer):
     """EAGLE-2 dynamic trees from an EAGLE-3 drafter: `depth` levels, the `top_k` best frontier
-    nodes expanded into `top_k` children each, the best `total_tokens` candidates kept (by
-    cumulative draft log-probability; parents always before children)."""
+    nodes expanded into `children` children each (`top_k` unless given; the root into `top_k`),
+    the best `total_tokens` candidates kept (by cumulative draft log-probability; parents always
+    before children)."""
 
     tree = True
 
-    def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None):
+    def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
+                 children: int | None = None):
         super().__init__(drafter, depth, batch, max_len, target_config)
         if not self.fused:
             raise ValueError("draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1: chains)")
-        candidates = tree_candidate_count(depth, top_k)
-        if depth < 1 or top_k < 1 or not 1 <= total_tokens <= candidates:
-            raise ValueError(f"a tree of depth {depth} expanding top_k={top_k} drafts {candidates} candidates: "
-                             f"total_tokens={total_tokens} must be in 1..{candidates} (and depth, top_k >= 1)")
-        self.top_k, self.total_tokens, self.candidates = top_k, total_tokens, candidates
+        children = top_k if children is None else children
+        candidates = tree_candidate_count(depth, top_k, children)
+        if depth < 1 or top_k < 1 or children < 1 or not 1 <= total_tokens <= candidates:
+            raise ValueError(f"a tree of depth {depth} expanding top_k={top_k} nodes into {children} children drafts "
+                             f"{candidates} candidates: total_tokens={total_tokens} must be in 1..{candidates} (and "
+                             f"depth, top_k, children >= 1)")
+        self.top_k, self.children, self.total_tokens, self.candidates = top_k, children, total_tokens, candidates
         self.verify_tokens = total_tokens  # the verify step feeds the root and these nodes
         # the drafted tree: one set of buffers that every draft writes (the first, eager draft and
         # each captured step alike), so the verify step always reads the latest tree
@@ -76,17 +81,19 @@ class EagleTreeProposer(Eagle3Proposer):
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens, out=self.tree_out, cand_kv=self.cand_kv.zero_())
+                                self.total_tokens, out=self.tree_out, cand_kv=self.cand_kv.zero_(),
+                                children=self.children)
 
 
-def tree_candidate_count(depth: int, top_k: int) -> int:
-    """Candidates an EAGLE-2 tree drafts: top_k at depth 1, top_k^2 at every later depth."""
-    return top_k + (depth - 1) * top_k * top_k
+def tree_candidate_count(depth: int, top_k: int, children: int | None = None) -> int:
+    """Candidates an EAGLE-2 tree drafts: top_k at depth 1, top_k x children (top_k unless
+    given) at every later depth."""
+    return top_k + (depth - 1) * top_k * (top_k if children is None else children)
 
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None, cand_kv: torch.Tensor | None = None):
+                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
@@ -94,11 +101,13 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
-    V (new ones when None)."""
+    V (new ones when None). children: what each frontier node below the root is expanded into
+    (top_k when None: EAGLE-2's square tree)."""
     d = p.drafter
     B = hidden.shape[0]
     cfg = d.config
-    candidates = tree_candidate_count(depth, top_k)
+    children = top_k if children is None else children
+    candidates = tree_candidate_count(depth, top_k, children)
     if cand_kv is None:
         cand_kv = k_cache.new_zeros(2, B, cfg.num_key_value_heads, candidates, cfg.head_dim)
     cand_k, cand_v = cand_kv.unbind()
@@ -112,17 +121,17 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     top = _draft_top_k(d, hidden[:, None], top_k)  # [B,1,top_k]: the root's best children
     drafted = 0
     for level in range(depth):
-        child_logprobs, child_ids = top  # [B,F,top_k]: log-probabilities, rows of the draft vocabulary
+        child_logprobs, child_ids = top  # [B,F,k]: log-probabilities, rows of the draft vocabulary
         frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
-        drafted += child_ids.shape[1] * top_k
+        drafted += child_ids.shape[1] * child_ids.shape[2]
         index, scores = frontier.index, frontier.scores
         if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
             h = _tree_step(p, frontier.tokens, drafted_from, frontier.parent_row, frontier.positions, index,
                            frontier.visible, cand_k, cand_v, k_cache, v_cache, last)
             drafted_from = h.to(hidden.dtype)
-            top = _draft_top_k(d, h, top_k)  # [B,F,top_k] each
+            top = _draft_top_k(d, h, children)  # [B,F,children] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    return finalize_candidates(cand, top_k, top_k, total_tokens, last + 1, out)
+    return finalize_candidates(cand, children, top_k, total_tokens, last + 1, out)
 
 
 def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, frontier, visible, cand_k, cand_v,

@@ -6,9 +6,10 @@ out for a drafter that drafts depth by depth in a CUDA graph.
 
     Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
     scores [B,C] (cumulative draft log-probability), ancestors [B,C,C] bool; candidate c of a
-    tree drafting k children per node and keeping top_k per depth sits at depth
-    1 (c < k), else 2 + (c - k) // (top_k k). Each depth writes its block in full (ancestor
-    rows included), so the buffers need no clearing between drafts.
+    tree whose root has top_k children and whose later depths expand top_k nodes into k
+    children each sits at depth 1 (c < top_k), else 2 + (c - top_k) // (top_k k). Each depth
+    writes its block in full (ancestor rows included), so the buffers need no clearing between
+    drafts.
 
     expand_level: the drafter's children of the F frontier nodes (None: the root alone;
     child_ids [B,F,k] rows of the draft vocabulary, child_logprobs [B,F,k]) become candidates
@@ -64,7 +65,7 @@ def root_frontier(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
     """[count] depth of each candidate index (the layout above)."""
     c = torch.arange(count, device=device)
-    return torch.where(c < k, 1, 2 + (c - k).clamp_min(0) // (top_k * k))
+    return torch.where(c < top_k, 1, 2 + (c - top_k).clamp_min(0) // (top_k * k))
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -144,7 +145,7 @@ if triton is not None:
     @triton.jit
     def _finalize_kernel(tokens_ptr, parents_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
                          o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
-                         C, N, K, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
+                         C, N, FIRST, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
         """One program per row, in two passes over blocks of candidates, the second reading what
         the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr)."""
         row = tl.program_id(0).to(tl.int64)
@@ -159,7 +160,7 @@ if triton is not None:
             kept_count = kept.to(tl.int32)
             node = before + tl.cumsum(kept_count, 0) - kept_count
             before += tl.sum(kept_count, 0)
-            depth = tl.where(i < K, 1, 2 + (i - K) // PER_DEPTH)
+            depth = tl.where(i < FIRST, 1, 2 + (i - FIRST) // PER_DEPTH)
             tl.store(node_ptr + row * C + i, node, mask=kept)
             tl.store(kept_ptr + row * C + node, i, mask=kept)
             tl.store(o_tokens_ptr + row * N + node, tl.load(tokens_ptr + row * s_c_b + i, mask=kept, other=0), mask=kept)
@@ -250,6 +251,6 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
         _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
-                               positions, C, N, k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
+                               positions, C, N, top_k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
                                cand.ancestors.stride(1), BLOCK=block)
     return tokens, parents, depths, mask, positions

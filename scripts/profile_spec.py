@@ -43,8 +43,9 @@ def main(argv=None):
                     "strings (plain always runs: the ratios' base)")
     ap.add_argument("--trace-rows", default="plain,EAGLE-3 k=4,Medusa k=4,DFlash k=7",
                     help="the rows --trace profiles (comma-separated names)")
-    ap.add_argument("--tree", dest="trees", action="append", default=[], metavar="DEPTH,TOPK,NODES",
-                    help="add an EAGLE-2 tree row (repeatable), e.g. --tree 4,4,24")
+    ap.add_argument("--tree", dest="trees", action="append", default=[], metavar="DEPTH,TOPK,NODES[,CHILDREN]",
+                    help="add an EAGLE-2 tree row (repeatable), e.g. --tree 4,4,24; CHILDREN: what each kept node "
+                         "below the root is expanded into (TOPK by default)")
     args = ap.parse_args(argv)
     from inference.engine import CACHE_BUCKET, cache_size, generate
     from inference.model import RuntimeModel
@@ -88,8 +89,9 @@ def main(argv=None):
     # EAGLE-2 trees (verified greedily whatever --rate says: a step's cost depends on its
     # shapes, not on what it accepts; DRAFTSMITH_TREES_GRAPHED=1 graphs them)
     for tree in args.trees:
-        depth, top_k, total = (int(x) for x in tree.split(","))
-        rows[f"EAGLE-3 tree {depth}-{top_k}-{total}"] = EagleTreeProposer(eagle, depth, top_k, total, 1, max_len, rt.config)
+        depth, top_k, total, *children = (int(x) for x in tree.split(","))
+        rows[f"EAGLE-3 tree {tree.replace(',', '-')}"] = EagleTreeProposer(eagle, depth, top_k, total, 1, max_len, rt.config,
+                                                                           children=children[0] if children else None)
     wanted = [w for w in args.rows.split(",") if w]
     rows = {n: p for n, p in rows.items() if n == "plain" or not wanted or any(w in n for w in wanted)}
 

@@ -198,6 +198,11 @@ CASES = {
     "bench-new-tokens-beyond-context": bench(*B, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
     "bench-tree-not-three-numbers": bench(*B, "--tree", "5,8", phrase="--tree 5,8: expected DEPTH,TOPK,NODES"),
     "bench-tree-more-nodes-than-drafted": bench(*B, "--tree", "2,2,40", phrase="nodes at most the 6 candidates"),
+    "bench-tree-children-zero": bench(*B, "--tree", "2,2,4,0", phrase="--tree 2,2,4,0: depth, top-k, nodes and children "
+                                      "must be positive"),
+    "bench-tree-narrow-more-nodes-than-drafted": bench(*B, "--tree", "3,2,9,1", phrase="nodes at most the 6 candidates"),
+    "validate-tree-no-children": validate(*V, "--tree", "2,2,4,1", phrase="--tree 2,2,4,1: expected DEPTH,TOPK,NODES, "
+                                          "three integers"),
     "bench-prompt-beyond-context": bench(*B, "--max-new-tokens", "4090", "--num-prompts", "1",
                                          phrase="prompt 81 of mt-bench ("),
     # ---- regenerate

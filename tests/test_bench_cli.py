@@ -35,7 +35,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     drafters = _random_exports(tmp_path)
     assert main(["--target", "tiny-random-llama", "--num-prompts", "4", "--max-new-tokens", "6", "--device", "cpu",
                  "-k", "2", "4", "--drafter", *drafters, "--batch-size", "2", "--hf-prompts", "1", "--tree", "2,2,4",
-                 "--tree", "2,1,2", "--out", str(out)]) == 0
+                 "--tree", "2,1,2", "--tree", "2,2,3,1", "--out", str(out)]) == 0
     summary = json.loads((out / "bench.json").read_text())
     rows = summary["rows"]
     assert {"transformers generate", "transformers prompt lookup", "runtime plain", "runtime n-gram (k=4)",
@@ -43,6 +43,8 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
             "runtime EAGLE-3 (k=2), batch 2", "runtime Medusa (k=2), batch 2",
             "runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)", "runtime suffix (k=4)"} <= set(rows)
     assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"]["verify_tokens_per_step"] == 5
+    # the root's 2 children, each expanded into 1: 4 candidates, 3 kept
+    assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 children, 3 nodes)"]["verify_tokens_per_step"] == 4
     assert rows["runtime EAGLE-3 (k=4)"]["verify_tokens_per_step"] == 5
     assert "runtime Medusa (k=4)" not in rows  # three heads draft at most three tokens
     assert rows["transformers generate"]["prompts"] == 1 and rows["runtime plain"]["prompts"] == 4
@@ -60,11 +62,12 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     # the sweep's fastest tree, beside the same drafter's chain at its depth (k=2)
     best = summary["best_tree"]
     trees = {(2, 2, 4): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"],
-             (2, 1, 2): rows["runtime EAGLE-3 tree (depth 2, top-k 1, 2 nodes)"]}
+             (2, 1, 2): rows["runtime EAGLE-3 tree (depth 2, top-k 1, 2 nodes)"],
+             (2, 2, 3, 1): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 children, 3 nodes)"]}
     fastest = max(trees, key=lambda t: trees[t]["tokens_per_s"])
     assert tuple(best["tree"].values()) == fastest and best["tokens_per_s"] == trees[fastest]["tokens_per_s"]
     assert best["chain"]["row"] == "runtime EAGLE-3 (k=2)" and best["chain"]["verify_tokens_per_step"] == 3
-    assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 2
+    assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 3
     assert best["device"] == "cpu" and best["target"] == "tiny-random-llama"
     # the tree-attention knobs in effect are recorded (DRAFTSMITH_TREE_ATTENTION's form)
     from kernels.tree_attention import apply_tuning

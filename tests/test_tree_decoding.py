@@ -73,7 +73,7 @@ def _check_lossless(rt, hf, prompts, max_new, eos, batch):
         plain.extend(generate(rt, prompts[i : i + batch], max_new, eos_ids=eos)[0])
     drafter = _random_eagle3(hf)
     deep = 0
-    for name in ("oracle", "eagle3"):
+    for name in ("oracle", "eagle3", "eagle3, 2 children"):  # the last: kept nodes expanded into fewer children
         got = []
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
@@ -84,7 +84,7 @@ def _check_lossless(rt, hf, prompts, max_new, eos, batch):
                 proposer = OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=i)
             else:
                 proposer = EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(chunk), max_len=n,
-                                             target_config=rt.config)
+                                             target_config=rt.config, children=2 if "children" in name else None)
             outs, stats = generate(rt, chunk, max_new, proposer=proposer, eos_ids=eos, max_len=n)
             assert stats.device_loop
             got.extend(outs)

@@ -10,9 +10,11 @@ from kernels.tree_select import Candidates, expand_level_triton, finalize_triton
 from tests.conftest import kernel_device
 
 
-def _draft(expand, B, depth, top_k, Vd, g, dev):
-    """A whole tree's candidates through `expand`, from coarse random log-probabilities (ties)."""
-    C = top_k + (depth - 1) * top_k * top_k
+def _draft(expand, B, depth, top_k, Vd, g, dev, children=None):
+    """A whole tree's candidates through `expand`, from coarse random log-probabilities (ties):
+    the root's top_k children, then `children` (top_k unless given) below each frontier node."""
+    children = top_k if children is None else children
+    C = top_k + (depth - 1) * top_k * children
     cand = Candidates.empty(B, C, dev)
     index = scores = None  # the root alone
     last = torch.randint(3, 40, (B,), generator=g).to(dev)
@@ -22,25 +24,29 @@ def _draft(expand, B, depth, top_k, Vd, g, dev):
         F_ = 1 if index is None else index.shape[1]
         logprobs = -torch.randint(0, 4, (B, F_, Vd), generator=g).float() / 2  # many equal scores
         # (taken on the CPU for both sides: torch.topk orders ties differently on a GPU)
-        top = logprobs.topk(top_k, dim=-1)
+        top = logprobs.topk(top_k if index is None else children, dim=-1)
         frontier = expand(top.indices.to(dev), top.values.to(dev), draft_ids, index, scores, drafted, level, last, cand,
                           top_k)
         frontiers.append(frontier)
-        drafted += F_ * top_k
+        drafted += F_ * top.indices.shape[-1]
         index, scores = frontier.index, frontier.scores
     assert drafted == C
     return cand, frontiers, last
 
 
-# (2, 3, 6, 30): 78 candidates, more than one 64-column block of ancestor rows and of ranks
-@pytest.mark.parametrize("B,depth,top_k,Vd", [(1, 1, 1, 5), (2, 4, 4, 40), (3, 3, 3, 7), (2, 2, 5, 9), (2, 3, 6, 30)])
-def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
+# (2, 3, 6, 30): 78 candidates, more than one 64-column block of ancestor rows and of ranks; the
+# last two expand their frontier nodes into fewer (2) and more (5) children than the nodes kept
+@pytest.mark.parametrize("B,depth,top_k,Vd,children", [(1, 1, 1, 5, None), (2, 4, 4, 40, None), (3, 3, 3, 7, None),
+                                                       (2, 2, 5, 9, None), (2, 3, 6, 30, None), (2, 4, 5, 30, 2),
+                                                       (2, 3, 3, 20, 5)])
+def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd, children):
     dev = kernel_device()
+    k = top_k if children is None else children
     for seed in range(3):
         want_cand, want_frontiers, last = _draft(expand_level_reference, B, depth, top_k, Vd,
-                                                 torch.Generator().manual_seed(seed), "cpu")
+                                                 torch.Generator().manual_seed(seed), "cpu", children)
         got_cand, got_frontiers, _ = _draft(expand_level_triton, B, depth, top_k, Vd,
-                                            torch.Generator().manual_seed(seed), dev)
+                                            torch.Generator().manual_seed(seed), dev, children)
         for name, w, o in zip(Candidates._fields, want_cand, got_cand):
             assert torch.equal(o.cpu(), w), (name, seed)
         for level, (w_front, o_front) in enumerate(zip(want_frontiers, got_frontiers)):
@@ -54,10 +60,13 @@ def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd):
                 assert torch.equal(parents, want_frontiers[level - 1].index.gather(1, w_front.parent_row))
         C = want_cand.tokens.shape[1]
         for total in sorted({1, (C + 1) // 2, C}):
-            want = finalize_reference(want_cand, top_k, top_k, total, last + 1)
-            got = Tree(*finalize_triton(got_cand, top_k, top_k, total, (last + 1).to(dev)))
+            want = finalize_reference(want_cand, k, top_k, total, last + 1)
+            got = Tree(*finalize_triton(got_cand, k, top_k, total, (last + 1).to(dev)))
             for name, w, o in zip(want._fields, want, got):
                 assert torch.equal(o.cpu(), w), (name, total, seed)
+            # depths follow the layout: the root's top_k children, then top_k x k a depth
+            assert torch.equal(want.depths, want.positions - (last + 1)[:, None])
+            assert (want.depths == 1 + (want.parents >= 0).long() * want.depths.gather(1, want.parents.clamp_min(0))).all()
 
 
 def test_finalize_over_many_candidates_crosses_its_blocks():
