@@ -23,7 +23,7 @@ from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_att
 from kernels.rms_norm import head_norm, rms_norm
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import silu_mul
-from kernels.tree_attention import tree_attention, tree_cache_bias
+from kernels.tree_attention import tree_attention, tree_cache_bias, with_root_row
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -100,15 +100,11 @@ def cached_attention(q, k, v, k_cache, v_cache, positions, mask):
 
 def tree_verify_operands(positions, tree_mask):
     """positions [B,N+1] (the root's first), tree_mask [B,N,N] → what each layer of a tree verify
-    step needs, built once per forward: base [B] (the root's position and slot), slots [B,N+1]
-    (base .. base+N: the root, then node i at base + 1 + i, contiguous so that the tree kernel
-    reads the block straight from the cache) and the mask [B,N+1,N] with an empty first row
-    (the root is a plain cache query)."""
-    B, N = tree_mask.shape[0], tree_mask.shape[1]
-    base = positions[:, 0].contiguous()
-    slots = base[:, None] + torch.arange(N + 1, device=base.device)
-    mask = torch.cat([tree_mask.new_zeros(B, 1, N), tree_mask], 1)
-    return base, slots, mask
+    step needs: base [B] (the root's position and slot: the root is written there, node i at
+    base + 1 + i, a block the tree kernel reads straight from the cache; RoPE's `tree_block`)
+    and the nodes' mask (the root is a plain cache query). No launch of their own on a GPU
+    (a slot tensor and a mask with an empty root row were four, every verify step)."""
+    return positions[:, 0].contiguous(), tree_mask
 
 
 class Attention(nn.Module):
@@ -127,15 +123,15 @@ class Attention(nn.Module):
         """x [B,q,H]; positions [B,q]; k_cache/v_cache [B,nkv,S,d] of this layer; bias from
         `grouped_attention_bias`, or None with causal_prefill (every row at positions 0..q-1
         of an empty cache: plain causal attention over this chunk, flash kernels, no mask).
-        tree (a draft tree's verify step): `tree_verify_operands`' (base, slots, mask), bias then
-        its `tree_cache_bias` (None when the kernels run)."""
+        tree (a draft tree's verify step): `tree_verify_operands`' (base, mask), bias then its
+        `tree_cache_bias` (None when the kernels run)."""
         B, n, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.qk_norm:  # Qwen3 normalises each head before RoPE (in place, one launch)
             head_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.nh, self.nkv)
         if tree is not None:  # K/V written at the tree's slots, then read back from there by the tree kernel
-            base, slots, mask = tree
-            q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, slots=slots)
+            base, mask = tree
+            q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, tree_block=True)
             return self.o_proj(tree_attention(q, k_cache, v_cache, base, None, None, mask, bias))
         q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv)  # [B,nh,q,d]
         if causal_prefill:
@@ -291,7 +287,7 @@ class RuntimeModel(nn.Module):
         tree = None
         if tree_mask is not None:
             tree = tree_verify_operands(positions, tree_mask)
-            bias = None if use_kernel(x) else tree_cache_bias(tree[0], tree[2], cache.max_len,
+            bias = None if use_kernel(x) else tree_cache_bias(tree[0], with_root_row(tree[1]), cache.max_len,
                                                               cfg.num_heads // cfg.num_kv_heads, x.dtype)
         else:
             bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(

@@ -3,7 +3,9 @@
     qkv [B,n,(nh+2*nkv)*d] (the fused q/k/v projection), positions [B,n], inv_freq [d/2]
     → q [B,nh,n,d] rotated; k rotated and v written into k_cache / v_cache [B,nkv,S,d] at
       each row's positions (or at `slots` [B,n], when the cache slot is not the RoPE position:
-      draft trees, an MTP module's drafted key, writes parked in a scratch slot)
+      draft trees, an MTP module's drafted key, writes parked in a scratch slot; or, with
+      `tree_block`, at consecutive slots from the row's first position: a tree verify step's
+      root at its own position, node i at root + 1 + i)
 
 Rotate-half RoPE as transformers' Llama. The torch form costs ~14 kernels per layer (slices,
 cat, products, two scatters); here one program per (token, head) does all of it in float32.
@@ -22,10 +24,13 @@ except ImportError:
     triton = None
 
 
-def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
+def rope_cache_reference(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None,
+                         tree_block: bool = False):
     """slots [B,n] (draft trees): the cache slots to write K/V at, when they differ from the
     RoPE positions (tree nodes of one depth share a position, each has its own slot)."""
     B, n, _ = qkv.shape
+    if tree_block:
+        slots = positions[:, :1] + torch.arange(n, device=positions.device)
     d = k_cache.shape[-1]
     q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], -1)
     q = q.reshape(B, n, num_heads, d).transpose(1, 2)
@@ -45,13 +50,16 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n"])
     def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, n, NH, NKV,
                            stride_row, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr):
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, TREE_BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)  # b * n + t
         head = tl.program_id(1)  # 0..NH-1: query heads; NH..NH+NKV-1: key/value heads
         b = token // n
         t = token % n
         pos = tl.load(pos_ptr + token)
-        slot = tl.load(slot_ptr + token)
+        if TREE_BLOCK:  # consecutive slots from the row's first position (slot_ptr unread)
+            slot = tl.load(pos_ptr + b * n) + t
+        else:
+            slot = tl.load(slot_ptr + token)
         i = tl.arange(0, BLOCK)
         inside = i < HALF
         freq = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=inside, other=0.0)
@@ -74,7 +82,8 @@ if triton is not None:
         tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=inside)
 
 
-def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
+def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None,
+                      tree_block: bool = False):
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, n, width = qkv.shape
@@ -96,11 +105,12 @@ def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int
         _rope_cache_kernel[(B * n, num_heads + num_kv_heads)](
             qkv, positions, slots, inv_freq.float().contiguous(), q, k_cache, v_cache, n, num_heads, num_kv_heads,
             qkv.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HALF=half, BLOCK=triton.next_power_of_2(half))
+            HALF=half, BLOCK=triton.next_power_of_2(half), TREE_BLOCK=tree_block)
     return q
 
 
-def rope_cache(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None):
+def rope_cache(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None,
+               tree_block: bool = False):
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
     fn = rope_cache_triton if use_kernel(qkv) else rope_cache_reference
-    return fn(qkv, positions, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, slots=slots)
+    return fn(qkv, positions, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, slots=slots, tree_block=tree_block)

@@ -1,16 +1,19 @@
 """Attention of a draft tree's queries over the row's KV cache plus the tree block.
 
-    q [B,nh,M,d] (rotated), k_cache / v_cache [B,nkv,S,d], base_positions [B],
-    tree_mask [B,M,N] bool, and the tree block's K/V either
-      tree_k / tree_v [B,nkv,N,d] apart (a drafter's candidate buffers), or
+    q [B,nh,M,d] (rotated), k_cache / v_cache [B,nkv,S,d], base_positions [B], and the tree
+    block's K/V either
+      tree_k / tree_v [B,nkv,N,d] apart (a drafter's candidate buffers), with tree_mask
+            [B,M,N] bool, a row per query, or
       None: in the cache itself at slots base + 1 .. base + N (the target's verify step,
-            whose RoPE kernel has just written them there)
+            whose RoPE kernel has just written them there), with tree_mask [B,M-1,N]: query 0
+            is the root, which sees no tree key, and query t > 0 is node t-1 (its mask row)
     → [B,M,nh*d], the o_proj input
 
 Every query of row b sees the cache keys at slots <= base_positions[b] (the verified prefix,
-ending with the root token) and the tree keys j with tree_mask[b, t, j] (itself and its
-ancestors, inference/tree.py). A verify step feeds the root and its N nodes (M = N + 1): the
-root's mask row is empty, so it is a plain cache query. The tree slots of the cache are not
+ending with the root token) and the tree keys j of its mask row (itself and its ancestors,
+inference/tree.py). A verify step feeds the root and its N nodes (M = N + 1): the root is a
+plain cache query, and the tree's own [B,N,N] mask is the nodes' rows as it stands (no copy
+with an empty row in front: two launches a verify step). The tree slots of the cache are not
 ordered by position, so a position-causal mask cannot describe them: the block is masked apart.
 GQA: query head h reads KV head h // (nh / nkv), as transformers' repeat_kv orders them.
 base_positions must lie in 0..S-1, and base + N in 0..S-1 when the block is in the cache (not
@@ -69,6 +72,12 @@ def tree_cache_bias(base_positions, tree_mask, max_len: int, groups: int, dtype)
     return bias[:, None].repeat(1, 1, groups, 1)
 
 
+def with_root_row(node_mask: torch.Tensor) -> torch.Tensor:
+    """[B,N,N] the nodes' mask rows → [B,N+1,N], the root's empty row first (a verify step's
+    queries: the root, then the nodes)."""
+    return torch.cat([node_mask.new_zeros(node_mask.shape[0], 1, node_mask.shape[2]), node_mask], 1)
+
+
 def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
     """The torch form: one SDPA call over the cache (and the tree block beside it, when apart).
     `bias` (from tree_cache_bias, block in the cache only) may be passed in to build it once per
@@ -78,7 +87,7 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
     g = nh // nkv
     if tree_k is None:
         if bias is None:
-            bias = tree_cache_bias(base_positions, tree_mask, S, g, q.dtype)
+            bias = tree_cache_bias(base_positions, with_root_row(tree_mask), S, g, q.dtype)
         return grouped_cache_attention(q, k_cache, v_cache, bias)
     keys = torch.cat([k_cache, tree_k], 2)  # [B,nkv,S+N,d]
     values = torch.cat([v_cache, tree_v], 2)
@@ -221,7 +230,8 @@ if triton is not None:
                    IEEE: tl.constexpr, LOW: tl.constexpr):
         """Scores of a tile of tree nodes `nodes` [BLOCK_N] (node j's K/V at slot first_slot + j of
         `row`: the cache after the root, or a candidate buffer), -inf outside each query's mask row
-        (mask_rows [BLOCK_Q]: pointers to them). → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]."""
+        (mask_rows [BLOCK_Q]: pointers to them, read where `real`; rows with no mask row see none).
+        → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]."""
         node_ok = nodes < N
         offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
         both = node_ok[:, None] & dim_ok[None, :]
@@ -244,7 +254,8 @@ if triton is not None:
         cover `span` cache slots each (a multiple of BLOCK_S), all visible up to the base, in
         tiles of BLOCK_S keys with an online softmax (splits past the base do nothing); split
         tree_split + i is tile i of the tree block (nodes i*BLOCK_N .., under each query's mask
-        row). Each writes per (query, head) softmax statistics for the merge."""
+        row; IN_CACHE: query 0 is the root, which has none, and query t reads row t-1). Each writes
+        per (query, head) softmax statistics for the merge."""
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(2)
         kv, t, head, real, dims, dim_ok, q_offs = _tile_setup(b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D, BLOCK_Q)
@@ -255,11 +266,12 @@ if triton is not None:
         if split >= tree_split:
             q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)  # [BLOCK_Q, BLOCK_D]
             nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_rows = mask_ptr + b * stride_mb + t * stride_mq
-            if IN_CACHE:  # node j at cache slot base + 1 + j
-                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N, real,
-                                        dims, dim_ok, scale, IEEE, LOW)
+            if IN_CACHE:  # node j at cache slot base + 1 + j; query t > 0 is node t-1, the root (t = 0) sees none
+                mask_rows = mask_ptr + b * stride_mb + (t - 1) * stride_mq
+                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N,
+                                        real & (t > 0), dims, dim_ok, scale, IEEE, LOW)
             else:
+                mask_rows = mask_ptr + b * stride_mb + t * stride_mq
                 s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt, mask_rows,
                                         nodes, N, real, dims, dim_ok, scale, IEEE, LOW)
             m = tl.max(s, 1)  # -inf for a query that sees no node of the tile (the root): weight 0 in the merge
@@ -313,7 +325,8 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     N = tree_mask.shape[2]
     if nh % nkv or k_cache.shape[-1] != d or k_cache.shape[0] != B:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
-    if tree_mask.shape != (B, M, N) or (tree_k is None) != (tree_v is None):
+    rows = M - 1 if tree_k is None else M  # the block in the cache: the root has no mask row
+    if tree_mask.shape != (B, rows, N) or (tree_k is None) != (tree_v is None):
         raise ValueError(f"mask {tuple(tree_mask.shape)} does not fit q {tuple(q.shape)} (or only one of tree k/v)")
     if tree_k is not None and (tree_k.shape != (B, nkv, N, d) or tree_v.shape != tree_k.shape):
         raise ValueError(f"tree k/v {tuple(tree_k.shape)} do not fit the mask's {N} nodes")

@@ -42,7 +42,7 @@ def cases(S: int, base: int):
     v_cache = torch.randn(1, nkv, S, d, generator=g).to(dev, bf)
     base_t = torch.tensor([base], device=dev)
     for n in (24, 40, 60):  # the verify step: the root and n nodes, the block in the cache after the root
-        mask = torch.cat([torch.zeros(1, n, dtype=torch.bool), random_tree_mask(n, g)], 0)[None].to(dev)
+        mask = random_tree_mask(n, g)[None].to(dev)  # the nodes' rows (the root, query 0, has none)
         q = torch.randn(1, nh, n + 1, d, generator=g).to(dev, bf)
         yield f"verify, {n} nodes", q, k_cache, v_cache, base_t, None, None, mask
     for c in (40, 200, 264):  # a drafter's level: 8 frontier nodes over c candidates (4-4-24, 4-8-40, 5-8-40)

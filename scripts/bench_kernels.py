@@ -60,7 +60,7 @@ def cases():
         (lambda: block_sample_triton(drafts, None, p, eta, us))
     from inference.tree import ancestor_mask
     from kernels.decode_attention import decode_attention_triton
-    from kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_cache_bias
+    from kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_cache_bias, with_root_row
 
     for B, N in ((1, 10), (1, 48), (16, 10)):
         # a tree verify step (the root and N nodes, the block in the cache after the root at 1500)
@@ -70,8 +70,8 @@ def cases():
         kc, vc = torch.randn(B, 3, S, 64, device=dev, dtype=bf), torch.randn(B, 3, S, 64, device=dev, dtype=bf)
         base = torch.full((B,), 1500, device=dev)
         parents = torch.arange(-1, N - 1, device=dev).expand(B, N) // 2  # a binary tree
-        mask = torch.cat([torch.zeros(B, 1, N, dtype=torch.bool, device=dev), ancestor_mask(parents)], 1)
-        bias = tree_cache_bias(base, mask, S, 3, bf)  # built once per forward on the torch path
+        mask = ancestor_mask(parents)  # the nodes' rows (the root, query 0, has none)
+        bias = tree_cache_bias(base, with_root_row(mask), S, 3, bf)  # built once per forward on the torch path
         a = (q, kc, vc, base, None, None, mask)
         yield f"tree_attention [{B},{N + 1},9/3x64,S={S}]", (lambda a=a, bias=bias: tree_attention_reference(*a, bias)), \
             (lambda a=a: tree_attention_triton(*a))

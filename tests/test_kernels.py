@@ -265,6 +265,18 @@ def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
     torch.testing.assert_close(got_k.float(), ref_k.float(), rtol=tol, atol=tol)
     assert torch.equal(got_v, ref_v)
     assert not torch.equal(got_k, caches[0])  # something was written
+    # a tree verify step: positions root, root + depth ..., slots root, root + 1, root + 2, ...
+    tree_positions = start + torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device),
+                                        torch.randint(1, 4, (B, n - 1), device=device)], 1)
+    block = start + torch.arange(n, device=device)
+    want_k, want_v = caches[0].clone(), caches[1].clone()
+    want_q = rope_cache_reference(qkv, tree_positions, inv_freq, want_k, want_v, nh, nkv, slots=block)
+    for fn in (rope_cache_reference, rope_cache_triton):
+        got_k, got_v = caches[0].clone(), caches[1].clone()
+        got_q = fn(qkv, tree_positions, inv_freq, got_k, got_v, nh, nkv, tree_block=True)
+        torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(got_k.float(), want_k.float(), rtol=tol, atol=tol)
+        assert torch.equal(got_v, want_v), fn.__name__
 
 
 @needs_triton_backend

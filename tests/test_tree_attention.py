@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inference.tree import ancestor_mask
-from kernels.tree_attention import tree_attention_reference, tree_attention_triton
+from kernels.tree_attention import tree_attention_reference, tree_attention_triton, with_root_row
 
 needs_triton_backend = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -39,8 +39,9 @@ def operands(B, N, S, nh, nkv, d, dtype, seed):
 
 def verify_operands(B, N, S, nh, nkv, d, dtype, seed):
     """A verify step's operands: q for the root and its N nodes [B,nh,N+1,d], the nodes' K/V
-    written into the cache at base + 1 + j, the mask [B,N+1,N] with the root's row empty. Rows
-    range from base 0 to the block ending at the last slot. Also returns the block apart."""
+    written into the cache at base + 1 + j, the nodes' mask [B,N,N] (the root, query 0, has no
+    row). Rows range from base 0 to the block ending at the last slot. Also returns the block
+    apart."""
     q, k_cache, v_cache, _, tree_k, tree_v, mask = operands(B, N, S, nh, nkv, d, dtype, seed)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.cat([torch.randn(B, nh, 1, d, generator=g).to(q.device, dtype), q], 2)
@@ -49,7 +50,6 @@ def verify_operands(B, N, S, nh, nkv, d, dtype, seed):
     for b in range(B):
         k_cache[b, :, base[b] + 1: base[b] + 1 + N] = tree_k[b]
         v_cache[b, :, base[b] + 1: base[b] + 1 + N] = tree_v[b]
-    mask = torch.cat([torch.zeros_like(mask[:, :1]), mask], 1)
     return q, k_cache, v_cache, base, tree_k, tree_v, mask
 
 
@@ -81,7 +81,7 @@ def test_tree_block_read_from_the_cache_matches_reference(dtype, tol, B, N, S, n
     assert got.shape == ref.shape == (B, N + 1, nh * d) and got.dtype == dtype
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
     if dtype == torch.float32:
-        apart = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, mask)
+        apart = tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, with_root_row(mask))
         torch.testing.assert_close(ref, apart, rtol=1e-5, atol=1e-5)
 
 
@@ -155,7 +155,7 @@ def test_unseen_keys_are_never_read():
 
     # the block in the cache: NaN past it; the root sees none of it; node 0 (query 1) only itself
     q, k_cache, v_cache, base, _, _, mask = verify_operands(3, 5, 37, 9, 3, 48, torch.float32, seed=8)
-    solo = torch.cat([torch.zeros_like(mask[:, :1]), torch.eye(5, dtype=torch.bool, device=mask.device).expand(3, 5, 5)], 1)
+    solo = torch.eye(5, dtype=torch.bool, device=mask.device).expand(3, 5, 5)
     got = tree_attention_triton(q, k_cache, v_cache, base, None, None, solo)
     slots = torch.arange(37, device=base.device)[None, :]
     k2, v2 = k_cache.clone(), v_cache.clone()
