@@ -32,8 +32,10 @@ CEILINGS = {
     # into the input norms' launch (kernels/rms_norm.py rms_norm_pair x_rows: 63 before); session
     # 20 one launch more, on purpose: the verify's argmax in parallel chunks and a merge
     # (kernels/argmax.py) instead of torch's one program a row (13 µs at 41 rows on an H200; with
-    # 128-key attention tiles the verify step measured 14-16 µs faster)
-    "eagle3-tree": {"verify_phase": 35, "proposer_phase": 60},
+    # 128-key attention tiles the verify step measured 14-16 µs faster); session 21 the verify's
+    # slots and mask without launches of their own (RoPE's tree_block, the tree kernel reading
+    # node t-1's row for query t: 35 before)
+    "eagle3-tree": {"verify_phase": 31, "proposer_phase": 60},
 }
 
 
