@@ -206,6 +206,47 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
         assert graphed_stats.row_histograms == eager_stats.row_histograms
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
+def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target, monkeypatch):
+    """T > 0 on CUDA, float32, the tree step captured in CUDA graphs (one draw from the target per
+    node, inside the verify graph): at T = 1e-4 the target's distribution is its argmax, so the
+    graphed and the eager loop both emit plain greedy's outputs; at T = 1 both draw from one
+    seeded CUDA generator and emit the same tokens (the graphs replay the eager loop's draws),
+    every token in the vocabulary, and a second call replays the captured graphs."""
+    import inference.spec_loop as spec_loop
+
+    from tests.test_spec_loop import gpu_case
+
+    hf, rt, prompts, max_new, eos, n, plain = gpu_case(tiny_target, max_new=30, k=16)
+    drafter = _random_eagle3(hf).cuda()
+
+    def run(graphed: bool, temperature: float, proposer):
+        monkeypatch.setattr(spec_loop, "TREES_GRAPHED", graphed)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        return generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=temperature,
+                        generator=g, cuda_graphs=graphed)
+
+    def proposer():
+        return EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts), max_len=n,
+                                 target_config=rt.config, children=2)
+
+    for temperature in (1e-4, 1.0):
+        eager, eager_stats = run(False, temperature, proposer())
+        graphed_proposer = proposer()
+        for _ in range(2):
+            graphed, graphed_stats = run(True, temperature, graphed_proposer)
+            assert graphed_stats.device_loop and graphed == eager, temperature
+            assert graphed_stats.row_histograms == eager_stats.row_histograms, temperature
+            assert all(0 <= t < rt.config.vocab_size for o in graphed for t in o)
+        # the graphed runs did replay captured graphs (a generator the graphs could not hold
+        # would leave the loop eager, and the comparison empty)
+        loops = [v for key, v in rt._workspace.items() if key[0] == "spec" and key[7] == temperature]
+        assert any(loop.graphs is not None for loop in loops), temperature
+        if temperature < 1e-3:
+            assert eager == plain
+
+
 def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temperature(tiny_target):
     """T > 0: the tree loop matches one draw from the target per node down the tree
     (inference/tree.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
