@@ -71,9 +71,9 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
 
 
 def _tree_row(tree) -> str:
-    depth, top_k, total, *children = tree
-    wide = f", {children[0]} children" if children else ""
-    return f"runtime EAGLE-3 tree (depth {depth}, top-k {top_k}{wide}, {total} nodes)"
+    from inference.tree_acceptance import tree_words
+
+    return f"runtime EAGLE-3 tree ({tree_words(tree)})"
 
 
 def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict | None:
@@ -104,11 +104,12 @@ def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict |
 
 
 def _best_tree_line(best: dict) -> str:
+    from inference.tree_acceptance import tree_words
+
     t, c = best["tree"], best["chain"]
     tau = (lambda x: "-" if x is None else f"{x:.3f}")
-    line = (f"best tree on {best['target']} ({best['device']}, of {len(best['swept'])} swept): depth {t['depth']}, "
-            f"top-k {t['top_k']}, " + (f"{t['children']} children, " if "children" in t else "")
-            + f"{t['total_tokens']} nodes: {best['tokens_per_s']:.1f} tok/s, tau {tau(best['tau'])}, "
+    line = (f"best tree on {best['target']} ({best['device']}, of {len(best['swept'])} swept): "
+            f"{tree_words(tuple(t.values()))}: {best['tokens_per_s']:.1f} tok/s, tau {tau(best['tau'])}, "
             f"{best['verify_tokens_per_step']} verify tokens per step")
     if c is not None:
         ratio = best["tree_vs_chain"]
@@ -363,7 +364,7 @@ def main(argv=None) -> int:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
-        trees = [parse_tree_spec(spec, children=True) for spec in args.tree]
+        trees = [parse_tree_spec(spec) for spec in args.tree]
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)

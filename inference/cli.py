@@ -58,24 +58,23 @@ def check_ranges(args, table: dict) -> None:
             raise CliError(f"{flag}: must be {check.what}, got {value}")
 
 
-def parse_tree_spec(spec: str, flag: str = "--tree", children: bool = False) -> tuple[int, ...]:
-    """DEPTH,TOPK,NODES → three positive ints, NODES at most the candidates such an EAGLE-2 tree
-    drafts (inference/tree_acceptance.py: tree_spec_problem); with `children`, a fourth value
-    may follow: the children each kept node below the root is expanded into (TOPK unless given)."""
-    from inference.tree_acceptance import tree_spec_problem
+def parse_tree_spec(spec: str, flag: str = "--tree") -> tuple[int, ...]:
+    """DEPTH,TOPK,NODES[,CHILDREN] → three or four positive ints, NODES at most the candidates such
+    an EAGLE-2 tree drafts (inference/tree_acceptance.py: tree_spec_problem); CHILDREN: what each
+    kept node below the root is expanded into (TOPK unless given; dropped when it is TOPK)."""
+    from inference.tree_acceptance import canonical_tree, tree_spec_problem
 
     try:
         tree = tuple(int(x) for x in spec.split(","))
     except ValueError:
         tree = ()
-    if len(tree) not in ((3, 4) if children else (3,)):
-        shape = "DEPTH,TOPK,NODES[,CHILDREN], three or four integers (e.g. 6,10,60,4)" if children else \
-            "DEPTH,TOPK,NODES, three integers (e.g. 5,8,48)"
-        raise CliError(f"{flag} {spec}: expected {shape}")
+    if len(tree) not in (3, 4):
+        raise CliError(f"{flag} {spec}: expected DEPTH,TOPK,NODES[,CHILDREN], three or four integers (e.g. 5,8,48 "
+                       "or 4,8,40,4)")
     problem = tree_spec_problem(*tree)
     if problem:
         raise CliError(f"{flag} {spec}: {problem}")
-    return tree
+    return canonical_tree(tree)
 
 
 def resolve_device(spec: str | None) -> str:

@@ -86,7 +86,7 @@ class ValidationReport:
     tolerance: float
     passed: bool  # "pass" in report.json
     references: dict[str, Measured]
-    tree: dict | None  # {depth, top_k, total_tokens, verify_tokens_per_step} when trees were served
+    tree: dict | None  # {depth, top_k, total_tokens[, children], verify_tokens_per_step} when trees were served
     diagnosis: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
@@ -141,7 +141,8 @@ def _write_markdown(report: ValidationReport, out: Path):
     verdict = "PASS" if report.passed else "FAIL"
     tree = report.tree
     drafting = f"k = {report.k}" if not tree else (
-        f"EAGLE-2 trees of depth {tree['depth']}, top-k {tree['top_k']}, {tree['total_tokens']} nodes "
+        f"EAGLE-2 trees of depth {tree['depth']}, top-k {tree['top_k']}, "
+        + (f"{tree['children']} children a kept node, " if "children" in tree else "") + f"{tree['total_tokens']} nodes "
         f"({tree['verify_tokens_per_step']} verify tokens per step; a_i by depth)")
     md = [f"# Acceptance validation: {verdict}", "",
           f"Drafter `{report.drafter}` on target `{report.target}`, {report.dataset} "

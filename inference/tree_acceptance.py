@@ -31,6 +31,19 @@ def tree_label(tree) -> str:
     return ",".join(str(x) for x in tree)
 
 
+def tree_words(tree) -> str:
+    """(depth, top_k, total[, children]) → "depth D, top-k K[, C children], N nodes"."""
+    depth, top_k, total, *children = tree
+    return f"depth {depth}, top-k {top_k}, " + (f"{children[0]} children, " if children else "") + f"{total} nodes"
+
+
+def canonical_tree(tree) -> tuple[int, ...]:
+    """A tree's one name: (depth, top_k, total), with a fourth number, children, only where it
+    differs from top_k (D,K,N,K drafts the very tree D,K,N does)."""
+    depth, top_k, total, *children = tree
+    return (depth, top_k, total) + tuple(c for c in children if c is not None and c != top_k)
+
+
 def tree_spec_problem(depth, top_k, total, children=None) -> str | None:
     """Why (depth, top_k, total_tokens[, children]) is no tree the runtime can draft, or None."""
     numbers = (depth, top_k, total) + (() if children is None else (children,))
@@ -80,7 +93,8 @@ def text_choices(ids, greedy, anchors, tree):
     return torch.cat([greedy[anchors + 1][:, None], nodes], 1)
 
 
-def tree_lengths(target, p, ids, greedy, hidden, anchors, depth: int, top_k: int, total: int) -> torch.Tensor:
+def tree_lengths(target, p, ids, greedy, hidden, anchors, depth: int, top_k: int, total: int,
+                 children: int | None = None) -> torch.Tensor:
     """Accepted lengths [A] of the trees the runtime drafts below the roots x_{a+1} (anchors [A])
     of one text (ids, greedy [n]; hidden [n-1,H] and p's cache from `text_states`).
 
@@ -94,7 +108,7 @@ def tree_lengths(target, p, ids, greedy, hidden, anchors, depth: int, top_k: int
     A = anchors.shape[0]
     k_cache = p.k_cache[:, :, :S].expand(A, -1, -1, -1)  # one text's entries, shared by its anchors
     v_cache = p.v_cache[:, :, :S].expand(A, -1, -1, -1)
-    tree = draft_eagle_tree(p, hidden[anchors], anchors, k_cache, v_cache, depth, top_k, total)
+    tree = draft_eagle_tree(p, hidden[anchors], anchors, k_cache, v_cache, depth, top_k, total, children=children)
     choice = text_choices(ids, greedy, anchors, tree)
     rows = torch.arange(A, device=ids.device)
     while True:
@@ -117,7 +131,7 @@ def tree_lengths(target, p, ids, greedy, hidden, anchors, depth: int, top_k: int
 @torch.no_grad()
 def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, anchors_per_sequence: int | None,
                               features=None, greedy=None, window: int | None = None, per_turn: bool = False) -> dict:
-    """{(depth, top_k, total_tokens): accepted-length histogram [depth+1]} of the trees the runtime
+    """{(depth, top_k, total_tokens[, children]): accepted-length histogram [depth+1]} of the trees the runtime
     drafts, walked as serving walks (`acceptance.predicted_histogram`'s arguments; per_turn:
     [2, depth+1], first answer span then later spans). Trees are drafted `window` anchors at a
     time (each reads the text's cache up to its anchor: memory ~ window x T entries); by default
@@ -155,21 +169,21 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
 def tree_promises(hists: dict) -> tuple[TreePromise, ...]:
     """predicted_acceptance["trees"]: per tree its settings and acceptance as for chains (a, tau,
     num_chains = trees drafted, histogram, per_turn) from per-turn histograms
-    {(depth, top_k, total): [2, depth+1]}."""
-    return tuple(TreePromise(d, k, n, Acceptance.by_turn(h)) for (d, k, n), h in hists.items())
+    {(depth, top_k, total[, children]): [2, depth+1]}."""
+    return tuple(TreePromise(*tree[:3], Acceptance.by_turn(h), *tree[3:]) for tree, h in hists.items())
 
 
 def tree_promise(predicted: Prediction | None, tree) -> TreePromise:
     """The promise for this tree in an export's predicted acceptance; a one-line error if none."""
-    depth, top_k, total = tree
+    tree = canonical_tree(tree)
     entries = predicted.heldout.trees if predicted else ()
     for entry in entries:
-        if (entry.depth, entry.top_k, entry.total_tokens) == (depth, top_k, total):
+        if canonical_tree(entry.shape) == tree:
             return entry
-    held = "; ".join(tree_label((e.depth, e.top_k, e.total_tokens)) for e in entries)
+    held = "; ".join(tree_label(e.shape) for e in entries)
     raise ValueError(f"--tree {tree_label(tree)}: the export promises no such tree "
                      + (f"(it promises {held})" if held else
-                        f"(it promises no trees: train with eval.trees=[[{depth}, {top_k}, {total}]])"))
+                        f"(it promises no trees: train with eval.trees=[{list(tree)}])"))
 
 
 def tree_proposers(drafter, tree, target_config):
@@ -182,7 +196,9 @@ def tree_proposers(drafter, tree, target_config):
     def make(prompts, max_len):
         key = (len(prompts), max_len)
         if key not in built:
-            built[key] = EagleTreeProposer(drafter, *tree, len(prompts), max_len, target_config)
+            depth, top_k, total, *children = tree
+            built[key] = EagleTreeProposer(drafter, depth, top_k, total, len(prompts), max_len, target_config,
+                                           children=children[0] if children else None)
         return built[key]
 
     return make

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from inference.report import Measured, Promised, ValidationReport, write_report
 from inference.served import load_prompts_for, measure, replay  # noqa: F401  (load_prompts_for: tests)
+from inference.tree_acceptance import tree_label, tree_words
 from models.acceptance import Acceptance, Prediction, TreePromise, tau_at
 
 
@@ -140,10 +141,10 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              max_new_tokens: int = 256, out: str = "validation", device: str | None = None,
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
-             batch_size: int | None = None, tree: tuple[int, int, int] | None = None,
+             batch_size: int | None = None, tree: tuple[int, ...] | None = None,
              promise_set: str | None = None) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
-    total_tokens): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
+    total_tokens[, children]): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
     promise (`trees` in its predicted acceptance, inference/tree_acceptance.py). promise_set: the
     held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
     the first; the questions that set holds are left out of serving."""
@@ -181,7 +182,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         if temperature > 0:
             raise ValueError(f"--tree: a tree's promise is greedy for now (--temperature 0, not {temperature:g}; the runtime samples trees)")
         if k and k != tree[0]:
-            raise ValueError(f"-k {k} and --tree {tree[0]},{tree[1]},{tree[2]}: a tree's depth is its k (leave -k out)")
+            raise ValueError(f"-k {k} and --tree {tree_label(tree)}: a tree's depth is its k (leave -k out)")
         k = tree[0]
     elif predicted is not None:
         k = k or predicted.k or len(predicted.greedy.a)
@@ -265,6 +266,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         replay_prompts=replay_prompts, per_category=per_category, per_turn=per_turn, turns=turns, relative_gap=gap,
         tolerance=tolerance, passed=abs(gap) <= tolerance, references=references,
         tree=None if tree is None else {"depth": tree[0], "top_k": tree[1], "total_tokens": tree[2],
+                                        **({"children": tree[3]} if len(tree) > 3 else {}),
                                         "verify_tokens_per_step": tree[2] + 1},
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
@@ -308,7 +310,7 @@ def promised(predicted: Prediction | None, k: int, temperature: float, verificat
     dataset = (predicted.dataset if predicted else None) or "training data"
     if tree is not None:
         acc = tree.acceptance
-        label = f"tree depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} nodes"
+        label = f"tree {tree_words(tree.shape)}"
         return Promised(acc.a, acc.tau, acc.histogram, f"held-out {dataset}, greedy (T = 0), {label}", 0.0, "greedy",
                         per_turn=_turn_taus(acc, None))
     if predicted is None:
@@ -369,9 +371,10 @@ def main(argv=None) -> int:
                     help="start no question after this long; the report covers the questions served")
     ap.add_argument("--batch-size", type=int, default=None,
                     help="questions served together (default 16 on a GPU, 1 on CPU); tokens/s is then throughput")
-    ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES",
+    ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES[,CHILDREN]",
                     help="serve EAGLE-2 trees with the EAGLE-3 drafter (greedy) and hold them to the export's promise "
-                         "for that tree (train with eval.trees)")
+                         "for that tree (train with eval.trees); CHILDREN: what each kept node below the root is "
+                         "expanded into (TOPK by default)")
     ap.add_argument("--promise-set", default=None, metavar="NAME",
                     help="hold the served acceptance to the promise on this held-out set of eval.datasets (e.g. "
                          "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
@@ -404,7 +407,7 @@ def main(argv=None) -> int:
         return 2
     p, m = report["predicted"]["tau"], report["measured"]["tau"]
     if tree is not None:
-        print(f"tree depth {tree[0]}, top-k {tree[1]}, {tree[2]} nodes ({tree[2] + 1} verify tokens per step):")
+        print(f"tree {tree_words(tree)} ({tree[2] + 1} verify tokens per step):")
     print(f"tau predicted {p:.3f}, measured {m:.3f} ({report['relative_gap']:+.1%}, tolerance ±{args.tolerance:.0%}): "
           f"{'PASS' if report['pass'] else 'FAIL'}; report in {args.out}/report.md")
     for line in report["diagnosis"]:

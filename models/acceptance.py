@@ -124,25 +124,33 @@ class Promise:
 @dataclass(frozen=True)
 class TreePromise:
     """Acceptance promised for EAGLE-2 draft trees of one shape (inference/tree_acceptance.py):
-    a_i by depth, num_chains = trees drafted."""
+    a_i by depth, num_chains = trees drafted. children: what each kept node below the root is
+    expanded into, None for top_k (files from before it hold no such key)."""
 
     depth: int
     top_k: int
     total_tokens: int
     acceptance: Acceptance
+    children: int | None = None
 
     @property
     def verify_tokens_per_step(self) -> int:
         return self.total_tokens + 1  # the root and its nodes
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(depth, top_k, total_tokens[, children]), as eval.trees and --tree name the tree."""
+        return (self.depth, self.top_k, self.total_tokens) + (() if self.children is None else (self.children,))
+
     def to_dict(self) -> dict:
         return {"depth": self.depth, "top_k": self.top_k, "total_tokens": self.total_tokens,
+                **({} if self.children is None else {"children": self.children}),
                 "verify_tokens_per_step": self.verify_tokens_per_step, **self.acceptance.to_dict()}
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> TreePromise:
         require_keys(d, ("depth", "top_k", "total_tokens"), where)
-        return cls(d["depth"], d["top_k"], d["total_tokens"], Acceptance.from_dict(d, where))
+        return cls(d["depth"], d["top_k"], d["total_tokens"], Acceptance.from_dict(d, where), d.get("children"))
 
 
 @dataclass(frozen=True)

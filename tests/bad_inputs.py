@@ -201,8 +201,10 @@ CASES = {
     "bench-tree-children-zero": bench(*B, "--tree", "2,2,4,0", phrase="--tree 2,2,4,0: depth, top-k, nodes and children "
                                       "must be positive"),
     "bench-tree-narrow-more-nodes-than-drafted": bench(*B, "--tree", "3,2,9,1", phrase="nodes at most the 6 candidates"),
-    "validate-tree-no-children": validate(*V, "--tree", "2,2,4,1", phrase="--tree 2,2,4,1: expected DEPTH,TOPK,NODES, "
-                                          "three integers"),
+    "validate-tree-narrow-not-promised": validate(*V, "--tree", "2,2,3,1", phrase="--tree 2,2,3,1: the export promises "
+                                                  "no such tree (it promises no trees: train with eval.trees=[[2, 2, 3, 1]])"),
+    "validate-tree-five-numbers": validate(*V, "--tree", "2,2,4,1,1", phrase="--tree 2,2,4,1,1: expected "
+                                           "DEPTH,TOPK,NODES[,CHILDREN]"),
     "bench-prompt-beyond-context": bench(*B, "--max-new-tokens", "4090", "--num-prompts", "1",
                                          phrase="prompt 81 of mt-bench ("),
     # ---- regenerate

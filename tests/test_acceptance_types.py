@@ -14,7 +14,8 @@ def _prediction() -> Prediction:
     turns = torch.tensor([[3, 2, 1, 4], [1, 0, 2, 5]])
     sampled = torch.tensor([[0.5, 1.25, 2.25, 1.0], [0.25, 0.75, 1.0, 2.0]], dtype=torch.float64)
     held = HeldoutPrediction(Acceptance.by_turn(turns), (Promise(1.0, "block", Acceptance.by_turn(sampled, with_error=True)),),
-                             (TreePromise(2, 2, 4, Acceptance.by_turn(torch.tensor([[1, 2, 3], [0, 1, 1]]))),))
+                             (TreePromise(2, 2, 4, Acceptance.by_turn(torch.tensor([[1, 2, 3], [0, 1, 1]]))),
+                              TreePromise(2, 3, 5, Acceptance.by_turn(torch.tensor([[2, 2, 1], [0, 1, 3]])), children=1)))
     return Prediction(held, dataset="heldout", k=3, step=7, also={"other": HeldoutPrediction(Acceptance.by_turn(turns))})
 
 
@@ -37,6 +38,9 @@ def test_the_prediction_writes_the_keys_files_hold_and_reads_them_back():
                                      "per_turn"]
     assert list(d["trees"][0])[:4] == ["depth", "top_k", "total_tokens", "verify_tokens_per_step"]
     assert d["trees"][0]["verify_tokens_per_step"] == 5 and d["sampled"][0]["histogram"][0] == 0.75
+    # a tree with its own children count says so; a square one holds no such key (as files before it)
+    assert list(d["trees"][1])[:5] == ["depth", "top_k", "total_tokens", "children", "verify_tokens_per_step"]
+    assert predicted.heldout.trees[1].shape == (2, 3, 5, 1) and predicted.heldout.trees[0].shape == (2, 2, 4)
     assert list(d["also"]["other"]) == ["a", "tau", "num_chains", "histogram", "per_turn"]
     assert Prediction.from_dict(d) == predicted
 

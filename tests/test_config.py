@@ -24,8 +24,13 @@ CASES = [
      "trainer.strategy: fsdp shards the drafter only, and objective.joint trains the target too; use ddp"),
     (["optim.schedule_by=time"], "optim.schedule_by=time: trainer.max_time must be set as DD:HH:MM:SS, got None"),
     # tree promises: [depth, top_k, total_tokens] the runtime can draft, each once, EAGLE-3 only
-    (["eval.trees=[[3,0,4]]"], "eval.trees: must be a list of [depth, top_k, total_tokens], positive integers"),
-    (["eval.trees=[[2,2,7]]"], "total_tokens at most the top_k + (depth - 1) * top_k^2 candidates"),
+    (["eval.trees=[[3,0,4]]"], "eval.trees: must be a list of [depth, top_k, total_tokens] or [depth, top_k, "
+                               "total_tokens, children], positive integers"),
+    (["eval.trees=[[2,2,7]]"], "total_tokens at most the top_k + (depth - 1) * top_k * children candidates"),
+    (["eval.trees=[[2,2,5,1]]"], "total_tokens at most the top_k + (depth - 1) * top_k * children candidates"),
+    (["eval.trees=[[2,2,4,0]]"], "eval.trees: must be a list of"),
+    (["eval.trees=[[2,2,4,1,1]]"], "eval.trees: must be a list of"),
+    (["eval.trees=[[2,2,4],[2,2,4,2]]"], "eval.trees: [[2, 2, 4], [2, 2, 4, 2]] lists a tree twice"),
     (["eval.trees=[[2,2]]"], "eval.trees: must be a list of [depth, top_k, total_tokens]"),
     (["eval.trees=[[2,x,4]]"], "eval.trees[0][1]: expected an integer"),
     (["eval.trees=[[2,2,4],[2,2,4]]"], "eval.trees: [[2, 2, 4], [2, 2, 4]] lists a tree twice"),

@@ -49,7 +49,9 @@ def served(tiny_target):
 def _measured(served, tree) -> list[int]:
     prompts, plain, drafter, rt, _ = served
     n = cache_size(prompts, MAX_NEW, tree[2])
-    proposer = EagleTreeProposer(drafter, *tree, batch=len(prompts), max_len=n, target_config=rt.config)
+    depth, top_k, total, *children = tree
+    proposer = EagleTreeProposer(drafter, depth, top_k, total, batch=len(prompts), max_len=n, target_config=rt.config,
+                                 children=children[0] if children else None)
     outs, stats = generate(rt, prompts, MAX_NEW, proposer=proposer, max_len=n)
     assert outs == plain  # lossless
     return stats.histogram
@@ -89,6 +91,17 @@ def test_the_walk_predicts_the_tree_histogram_the_runtime_measures(served):
     # the target's own answers judge every tree but those running past their end
     assert all(a + 1 + c >= n for n, anchors, c in calls for a in anchors), calls
     assert _walked(served, other) != measured
+
+
+def test_the_walk_predicts_a_narrow_trees_histogram_too(served):
+    """A tree whose kept nodes below the root have fewer children than top_k (3 nodes a depth,
+    2 children each): the walk drafts it as the runtime does, count for count, and it is not the
+    square tree's histogram."""
+    tree = (3, 3, 8, 2)
+    measured = _measured(served, tree)
+    assert sum(measured[2:]) > 0, measured
+    assert _walked(served, tree) == measured
+    assert _walked(served, (3, 3, 8)) != measured
 
 
 def test_grafted_trees_on_text_off_the_greedy_path_get_the_true_lengths(served):

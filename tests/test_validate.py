@@ -19,9 +19,10 @@ def tiny_export(tmp_path_factory):
     chat = root / "chat.jsonl"
     chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
     # whole answers walked (no chain cap): follow-up turns get chains too
-    # a tree promise too (eval.trees), beside the chain figures
+    # tree promises too (eval.trees), beside the chain figures: a square tree and one whose kept
+    # nodes below the root have 1 child each
     run(load_config(None, tiny_overrides(str(chat), root / "run", **{"trainer.max_steps": 2, "eval.anchors_per_sequence": None,
-                                                                      "eval.trees": [[2, 2, 4]]})))
+                                                                      "eval.trees": [[2, 2, 4], [2, 2, 3, 1]]})))
     return root / "run" / "export"
 
 
@@ -264,8 +265,9 @@ def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_p
 
     predicted = json.loads((tiny_export / "draftsmith.json").read_text())["predicted_acceptance"]
     assert {"a", "tau", "histogram", "num_chains", "per_turn", "sampled", "k", "dataset", "step"} <= set(predicted)
-    (tree,) = predicted["trees"]
+    tree, narrow = predicted["trees"]
     assert (tree["depth"], tree["top_k"], tree["total_tokens"], tree["verify_tokens_per_step"]) == (2, 2, 4, 5)
+    assert (narrow["depth"], narrow["top_k"], narrow["total_tokens"], narrow["children"]) == (2, 2, 3, 1)
     assert len(tree["a"]) == 2 and tree["num_chains"] > 0 and set(tree["per_turn"]) == {"1", "2+"}
     assert tree["num_chains"] == sum(tree["histogram"])
     out = tmp_path / "tree"
@@ -280,9 +282,17 @@ def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_p
     # the walk over the served answers replays the runtime's own trees
     assert report["replay_answers"]["histogram"] == report["measured"]["histogram"]
     assert "EAGLE-2 trees of depth 2" in (out / "report.md").read_text()
+    # the narrow tree, held to its own promise (2,2,4,2 names the square tree: its children are top_k)
+    assert main(base + ["--tree", "2,2,3,1", "--out", str(tmp_path / "narrow")]) == 0
+    assert "tree depth 2, top-k 2, 1 children, 3 nodes" in capsys.readouterr().out
+    report = json.loads((tmp_path / "narrow" / "report.json").read_text())
+    assert report["tree"]["children"] == 1 and report["predicted"]["tau"] == pytest.approx(narrow["tau"])
+    assert report["replay_answers"]["histogram"] == report["measured"]["histogram"]
+    assert "1 children a kept node" in (tmp_path / "narrow" / "report.md").read_text()
     # one line each: a tree not promised, sampling, a drafter that drafts no trees
     medusa = _random_exports(tmp_path)[1]
-    for extra, phrase in ((["--tree", "3,2,6"], "--tree 3,2,6: the export promises no such tree (it promises 2,2,4)"),
+    for extra, phrase in ((["--tree", "3,2,6"], "--tree 3,2,6: the export promises no such tree (it promises 2,2,4; "
+                                                "2,2,3,1)"),
                           (["--tree", "2,2,4", "--temperature", "1"], "a tree's promise is greedy for now"),
                           (["--tree", "2,2,9"], "--tree 2,2,9: nodes at most the 6 candidates"),
                           (["--tree", "2,2,4", "--drafter", medusa, "--target", "tiny-random-llama"],

@@ -152,7 +152,9 @@ class EvalConfig:
     budget"). Only the first held-out set's promise uses them."""
     trees: list[list[int]] = field(default_factory=list)
     """EAGLE-2 draft trees the greedy promise is also made for, each [depth, top_k, total_tokens]
-    as `inference.validate --tree D,K,N` and `inference.bench --tree` serve them (EAGLE-3
+    or [depth, top_k, total_tokens, children] (each kept node below the root expanded into that
+    many children, not top_k), as `inference.validate --tree D,K,N[,C]` and `inference.bench
+    --tree` serve them (EAGLE-3
     drafters): the walk drafts them as the runtime does (`trees` in predicted_acceptance,
     inference/tree_acceptance.py). Empty: chains only."""
 

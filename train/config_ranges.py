@@ -62,11 +62,13 @@ def layer_ids(v) -> bool:
 
 
 def draft_trees(v) -> bool:
-    """[[depth, top_k, total_tokens], ...]: positive integers, total_tokens at most the
-    top_k + (depth - 1) top_k^2 candidates such an EAGLE-2 tree drafts."""
+    """[[depth, top_k, total_tokens(, children)], ...]: positive integers, total_tokens at most the
+    top_k + (depth - 1) top_k children candidates such an EAGLE-2 tree drafts (children: top_k
+    unless given)."""
     from inference.tree_acceptance import tree_spec_problem
 
-    return isinstance(v, list) and all(isinstance(t, list) and len(t) == 3 and tree_spec_problem(*t) is None for t in v)
+    return isinstance(v, list) and all(isinstance(t, list) and len(t) in (3, 4) and tree_spec_problem(*t) is None
+                                       for t in v)
 
 
 def fast_dev_run(v) -> bool:
@@ -129,8 +131,9 @@ RANGES = [
     ("eval.max_new_tokens", optional(positive_int), "a positive integer or null"),
     ("eval.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
     ("eval.every_n_steps", positive_int, "a positive integer"),
-    ("eval.trees", draft_trees, "a list of [depth, top_k, total_tokens], positive integers with total_tokens at most "
-                                "the top_k + (depth - 1) * top_k^2 candidates such a tree drafts"),
+    ("eval.trees", draft_trees, "a list of [depth, top_k, total_tokens] or [depth, top_k, total_tokens, children], "
+                                "positive integers with total_tokens at most the top_k + (depth - 1) * top_k * "
+                                "children candidates such a tree drafts (children: top_k unless given)"),
     ("trainer.max_steps", positive_int, "a positive integer (optimizer steps)"),
     ("trainer.fast_dev_run", fast_dev_run, "true, false or a positive number of batches"),
     ("trainer.accumulate_grad_batches", positive_int, "a positive integer"),

@@ -238,7 +238,9 @@ class DrafterModule(L.LightningModule):
         rank = self.trainer.global_rank if self._trainer is not None else 0
         self._sampling_generator = torch.Generator(device=self.device).manual_seed(7919 * int(self.global_step) + rank)
         # the tree promises (eval.trees): per tree [sets, 2, depth+1], as the chains' histogram
-        self._tree_hist = {tuple(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
+        from inference.tree_acceptance import canonical_tree
+
+        self._tree_hist = {canonical_tree(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
                            for t in self.evaluation.trees}
         # seconds each part of this walk took (predicted.json's walk_seconds): a final walk that
         # outlasts its training says where its time went (BENCHMARKS.md, sessions 10 and 15)
@@ -322,7 +324,7 @@ class DrafterModule(L.LightningModule):
                 self.log(f"val/tau_{setting_key(promise.temperature, promise.verification)}{suffix}", promise.acceptance.tau,
                          sync_dist=False)
             for tree in held.trees:
-                self.log(f"val/tau_tree_{tree.depth}_{tree.top_k}_{tree.total_tokens}{suffix}", tree.acceptance.tau,
+                self.log(f"val/tau_tree_{'_'.join(map(str, tree.shape))}{suffix}", tree.acceptance.tau,
                          sync_dist=False)
 
     @staticmethod

@@ -346,7 +346,9 @@ def _print_prediction(predicted: Prediction):
             print(f"  at T={promise.temperature:g}, {promise.verification} verification: tau = "
                   f"{promise.acceptance.tau:.3f} ± {promise.acceptance.tau_se:.3f}")
         for tree in held.trees:
-            print(f"  tree depth {tree.depth}, top-k {tree.top_k}, {tree.total_tokens} nodes "
+            from inference.tree_acceptance import tree_words
+
+            print(f"  tree {tree_words(tree.shape)} "
                   f"({tree.verify_tokens_per_step} verify tokens per step), T=0: tau = {tree.acceptance.tau:.3f}")
 
 
