@@ -119,10 +119,13 @@ PRODUCTS_16BIT = True
 # 7.31 µs over 60 nodes: the lost parallelism along the cache costs more than the launch saved).
 MAX_BLOCK_S = 128
 NUM_WARPS = 4
+# Query heads a merge program takes for its token: 1 launches B*M*nh programs (a verify over 60
+# nodes: 549 small ones), more take a token's heads in fewer, larger programs.
+COMBINE_HEADS = 1
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8)}
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -292,25 +295,28 @@ if triton is not None:
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
-    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, span, tree_split, tree_end, stride_ot,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-        """One (query token, query head): merge the statistics of the cache splits up to the base
-        and of the tree block's tiles (splits tree_split .. tree_end-1). Split 0 always holds a
-        visible key, so the max is finite; a tree tile's m is -inf where the query sees none of
-        its nodes (the root sees none): weight 0."""
+    def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, NH, span, tree_split, tree_end, stride_ot,
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One (query token, block of BLOCK_H query heads): merge the statistics of the cache splits
+        up to the base and of the tree block's tiles (splits tree_split .. tree_end-1). Split 0
+        always holds a visible key, so the max is finite; a tree tile's m is -inf where the query
+        sees none of its nodes (the root sees none): weight 0."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
-        head = tl.program_id(1)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
+        head_ok = heads < NH
         splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, span)
-        start = (token * tl.num_programs(1) + head) * BLOCK_SPLITS
+        start = (token * NH + heads) * BLOCK_SPLITS  # [BLOCK_H]
         j = tl.arange(0, BLOCK_SPLITS)
-        used = (j < splits) | ((j >= tree_split) & (j < tree_end))
-        m = tl.load(m_ptr + start + j, mask=used, other=float("-inf"))
-        w = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)  # [BLOCK_SPLITS] rescaling of each split
-        l = tl.sum(w * tl.load(l_ptr + start + j, mask=used, other=0.0), 0)
+        used = ((j < splits) | ((j >= tree_split) & (j < tree_end)))[None, :] & head_ok[:, None]  # [BLOCK_H, BLOCK_SPLITS]
+        slots = start[:, None] + j[None, :]
+        m = tl.load(m_ptr + slots, mask=used, other=float("-inf"))
+        w = tl.where(used, tl.exp(m - tl.max(m, 1)[:, None]), 0.0)  # rescaling of each split (0 for heads past NH)
+        l = tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1)  # [BLOCK_H]
         dims = tl.arange(0, BLOCK_D)
-        acc = tl.load(acc_ptr + (start + j)[:, None] * BLOCK_D + dims[None, :], mask=used[:, None], other=0.0)
-        out = tl.sum(w[:, None] * acc, 0) / l
-        tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
+        acc = tl.load(acc_ptr + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=used[:, :, None], other=0.0)
+        out = tl.sum(w[:, :, None] * acc, 1) / l[:, None]  # [BLOCK_H, BLOCK_D]
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & (dims < D)[None, :])
 
 
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
@@ -372,8 +378,10 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
         IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
-    _tree_combine_kernel[(B * M, nh)](base, m, l, acc, out, M, span, tree_split, tree_split + tree_tiles,
-                                      out.stride(1), D=d, BLOCK_D=block_d, BLOCK_SPLITS=block_splits)
+    block_h = min(COMBINE_HEADS, triton.next_power_of_2(nh))
+    _tree_combine_kernel[(B * M, triton.cdiv(nh, block_h))](base, m, l, acc, out, M, nh, span, tree_split,
+                                                            tree_split + tree_tiles, out.stride(1), D=d, BLOCK_D=block_d,
+                                                            BLOCK_SPLITS=block_splits, BLOCK_H=block_h)
     return out
 
 

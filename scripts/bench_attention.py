@@ -65,10 +65,10 @@ def main():
     # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
     # defaults' TF32 control); session 20 the split's size, its key tiles and the warps (128 keys
     # and 4 warps won), a merge by the last program and one launch without splits (both lost,
-    # removed from the kernel)
+    # removed from the kernel); session 21 the query heads a merge program takes
     variants = [dict(defaults)] + [
-        dict(MAX_BLOCK_Q=block_q, PRODUCTS_16BIT=True, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
-        for block_q, programs, block_s, warps in itertools.product((16, 32), (512, 2048), (64, 128), (4, 8))]
+        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, COMBINE_HEADS=heads)
+        for programs, block_s, heads in itertools.product((512, 2048), (64, 128), (1, 2, 4, 16))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
 
     def use(knobs):  # the kernel reads its knobs at each call
@@ -77,7 +77,7 @@ def main():
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']}")
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']}")
 
     for name, *operands in cases(args.cache, args.base):
         reference = ta.tree_attention_reference(*operands).float()

@@ -183,16 +183,19 @@ def test_reference_equals_plain_attention_over_the_path():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps",
-                         [(16, False, 512, 64, 4), (32, True, 16, 32, 2), (16, True, 2048, 32, 4), (64, False, 512, 128, 8)])
+@pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps,combine_heads",
+                         [(16, False, 512, 64, 4, 1), (32, True, 16, 32, 2, 4), (16, True, 2048, 32, 4, 16),
+                          (64, False, 512, 128, 8, 2)])
 def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
-                                             num_warps):
+                                             num_warps, combine_heads):
     """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
-    splits coarse and fine, key tiles, warps) compute the same attention: a verify step of 41
-    queries over a ragged cache, and a drafter's level. (150
-    slots in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every
-    tile, 2,048 one tile a split.)"""
+    splits coarse and fine, key tiles, warps, query heads a merge program takes) compute the same
+    attention: a verify step of 41 queries over a ragged cache (9 heads: merge programs of 4, 4
+    and 1, or one of 16 with 7 idle), and a drafter's level (6 heads). (150 slots in tiles of 32
+    make 5 splits at most: 16 programs leave one split looping over every tile, 2,048 one tile a
+    split.)"""
     import kernels.tree_attention as ta
+    monkeypatch.setattr(ta, "COMBINE_HEADS", combine_heads)
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
     monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
