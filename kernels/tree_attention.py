@@ -97,8 +97,9 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 
 
 # Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
-# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
-TARGET_PROGRAMS = 512
+# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS). 2,048 (session
+# 21, with COMBINE_HEADS below): a verify over 60 nodes splits the cache into as many tiles as it has.
+TARGET_PROGRAMS = 2048
 MAX_SPLITS = 63  # + a verify step's tree block (one tile): 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
 # Tuning knobs for scripts/bench_attention.py, which times the variants on a GPU: the most score
@@ -120,8 +121,12 @@ PRODUCTS_16BIT = True
 MAX_BLOCK_S = 128
 NUM_WARPS = 4
 # Query heads a merge program takes for its token: 1 launches B*M*nh programs (a verify over 60
-# nodes: 549 small ones), more take a token's heads in fewer, larger programs.
-COMBINE_HEADS = 1
+# nodes: 549 small ones), more take a token's heads in fewer, larger programs. Timed in session 21
+# (scripts/bench_attention.py, H200, weighted as a step calls them): all of a token's heads in one
+# program with 2,048 target programs, 670.0 µs against 733.0 for one head a program with 512; a
+# verify over 40 nodes 6.41 against 6.99, over 60 nodes 6.71 against 7.68. In the bench the
+# verify step of a 4-8-40 tree (4 children) went from 0.987 to 0.971 ms.
+COMBINE_HEADS = 16
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
