@@ -315,8 +315,9 @@ if triton is not None:
         used = ((j < splits) | ((j >= tree_split) & (j < tree_end)))[None, :] & head_ok[:, None]  # [BLOCK_H, BLOCK_SPLITS]
         slots = start[:, None] + j[None, :]
         m = tl.load(m_ptr + slots, mask=used, other=float("-inf"))
-        w = tl.where(used, tl.exp(m - tl.max(m, 1)[:, None]), 0.0)  # rescaling of each split (0 for heads past NH)
-        l = tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1)  # [BLOCK_H]
+        top = tl.where(head_ok, tl.max(m, 1), 0.0)  # (heads past NH hold no split: no -inf - -inf)
+        w = tl.where(used, tl.exp(m - top[:, None]), 0.0)  # [BLOCK_H, BLOCK_SPLITS] rescaling of each split
+        l = tl.where(head_ok, tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1), 1.0)  # [BLOCK_H]
         dims = tl.arange(0, BLOCK_D)
         acc = tl.load(acc_ptr + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=used[:, :, None], other=0.0)
         out = tl.sum(w[:, :, None] * acc, 1) / l[:, None]  # [BLOCK_H, BLOCK_D]
