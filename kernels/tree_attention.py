@@ -97,8 +97,9 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 
 
 # Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
-# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS). 2,048 (session
-# 21, with COMBINE_HEADS below): a verify over 60 nodes splits the cache into as many tiles as it has.
+# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS). 2,048: session
+# 21's best with COMBINE_HEADS below, within 0.3 % of 512 (at its 1,024-slot cache the key tiles
+# bound the split either way; a longer cache may split into one tile a split for more rows).
 TARGET_PROGRAMS = 2048
 MAX_SPLITS = 63  # + a verify step's tree block (one tile): 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
