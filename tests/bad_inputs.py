@@ -57,7 +57,8 @@ CASES = {
     # ---- train: config values out of range or of the wrong type (one table, before anything loads)
     "train-negative-lr": train("optim.lr=-0.001", phrase="optim.lr: must be a positive number"),
     "train-tree-more-nodes-than-drafted": train("eval.trees=[[2,2,40]]", phrase="eval.trees: must be a list of [depth, "
-                                                "top_k, total_tokens], positive integers with total_tokens at most"),
+                                                "top_k, total_tokens] or [depth, top_k, total_tokens, children], "
+                                                "positive integers with total_tokens at most"),
     "train-nan-lr": train("optim.lr=.nan", phrase="optim.lr: must be a positive number"),
     "train-lr-1e-3-is-a-number": train("optim.lr=1e-3", "optim.betas=[0.9]", phrase="optim.betas: must be two numbers"),
     "train-max-steps-abc": train("trainer.max_steps=abc", phrase="trainer.max_steps: must be a positive integer"),
