@@ -41,6 +41,7 @@ class SpecLoop:
         self.n_out = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens emitted per row
         self.budget = torch.zeros(1, dtype=torch.long, device=dev)  # max_new_tokens (a tensor: graphs stay reusable)
         self.done = torch.zeros(batch, dtype=torch.bool, device=dev)
+        self.active = torch.ones(batch, dtype=torch.bool, device=dev)  # ~done, kept by `emit` (no launch of its own)
         self.histogram = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # accepted-length counts per row
         self.row_steps = torch.zeros(batch, dtype=torch.long, device=dev)  # steps each row took part in
         self.eos = torch.as_tensor(list(eos_ids), dtype=torch.long, device=dev)
@@ -78,11 +79,11 @@ class SpecLoop:
         finished rows. Updates lengths, done flags and the accepted-length histogram (one
         launch on a GPU: kernels/emit.py)."""
         emit(drafts, accepted, bonus, self.eos, self.budget, self.tokens, self.length, self.n_out, self.done,
-             self.histogram, self.row_steps)
+             self.histogram, self.row_steps, active_out=self.active)
 
     def advance_phase(self):
         # after the step: a row that has just finished keeps its proposer state in place
-        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, ~self.done)
+        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, self.active)
 
     def proposer_phase(self):
         """The proposer's part of a step: take in the last step's verified tokens, then draft
@@ -125,6 +126,7 @@ class SpecLoop:
         self.n_out.fill_(1)
         self.budget.fill_(max_new_tokens)
         self.done.copy_((first[:, None] == self.eos).any(-1) | (max_new_tokens <= 1))
+        torch.logical_not(self.done, out=self.active)
         self.histogram.zero_()
         self.row_steps.zero_()
 

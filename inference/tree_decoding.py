@@ -32,6 +32,7 @@ from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from inference.verify import sampling_probs
+from kernels import use_kernel
 from kernels.argmax import argmax_rows
 from kernels.emit import feed
 from kernels.lm_head_topk import norm_lm_head_topk
@@ -70,10 +71,11 @@ class EagleTreeProposer(Eagle3Proposer):
                              torch.zeros(batch, total_tokens, **long),
                              torch.zeros(batch, total_tokens, total_tokens, dtype=torch.bool, device=self.last.device),
                              torch.zeros(batch, total_tokens, **long))
-        # the candidates' K and V [2,B,nkv,C,d], written level by level: one buffer, zeroed once
-        # per draft (one launch, not two). No node sees a slot not written this draft (its mask
-        # row holds its ancestors and itself), but the kernel still multiplies such slots' values
-        # by weight 0: an earlier draft's inf there would make NaN of every later draft.
+        # the candidates' K and V [2,B,nkv,C,d], written level by level. No node sees a slot not
+        # written this draft (its mask row holds its ancestors and itself); the tree kernel reads
+        # only slots some query sees, but the torch path multiplies the others' values by weight
+        # 0 (an earlier draft's inf there would make NaN of every later draft): it zeroes the
+        # buffer first.
         B, nkv, _, head_dim = self.k_cache.shape
         self.cand_kv = self.k_cache.new_zeros(2, B, nkv, candidates, head_dim)
 
@@ -81,7 +83,8 @@ class EagleTreeProposer(Eagle3Proposer):
     def draft_tree(self):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens, out=self.tree_out, cand_kv=self.cand_kv.zero_(),
+                                self.total_tokens, out=self.tree_out,
+                                cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
                                 children=self.children)
 
 
@@ -204,7 +207,7 @@ class TreeLoop(SpecLoop):
             choice = self.choice
         # the accepted path, what is emitted, the cache's moves and the proposer's next input
         # (one launch on a GPU: kernels/tree_accept.py)
-        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, ~self.done, self.k,
+        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
                                cache.k.shape[-2])
         self.emit(accepted.path_tokens, accepted.length, accepted.bonus)
         # the accepted path's entries move from their tree slots to the slots after the root

@@ -36,7 +36,8 @@ def feed_reference(tokens, length, drafts, fed, positions, draft_positions=None)
         positions.copy_(torch.cat([last, draft_positions], 1))
 
 
-def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
+def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps,
+                   active_out=None):
     B, k = drafts.shape
     columns = torch.arange(k + 1, device=drafts.device)
     active = ~done
@@ -53,15 +54,21 @@ def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, 
     length.add_(n_new)
     n_out.add_(n_new)
     done.logical_or_(active & ((n_out >= budget) | (first_eos < n_new)))
+    if active_out is not None:
+        active_out.copy_(~done)
 
 
 if triton is not None:
 
     @triton.jit
     def _emit_kernel(drafts_ptr, accepted_ptr, bonus_ptr, eos_ptr, budget_ptr, tokens_ptr, length_ptr, n_out_ptr,
-                     done_ptr, histogram_ptr, row_steps_ptr, K, E, stride_d, stride_t, stride_h, BLOCK: tl.constexpr):
-        """One program per row; BLOCK >= k+1 lanes, lane j is the row's j-th new token."""
+                     done_ptr, histogram_ptr, row_steps_ptr, active_ptr, K, E, stride_d, stride_t, stride_h,
+                     BLOCK: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+        """One program per row; BLOCK >= k+1 lanes, lane j is the row's j-th new token.
+        HAS_ACTIVE: also store whether the row is still running (not done) after the step."""
         row = tl.program_id(0).to(tl.int64)
+        if HAS_ACTIVE:  # a done row stays done; a running one is overwritten below when it finishes
+            tl.store(active_ptr + row, (tl.load(done_ptr + row) == 0).to(tl.int1))
         if tl.load(done_ptr + row) == 0:
             j = tl.arange(0, BLOCK)
             accepted = tl.load(accepted_ptr + row)
@@ -84,7 +91,10 @@ if triton is not None:
             tl.store(row_steps_ptr + row, tl.load(row_steps_ptr + row) + 1)
             tl.store(length_ptr + row, length + n_new)
             tl.store(n_out_ptr + row, n_out + n_new)
-            tl.store(done_ptr + row, ((n_out + n_new >= budget) | (first_eos < n_new)).to(tl.int1))
+            finished = (n_out + n_new >= budget) | (first_eos < n_new)
+            tl.store(done_ptr + row, finished.to(tl.int1))
+            if HAS_ACTIVE:
+                tl.store(active_ptr + row, (~finished).to(tl.int1))
 
 
 if triton is not None:
@@ -129,7 +139,8 @@ def feed(tokens, length, drafts, fed, positions, draft_positions=None):
     (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions, draft_positions)
 
 
-def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
+def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps,
+                active_out=None):
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, k = drafts.shape
@@ -138,17 +149,21 @@ def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, don
     for name, t in (("tokens", tokens), ("histogram", histogram)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
-    if not all(t.is_contiguous() for t in (accepted, bonus, eos, budget, length, n_out, done, row_steps)):
+    state = (accepted, bonus, eos, budget, length, n_out, done, row_steps) + (() if active_out is None else (active_out,))
+    if not all(t.is_contiguous() for t in state):
         raise ValueError("the per-row state tensors must be contiguous")
     if B:
         _emit_kernel[(B,)](drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps,
-                           k, eos.numel(), max(drafts.stride(0), 1), tokens.stride(0), histogram.stride(0),
-                           BLOCK=triton.next_power_of_2(k + 1))
+                           done if active_out is None else active_out, k, eos.numel(), max(drafts.stride(0), 1),
+                           tokens.stride(0), histogram.stride(0), BLOCK=triton.next_power_of_2(k + 1),
+                           HAS_ACTIVE=active_out is not None)
 
 
-def emit(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+def emit(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps, active_out=None):
+    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere.
+    active_out [B] bool (optional): set to ~done after the step, for the launches that follow (the
+    proposer's advance, the next verify's bookkeeping), which then need no `~done` of their own."""
     from kernels import use_kernel
 
     fn = emit_triton if use_kernel(tokens) else emit_reference
-    fn(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps)
+    fn(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps, active_out)

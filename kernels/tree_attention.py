@@ -240,13 +240,16 @@ if triton is not None:
         """Scores of a tile of tree nodes `nodes` [BLOCK_N] (node j's K/V at slot first_slot + j of
         `row`: the cache after the root, or a candidate buffer), -inf outside each query's mask row
         (mask_rows [BLOCK_Q]: pointers to them, read where `real`; rows with no mask row see none).
-        → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]."""
+        → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]. Only the nodes some row of the tile
+        sees are read (the others load as 0): whatever a slot no query sees holds, even inf or
+        NaN left by an earlier draft, never reaches the products (no buffer to clear first)."""
         node_ok = nodes < N
+        seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
+        wanted = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N] nodes some row of the tile sees
         offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
-        both = node_ok[:, None] & dim_ok[None, :]
+        both = (node_ok & wanted)[:, None] & dim_ok[None, :]
         k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
         v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
-        seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
         s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         return s, seen, v
 

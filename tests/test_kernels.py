@@ -371,12 +371,16 @@ def test_emit_kernel_matches_reference(B, k, E):
         state = dict(tokens=torch.randint(0, V, (B, S), device=device), length=length, n_out=n_out,
                      done=torch.rand(B, device=device) < 0.3, histogram=torch.randint(0, 3, (B, k + 1), device=device),
                      row_steps=torch.randint(0, 9, (B,), device=device))
+        if trial % 2:  # the rows still running after the step, written for the launches that follow
+            state["active_out"] = torch.rand(B, device=device) < 0.5
         ref = {name: t.clone() for name, t in state.items()}
         got = {name: t.clone() for name, t in state.items()}
         emit_reference(drafts, accepted, bonus, eos, budget, **ref)
         emit_triton(drafts, accepted, bonus, eos, budget, **got)
         for name in state:
             assert torch.equal(got[name], ref[name]), (trial, name)
+        if trial % 2:
+            assert torch.equal(got["active_out"], ~got["done"])
         changed += not all(torch.equal(ref[name], state[name]) for name in state)
     assert changed  # some steps emitted (not every row was finished)
 

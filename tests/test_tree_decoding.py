@@ -11,6 +11,7 @@ from inference.engine import cache_size, generate
 from inference.model import RuntimeModel
 from inference.tree import Tree, static_tree
 from inference.tree_decoding import EagleTreeProposer
+from tests.conftest import kernel_device
 
 
 class OracleTree:
@@ -108,10 +109,16 @@ def test_a_tree_keeps_its_candidates_in_range(tiny_target):
         EagleTreeProposer(_random_eagle3(hf), depth=2, top_k=3, total_tokens=40, batch=1, max_len=64)
 
 
-def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target):
-    """Every draft reuses the proposer's candidate K/V buffer: a draft after one that left inf
-    there (an overflowing drafter) draws the same tree as the draft before it. (Slots no node
-    sees still meet weight 0 in the attention's product, so the buffer is zeroed per draft.)"""
+@pytest.mark.parametrize("kernels", ["0", "force"])
+def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target, monkeypatch, kernels):
+    """Every draft reuses the proposer's candidate K/V buffer: a draft after one that left inf or
+    NaN there (an overflowing drafter) draws the same tree as the draft before it, through the
+    torch path (which zeroes the buffer first: slots no node sees meet weight 0 in its product)
+    and through the kernels (the tree kernel reads only the slots some query sees; the
+    interpreter on a CPU)."""
+    if kernels == "force":
+        kernel_device()  # skips without a Triton backend
+    monkeypatch.setenv("DRAFTSMITH_KERNELS", kernels)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     p = EagleTreeProposer(_random_eagle3(hf), depth=3, top_k=3, total_tokens=10, batch=2, max_len=32)
     g = torch.Generator().manual_seed(0)
@@ -120,9 +127,10 @@ def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target):
     p.k_cache.copy_(torch.randn(p.k_cache.shape, generator=g))
     p.v_cache.copy_(torch.randn(p.v_cache.shape, generator=g))
     want = [t.clone() for t in p.draft_tree()]
-    p.cand_kv.fill_(float("inf"))
-    for name, w, o in zip(Tree._fields, want, p.draft_tree()):
-        assert torch.equal(o, w), name
+    for junk in (float("inf"), float("nan")):
+        p.cand_kv.fill_(junk)
+        for name, w, o in zip(Tree._fields, want, p.draft_tree()):
+            assert torch.equal(o, w), (name, junk)
 
 
 def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
