@@ -205,12 +205,13 @@ def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores
 
 
 def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
-                        out: Tree | None = None) -> Tree:
-    """`finalize_reference`, through two kernel launches on CUDA tensors; into `out`'s tensors
-    when given (a drafter drafting in CUDA graphs keeps one Tree that every graph writes)."""
-    if use_kernel(cand.tokens):
-        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out))
-    tree = finalize_reference(cand, k, top_k, total_tokens, base_positions)
+                        out: Tree | None = None, base_offset: int = 0) -> Tree:
+    """`finalize_reference` (node positions base_positions + base_offset + depth), through two
+    kernel launches on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
+    graphs keeps one Tree that every graph writes)."""
+    if use_kernel(cand.tokens):  # (the offset added in the kernel: no launch of its own)
+        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset))
+    tree = finalize_reference(cand, k, top_k, total_tokens, base_positions + base_offset)
     if out is None:
         return tree
     for buffer, value in zip(out, tree):

@@ -134,7 +134,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             drafted_from = h.to(hidden.dtype)
             top = _draft_top_k(d, h, children)  # [B,F,children] each
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    return finalize_candidates(cand, children, top_k, total_tokens, last + 1, out)
+    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1)  # positions last + 1 + depth
 
 
 def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, frontier, visible, cand_k, cand_v,

@@ -145,14 +145,14 @@ if triton is not None:
     @triton.jit
     def _finalize_kernel(tokens_ptr, parents_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
                          o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
-                         C, N, FIRST, PER_DEPTH, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
+                         C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
         """One program per row, in two passes over blocks of candidates, the second reading what
         the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr)."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         # 1. the kept candidates' nodes (how many kept come before: a running prefix count),
         # their tokens, depths, positions
-        base = tl.load(base_ptr + row)
+        base = tl.load(base_ptr + row) + BASE_OFFSET
         before = 0
         for i0 in range(0, C, BLOCK):
             i = i0 + lanes
@@ -224,9 +224,11 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     return Frontier(index, scores, tokens, parent_row, visible, positions)
 
 
-def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None):
-    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree;
-    into `out` (those five tensors, [B,N] int64 and the mask [B,N,N] bool) when given."""
+def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
+                    base_offset: int = 0):
+    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree, node
+    positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
+    and the mask [B,N,N] bool) when given."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -251,6 +253,7 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
         _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
-                               positions, C, N, top_k, top_k * k, cand.tokens.stride(0), cand.ancestors.stride(0),
+                               positions, C, N, top_k, top_k * k, base_offset, cand.tokens.stride(0),
+                               cand.ancestors.stride(0),
                                cand.ancestors.stride(1), BLOCK=block)
     return tokens, parents, depths, mask, positions

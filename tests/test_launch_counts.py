@@ -37,9 +37,9 @@ CEILINGS = {
     # 128-key attention tiles the verify step measured 14-16 µs faster); session 21 the verify's
     # slots and mask without launches of their own (RoPE's tree_block, the tree kernel reading
     # node t-1's row for query t: 35 before), then the rows still running from the emit kernel
-    # (31 / 60 before) and no clearing of the candidates' K/V where the tree kernel runs (it reads
-    # only slots some query sees)
-    "eagle3-tree": {"verify_phase": 30, "proposer_phase": 58},
+    # (31 / 60 before), no clearing of the candidates' K/V where the tree kernel runs (it reads
+    # only slots some query sees) and the nodes' positions offset inside the rerank (58 before)
+    "eagle3-tree": {"verify_phase": 30, "proposer_phase": 57},
 }
 
 

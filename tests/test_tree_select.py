@@ -64,6 +64,9 @@ def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd, c
             got = Tree(*finalize_triton(got_cand, k, top_k, total, (last + 1).to(dev)))
             for name, w, o in zip(want._fields, want, got):
                 assert torch.equal(o.cpu(), w), (name, total, seed)
+            # the positions' offset added in the kernel (a drafter passes its last entry, + 1)
+            offset = Tree(*finalize_triton(got_cand, k, top_k, total, last.to(dev), base_offset=1))
+            assert torch.equal(offset.positions.cpu(), want.positions)
             # depths follow the layout: the root's top_k children, then top_k x k a depth
             assert torch.equal(want.depths, want.positions - (last + 1)[:, None])
             assert (want.depths == 1 + (want.parents >= 0).long() * want.depths.gather(1, want.parents.clamp_min(0))).all()
