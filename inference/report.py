@@ -140,10 +140,12 @@ def _write_markdown(report: ValidationReport, out: Path):
     turns = [f"| turn {t} | {s.tau:.3f} | {s.num_chains} |" for t, s in sorted(report.per_turn.items())]
     verdict = "PASS" if report.passed else "FAIL"
     tree = report.tree
+    if tree:
+        from inference.tree_acceptance import tree_words
+
+        shape = tuple(tree[key] for key in ("depth", "top_k", "total_tokens", "children") if key in tree)
     drafting = f"k = {report.k}" if not tree else (
-        f"EAGLE-2 trees of depth {tree['depth']}, top-k {tree['top_k']}, "
-        + (f"{tree['children']} children a kept node, " if "children" in tree else "") + f"{tree['total_tokens']} nodes "
-        f"({tree['verify_tokens_per_step']} verify tokens per step; a_i by depth)")
+        f"EAGLE-2 trees of {tree_words(shape)} ({tree['verify_tokens_per_step']} verify tokens per step; a_i by depth)")
     md = [f"# Acceptance validation: {verdict}", "",
           f"Drafter `{report.drafter}` on target `{report.target}`, {report.dataset} "
           f"({report.num_questions} questions, {report.num_answers} answers), {drafting}, "

@@ -34,7 +34,8 @@ def tree_label(tree) -> str:
 def tree_words(tree) -> str:
     """(depth, top_k, total[, children]) → "depth D, top-k K[, C children], N nodes"."""
     depth, top_k, total, *children = tree
-    return f"depth {depth}, top-k {top_k}, " + (f"{children[0]} children, " if children else "") + f"{total} nodes"
+    wide = "".join(f"{c} {'child' if c == 1 else 'children'}, " for c in children)
+    return f"depth {depth}, top-k {top_k}, {wide}{total} nodes"
 
 
 def canonical_tree(tree) -> tuple[int, ...]:

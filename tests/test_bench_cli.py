@@ -44,7 +44,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
             "runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)", "runtime suffix (k=4)"} <= set(rows)
     assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"]["verify_tokens_per_step"] == 5
     # the root's 2 children, each expanded into 1: 4 candidates, 3 kept
-    assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 children, 3 nodes)"]["verify_tokens_per_step"] == 4
+    assert rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 child, 3 nodes)"]["verify_tokens_per_step"] == 4
     assert rows["runtime EAGLE-3 (k=4)"]["verify_tokens_per_step"] == 5
     assert "runtime Medusa (k=4)" not in rows  # three heads draft at most three tokens
     assert rows["transformers generate"]["prompts"] == 1 and rows["runtime plain"]["prompts"] == 4
@@ -63,7 +63,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     best = summary["best_tree"]
     trees = {(2, 2, 4): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"],
              (2, 1, 2): rows["runtime EAGLE-3 tree (depth 2, top-k 1, 2 nodes)"],
-             (2, 2, 3, 1): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 children, 3 nodes)"]}
+             (2, 2, 3, 1): rows["runtime EAGLE-3 tree (depth 2, top-k 2, 1 child, 3 nodes)"]}
     fastest = max(trees, key=lambda t: trees[t]["tokens_per_s"])
     assert tuple(best["tree"].values()) == fastest and best["tokens_per_s"] == trees[fastest]["tokens_per_s"]
     assert best["chain"]["row"] == "runtime EAGLE-3 (k=2)" and best["chain"]["verify_tokens_per_step"] == 3

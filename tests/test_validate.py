@@ -284,11 +284,11 @@ def test_validate_tree_holds_served_trees_to_the_tree_promise(tiny_export, tmp_p
     assert "EAGLE-2 trees of depth 2" in (out / "report.md").read_text()
     # the narrow tree, held to its own promise (2,2,4,2 names the square tree: its children are top_k)
     assert main(base + ["--tree", "2,2,3,1", "--out", str(tmp_path / "narrow")]) == 0
-    assert "tree depth 2, top-k 2, 1 children, 3 nodes" in capsys.readouterr().out
+    assert "tree depth 2, top-k 2, 1 child, 3 nodes" in capsys.readouterr().out
     report = json.loads((tmp_path / "narrow" / "report.json").read_text())
     assert report["tree"]["children"] == 1 and report["predicted"]["tau"] == pytest.approx(narrow["tau"])
     assert report["replay_answers"]["histogram"] == report["measured"]["histogram"]
-    assert "1 children a kept node" in (tmp_path / "narrow" / "report.md").read_text()
+    assert "EAGLE-2 trees of depth 2, top-k 2, 1 child, 3 nodes" in (tmp_path / "narrow" / "report.md").read_text()
     # one line each: a tree not promised, sampling, a drafter that drafts no trees
     medusa = _random_exports(tmp_path)[1]
     for extra, phrase in ((["--tree", "3,2,6"], "--tree 3,2,6: the export promises no such tree (it promises 2,2,4; "
