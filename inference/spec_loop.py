@@ -76,8 +76,9 @@ class SpecLoop:
     def emit(self, drafts, accepted, bonus):
         """The accepted drafts [B,k] (the first `accepted` of each row), then the bonus, into
         each row's tokens; cut after an end-of-sequence token and at the row's budget; none for
-        finished rows. Updates lengths, done flags and the accepted-length histogram (one
-        launch on a GPU: kernels/emit.py)."""
+        finished rows. Updates lengths, done flags (and `active`, their negation, which the
+        proposer's advance reads) and the accepted-length histogram (one launch on a GPU:
+        kernels/emit.py)."""
         emit(drafts, accepted, bonus, self.eos, self.budget, self.tokens, self.length, self.n_out, self.done,
              self.histogram, self.row_steps, active_out=self.active)
 
