@@ -4,9 +4,10 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
 
     python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400]
 
-Variants: kernels/tree_attention.py's MAX_BLOCK_Q (score rows per program), PRODUCTS_16BIT
-(16-bit products instead of TF32 on float32 copies), TARGET_PROGRAMS (how finely the cache is
-split), MAX_BLOCK_S (cache keys per tile) and NUM_WARPS; the first variant is the defaults in TF32.
+Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
+(how finely the cache is split), MAX_BLOCK_S (cache keys per tile) and COMBINE_HEADS (query heads
+a merge program takes); the first variant is the defaults with TF32 products instead of 16-bit
+ones (PRODUCTS_16BIT), a control. (Sessions 19-20 swept MAX_BLOCK_Q and NUM_WARPS: BENCHMARKS.md.)
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
