@@ -25,10 +25,9 @@ import torch.nn.functional as F
 
 from kernels import use_kernel
 from kernels.rejection_sample import inverse_cdf
-from kernels.lm_head_topk import TopkPartials
 from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
 from kernels.tree_select import Candidates, Frontier, candidate_depths, expand_level_triton, finalize_triton, \
-    merges_in_expand, root_frontier
+    root_frontier
 
 
 class Tree(NamedTuple):
@@ -198,25 +197,17 @@ def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, 
     return finalize(state, total_tokens, base_positions)
 
 
-def expand_level(top, draft_ids, frontier, frontier_scores, off: int, level: int, last, cand: Candidates,
-                 top_k: int) -> Frontier:
-    """`expand_level_reference` of the head's `top` = (child_logprobs, child_ids) [B,F,k], through
-    one kernel launch on CUDA tensors; `top` may also be the head's partials (TopkPartials, its
-    first launch: the expand kernel merges them, a launch fewer, where they fit)."""
-    if isinstance(top, TopkPartials):
-        if merges_in_expand(top):
-            return expand_level_triton(None, None, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k,
-                                       partials=top)
-        top = top.merge()
-    child_logprobs, child_ids = top
+def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int, last,
+                 cand: Candidates, top_k: int) -> Frontier:
+    """`expand_level_reference`, through one kernel launch on CUDA tensors."""
     fn = expand_level_triton if use_kernel(child_ids) else expand_level_reference
     return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
 
 
 def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
                         out: Tree | None = None, base_offset: int = 0) -> Tree:
-    """`finalize_reference` (node positions base_positions + base_offset + depth), through one
-    kernel launch on CUDA tensors (two past kernels/tree_select.py's RANK_IN_FINALIZE candidates); into `out`'s tensors when given (a drafter drafting in CUDA
+    """`finalize_reference` (node positions base_positions + base_offset + depth), through two
+    kernel launches on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
     graphs keeps one Tree that every graph writes)."""
     if use_kernel(cand.tokens):  # (the offset added in the kernel: no launch of its own)
         return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset))

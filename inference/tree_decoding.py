@@ -35,7 +35,7 @@ from inference.verify import sampling_probs
 from kernels import use_kernel
 from kernels.argmax import argmax_rows
 from kernels.emit import feed
-from kernels.lm_head_topk import norm_lm_head_topk, norm_lm_head_topk_partials
+from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
@@ -124,9 +124,9 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     top = _draft_top_k(d, hidden[:, None], top_k)  # [B,1,top_k]: the root's best children
     drafted = 0
     for level in range(depth):
-        # top: [B,F,k] log-probabilities and rows of the draft vocabulary (or the head's partials)
-        frontier = expand_level(top, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
-        drafted += top_k if level == 0 else top_k * children  # the root's children, then k a frontier node
+        child_logprobs, child_ids = top  # [B,F,k]: log-probabilities, rows of the draft vocabulary
+        frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
+        drafted += child_ids.shape[1] * child_ids.shape[2]
         index, scores = frontier.index, frontier.scores
         if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
             h = _tree_step(p, frontier.tokens, drafted_from, frontier.parent_row, frontier.positions, index,
@@ -165,11 +165,8 @@ def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, f
 
 def _draft_top_k(d, hidden, top_k: int):
     """hidden [B,F,H] → (log-probabilities, draft-vocabulary rows) [B,F,top_k] of each node's
-    best children, best first, ties to the lowest row: the final norm, lm_head, log-softmax and
-    top-k (kernels/lm_head_topk.py). On a GPU, its first launch's partials (TopkPartials): the
-    expand kernel merges them itself (inference/tree.py expand_level)."""
-    if use_kernel(hidden):
-        return norm_lm_head_topk_partials(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
+    best children, best first, ties to the lowest row (the final norm, lm_head, log-softmax and
+    top-k in two launches on a GPU: kernels/lm_head_topk.py)."""
     return norm_lm_head_topk(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
 
 

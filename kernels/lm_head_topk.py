@@ -12,6 +12,10 @@ log-softmax and torch.topk, whose radix select over a 16,384-wide row took 60-72
 the rows, multiplies them by a BLOCK_V-row slice of the lm_head and keeps, per slice, its
 maximum, its sum of exp(logit - maximum) and its k best logits; the second merges a row's slices:
 the log-sum-exp and the k best of all slices' candidates. The logits never reach memory.
+(The merge done by the tree's expand launch instead, which would save a launch a depth, lost on
+an H200: one program merging a frontier's 8 rows of 512 candidates drafted a depth-4 tree 14 µs
+slower a step with 4 warps, 7 with 8 or 16, than 8 merge programs and the expand. BENCHMARKS.md,
+session 22.)
 
 Numerics of the torch form (the reference): the norm as kernels/rms_norm.py, each logit rounded
 to the lm_head's dtype as a matmul's output is, then log-softmax in float32. Ranking is by the
@@ -20,8 +24,6 @@ NaN logit counts as -inf (never chosen before a number, no probability). Only th
 orders differ from the torch form: the matmul's and the log-sum-exp's.
 """
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -136,74 +138,35 @@ if triton is not None:
             key = tl.where(key == best[:, None], gone, key)
 
     @triton.jit
-    def _merged_keys(max_ptr, sum_ptr, val_ptr, idx_ptr, rows, row_ok, NSPLIT, V, K: tl.constexpr,
-                     BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """The slices of rows [BLOCK_F] merged: each row's log-sum-exp [BLOCK_F] and the rank keys
-        of its NSPLIT * K candidates [BLOCK_F, BLOCK_C] (missing ones `gone`). A column is one
-        slice's, so real keys are unique; exhausted slices' pads (-inf at column V) rank below
-        every real one, and k <= V picks k real ones. Taking a row's K best is K maxima (the
-        merge kernel's; kernels/tree_select.py's expand does it for a frontier's rows at once)."""
-        s = tl.arange(0, BLOCK_S)
-        s_ok = row_ok[:, None] & (s < NSPLIT)[None, :]
-        m = tl.load(max_ptr + rows[:, None] * NSPLIT + s[None, :], mask=s_ok, other=float("-inf"))
-        total = tl.load(sum_ptr + rows[:, None] * NSPLIT + s[None, :], mask=s_ok, other=0.0)
-        top = tl.max(m, 1)
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        lse = shift + tl.log(tl.where(row_ok, tl.sum(total * tl.exp(m - shift[:, None]), 1), 1.0))  # [BLOCK_F]
-        c = tl.arange(0, BLOCK_C)
-        n = NSPLIT * K
-        c_ok = row_ok[:, None] & (c < n)[None, :]
-        v = tl.load(val_ptr + rows[:, None] * n + c[None, :], mask=c_ok, other=float("-inf"))
-        ix = tl.load(idx_ptr + rows[:, None] * n + c[None, :], mask=c_ok, other=V)
-        gone = tl.full([BLOCK_C], -2147483648, tl.int32).to(tl.int64) << 32
-        return lse, tl.where(c_ok, _rank_key(v, ix), gone[None, :])
-
-    @triton.jit
     def _topk_merge_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, out_val_ptr, out_idx_ptr, NSPLIT, V,
                            K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
         """One row: the log-sum-exp of its slices, then its K best of the slices' NSPLIT * K
-        candidates (ties: the lowest column), as log-probabilities."""
-        row = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # [1]
-        lse, key = _merged_keys(max_ptr, sum_ptr, val_ptr, idx_ptr, row, row >= 0, NSPLIT, V, K, BLOCK_S, BLOCK_C)
-        gone = tl.full([1, BLOCK_C], -2147483648, tl.int32).to(tl.int64) << 32
+        candidates (ties: the lowest column), as log-probabilities. A column is one slice's, so
+        real keys are unique; exhausted slices' pads (-inf at column V) rank below every real
+        one, and k <= V picks k real ones."""
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, BLOCK_S)
+        m = tl.load(max_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=float("-inf"))
+        total = tl.load(sum_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=0.0)
+        top = tl.max(m, 0)
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        lse = shift + tl.log(tl.sum(total * tl.exp(m - shift), 0))
+        c = tl.arange(0, BLOCK_C)
+        n = NSPLIT * K
+        v = tl.load(val_ptr + row * n + c, mask=c < n, other=float("-inf"))
+        ix = tl.load(idx_ptr + row * n + c, mask=c < n, other=V)
+        gone = tl.full([BLOCK_C], -2147483648, tl.int32).to(tl.int64) << 32
+        key = tl.where(c < n, _rank_key(v, ix), gone)
         for j in tl.static_range(K):
-            best = tl.max(key, 1)  # [1]
+            best = tl.max(key, 0)
             value, column = _unrank_key(best)
             tl.store(out_val_ptr + row * K + j, value - lse)
             tl.store(out_idx_ptr + row * K + j, column)
-            key = tl.where(key == best[:, None], gone, key)
+            key = tl.where(key == best, gone, key)
 
 
-class TopkPartials(NamedTuple):
-    """The head's first launch for R = prod(lead) rows over NSPLIT slices of a V-row lm_head:
-    what the merge (`merge`, or kernels/tree_select.py's expand, which merges a frontier's rows
-    itself and saves the launch) turns into each row's k best log-probabilities."""
-    maxima: torch.Tensor  # [R,NSPLIT] float32: each slice's largest logit
-    sums: torch.Tensor  # [R,NSPLIT] float32: its sum of exp(logit - largest)
-    values: torch.Tensor  # [R,NSPLIT,k] float32: its k best logits, best first
-    columns: torch.Tensor  # [R,NSPLIT,k] int64: their lm_head rows (V: an exhausted slice's pad)
-    lead: tuple  # the rows' leading shape
-    vocab: int  # V
-
-    @property
-    def k(self) -> int:
-        return self.values.shape[-1]
-
-    def merge(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """→ (values [*lead, k] float32 log-probabilities, indices [*lead, k] int64), one launch."""
-        R, nsplit, k = self.values.shape
-        values = torch.empty(R, k, dtype=torch.float32, device=self.values.device)
-        indices = torch.empty(R, k, dtype=torch.long, device=self.values.device)
-        if R:
-            _topk_merge_kernel[(R,)](self.maxima, self.sums, self.values, self.columns, values, indices, nsplit,
-                                     self.vocab, K=k, BLOCK_S=triton.next_power_of_2(nsplit),
-                                     BLOCK_C=triton.next_power_of_2(nsplit * k))
-        return values.reshape(*self.lead, k), indices.reshape(*self.lead, k)
-
-
-def norm_lm_head_topk_partials(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                               k: int, block_v: int = TOPK_BLOCK_V) -> TopkPartials:
-    """The head's first launch alone (`norm_lm_head_topk_triton` is it and the merge)."""
+def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = hidden.shape[-1]
@@ -222,20 +185,19 @@ def norm_lm_head_topk_partials(hidden: torch.Tensor, norm_weight: torch.Tensor, 
     R = x.shape[0]
     nsplit = triton.cdiv(V, block_v)
     dev = hidden.device
-    maxima = torch.empty(R, nsplit, dtype=torch.float32, device=dev)
-    sums = torch.empty_like(maxima)
-    best = torch.empty(R, nsplit, k, dtype=torch.float32, device=dev)
-    columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
+    values = torch.empty(R, k, dtype=torch.float32, device=dev)
+    indices = torch.empty(R, k, dtype=torch.long, device=dev)
     if R:
+        maxima = torch.empty(R, nsplit, dtype=torch.float32, device=dev)
+        sums = torch.empty_like(maxima)
+        best = torch.empty(R, nsplit, k, dtype=torch.float32, device=dev)
+        columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
         _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
             K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H)
-    return TopkPartials(maxima, sums, best, columns, tuple(lead), V)
-
-
-def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
-    return norm_lm_head_topk_partials(hidden, norm_weight, eps, weight, k, block_v).merge()
+        _topk_merge_kernel[(R,)](maxima, sums, best, columns, values, indices, nsplit, V, K=k,
+                                 BLOCK_S=triton.next_power_of_2(nsplit), BLOCK_C=triton.next_power_of_2(nsplit * k))
+    return values.reshape(*lead, k), indices.reshape(*lead, k)
 
 
 def norm_lm_head_topk(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

@@ -8,7 +8,10 @@
       root at its own position, node i at root + 1 + i)
 
 Rotate-half RoPE as transformers' Llama. The torch form costs ~14 kernels per layer (slices,
-cat, products, two scatters); here one program per token does all of it in float32.
+cat, products, two scatters); here one program per (token, head) does all of it in float32.
+(One program per token with all its heads, 41 programs instead of 615 for a tree verify step,
+was slower on an H200 at every width: +8 µs a plain step, +11 a tree verify step over 30
+layers; one or two warps a program instead of four changed nothing. BENCHMARKS.md, session 22.)
 """
 from __future__ import annotations
 
@@ -50,14 +53,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n"])
     def _rope_cache_kernel(qkv_ptr, pos_ptr, slot_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, n, NH, NKV,
                            stride_row, stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                           HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_HEADS: tl.constexpr,
-                           BLOCK_KV: tl.constexpr, TREE_BLOCK: tl.constexpr):
-        """One token, all its heads: lanes [BLOCK_HEADS, BLOCK] are the q heads then the k heads
-        (h < NH: q head h; NH <= h < NH + NKV: k head h - NH, laid out so in qkv's row), each
-        half of a head rotated by the token's cos/sin (computed once, not once per head); the v
-        heads [BLOCK_KV, 2 BLOCK] copied. (A program per (token, head) was 615 programs of 32
-        lanes for a 41-token tree verify: ~0.45 us a layer more than 5 tokens on an H200.)"""
+                           HALF: tl.constexpr, BLOCK: tl.constexpr, TREE_BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)  # b * n + t
+        head = tl.program_id(1)  # 0..NH-1: query heads; NH..NH+NKV-1: key/value heads
         b = token // n
         t = token % n
         pos = tl.load(pos_ptr + token)
@@ -68,32 +66,23 @@ if triton is not None:
         i = tl.arange(0, BLOCK)
         inside = i < HALF
         freq = pos.to(tl.float32) * tl.load(inv_ptr + i, mask=inside, other=0.0)
-        cos = tl.cos(freq)[None, :]
-        sin = tl.sin(freq)[None, :]
+        cos = tl.cos(freq)
+        sin = tl.sin(freq)
         row = qkv_ptr + token * stride_row
-        h = tl.arange(0, BLOCK_HEADS)
-        is_q = h < NH
-        is_k = (h >= NH) & (h < NH + NKV)
-        lanes = (is_q | is_k)[:, None] & inside[None, :]  # [BLOCK_HEADS, BLOCK]
-        src = row + h[:, None] * (2 * HALF) + i[None, :]  # q heads then k heads, contiguous in qkv
-        x1 = tl.load(src, mask=lanes, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF, mask=lanes, other=0.0).to(tl.float32)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        q_dst = q_ptr + b * stride_qb + tl.where(is_q, h, 0)[:, None] * stride_qh + t * stride_qt + i[None, :]
-        q_lanes = is_q[:, None] & inside[None, :]
-        tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_lanes)
-        tl.store(q_dst + HALF, y2.to(q_ptr.dtype.element_ty), mask=q_lanes)
-        cache_row = b * stride_cb + slot * stride_cs
-        k_dst = kc_ptr + cache_row + tl.where(is_k, h - NH, 0)[:, None] * stride_ch + i[None, :]
-        k_lanes = is_k[:, None] & inside[None, :]
-        tl.store(k_dst, y1.to(kc_ptr.dtype.element_ty), mask=k_lanes)
-        tl.store(k_dst + HALF, y2.to(kc_ptr.dtype.element_ty), mask=k_lanes)
-        g = tl.arange(0, BLOCK_KV)
-        c = tl.arange(0, 2 * BLOCK)
-        v_lanes = (g < NKV)[:, None] & (c < 2 * HALF)[None, :]
-        v = tl.load(row + (NH + NKV + g)[:, None] * (2 * HALF) + c[None, :], mask=v_lanes)
-        tl.store(vc_ptr + cache_row + g[:, None] * stride_ch + c[None, :], v.to(vc_ptr.dtype.element_ty), mask=v_lanes)
+        if head < NH:
+            src = row + head * (2 * HALF)
+            dst = q_ptr + b * stride_qb + head * stride_qh + t * stride_qt
+        else:
+            g = head - NH
+            src = row + (NH + g) * (2 * HALF)
+            dst = kc_ptr + b * stride_cb + g * stride_ch + slot * stride_cs
+            v = tl.load(row + (NH + NKV + g) * (2 * HALF) + tl.arange(0, 2 * BLOCK), mask=tl.arange(0, 2 * BLOCK) < 2 * HALF)
+            tl.store(vc_ptr + b * stride_cb + g * stride_ch + slot * stride_cs + tl.arange(0, 2 * BLOCK),
+                     v.to(vc_ptr.dtype.element_ty), mask=tl.arange(0, 2 * BLOCK) < 2 * HALF)
+        x1 = tl.load(src + i, mask=inside, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + i, mask=inside, other=0.0).to(tl.float32)
+        tl.store(dst + i, (x1 * cos - x2 * sin).to(q_ptr.dtype.element_ty), mask=inside)
+        tl.store(dst + HALF + i, (x2 * cos + x1 * sin).to(q_ptr.dtype.element_ty), mask=inside)
 
 
 def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None,
@@ -116,11 +105,10 @@ def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int
     q = torch.empty(B, num_heads, n, d, dtype=qkv.dtype, device=qkv.device)
     half = d // 2
     if B * n:
-        _rope_cache_kernel[(B * n,)](
+        _rope_cache_kernel[(B * n, num_heads + num_kv_heads)](
             qkv, positions, slots, inv_freq.float().contiguous(), q, k_cache, v_cache, n, num_heads, num_kv_heads,
             qkv.stride(0), q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            HALF=half, BLOCK=triton.next_power_of_2(half), BLOCK_HEADS=triton.next_power_of_2(num_heads + num_kv_heads),
-            BLOCK_KV=triton.next_power_of_2(num_kv_heads), TREE_BLOCK=tree_block)
+            HALF=half, BLOCK=triton.next_power_of_2(half), TREE_BLOCK=tree_block)
     return q
 
 

@@ -25,8 +25,6 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.lm_head_topk import TopkPartials
-
 try:
     import triton
     import triton.language as tl
@@ -72,17 +70,14 @@ def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- kernels
 if triton is not None:
-    from kernels.lm_head_topk import _merged_keys, _unrank_key
 
     @triton.jit
     def _expand_kernel(child_ids_ptr, child_lp_ptr, draft_ids_ptr, frontier_ptr, fscores_ptr, last_ptr,
                        tokens_ptr, parents_ptr, scores_ptr, anc_ptr,
                        o_index_ptr, o_scores_ptr, o_tokens_ptr, o_parent_row_ptr, o_visible_ptr,
-                       o_positions_ptr, p_max_ptr, p_sum_ptr, p_val_ptr, p_idx_ptr,
-                       TOPK, OFF, C, LEVEL, NSPLIT, V, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b,
-                       s_a_r, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr,
-                       AT_ROOT: tl.constexpr, FROM_PARTIALS: tl.constexpr, BLOCK_F: tl.constexpr,
-                       BLOCK_PS: tl.constexpr, BLOCK_PC: tl.constexpr):
+                       o_positions_ptr,
+                       K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr, AT_ROOT: tl.constexpr):
         """One program per (row, block of BLOCK_C ancestor columns); lanes m: the new candidates
         (BLOCK_M >= N_NEW = F k). Every program ranks the new candidates (cheap: N_NEW^2 compares);
         the first of a row stores them and the next frontier, each stores its columns of their
@@ -93,25 +88,8 @@ if triton is not None:
         m = tl.arange(0, BLOCK_M)
         live = m < N_NEW
         f, j = m // K, m % K
-        if FROM_PARTIALS:  # the head's merge (kernels/lm_head_topk.py) done here: a launch fewer a depth
-            fs = tl.arange(0, BLOCK_F)  # the frontier's F = N_NEW / K nodes, head rows row * F + f
-            lse, key = _merged_keys(p_max_ptr, p_sum_ptr, p_val_ptr, p_idx_ptr, row * (N_NEW // K) + fs,
-                                    fs < N_NEW // K, NSPLIT, V, K, BLOCK_PS, BLOCK_PC)
-            gone = tl.full([BLOCK_F, BLOCK_PC], -2147483648, tl.int32).to(tl.int64) << 32
-            of_lane = f[:, None] == fs[None, :]  # [BLOCK_M, BLOCK_F]: lane m's node
-            no_key = tl.full([BLOCK_M], -2147483648, tl.int32).to(tl.int64) << 32
-            lane_key = no_key
-            for jj in tl.static_range(K):  # each node's jj-th best child, to lanes f K + jj
-                best = tl.max(key, 1)  # [BLOCK_F]
-                picked = tl.max(tl.where(of_lane, best[None, :], no_key[:, None]), 1)  # [BLOCK_M]: best[f]
-                lane_key = tl.where(j == jj, picked, lane_key)
-                key = tl.where(key == best[:, None], gone, key)
-            value, cid = _unrank_key(lane_key)
-            lp = value - tl.sum(tl.where(of_lane, lse[None, :], 0.0), 1)
-            cid = tl.where(live, cid, 0)
-        else:
-            cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
-            lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
+        cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
+        lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
         # a NaN log-probability (a broken drafter) ranks last: tl.minimum would make it 0, the best,
         # and a NaN score would rank beside the best and leave a frontier slot unwritten
         lp = tl.where(lp == lp, lp, float("-inf"))
@@ -148,10 +126,14 @@ if triton is not None:
         tl.store(o_visible_ptr + out[:, None] * C + cols[None, :], sees, mask=chosen[:, None] & inside[None, :])
 
     @triton.jit
-    def _ranks(scores_ptr, row, i, C, s_c_b, BLOCK: tl.constexpr):
-        """Candidates i's [BLOCK] ranks by (score descending, index ascending) against every
-        candidate of the row, in blocks of BLOCK."""
+    def _rank_kernel(scores_ptr, rank_ptr, C, s_c_b, BLOCK: tl.constexpr):
+        """One program per (row, block of candidates): each candidate's rank by (score descending,
+        index ascending), against every candidate of the row (one program doing a whole row's
+        C^2 compares took 72 µs at C = 510 on an H200; inside the finalize program for 128
+        candidates or fewer, a launch fewer, it timed the same as this launch: session 22)."""
+        row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
+        i = tl.program_id(1) * BLOCK + lanes
         si = tl.load(scores_ptr + row * s_c_b + i, mask=i < C, other=0.0)
         rank = tl.zeros([BLOCK], tl.int32)
         for j0 in range(0, C, BLOCK):
@@ -159,24 +141,14 @@ if triton is not None:
             sj = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
             ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (j[None, :] < i[:, None]))
             rank += tl.sum((ahead & (j[None, :] < C)).to(tl.int32), 1)
-        return rank
-
-    @triton.jit
-    def _rank_kernel(scores_ptr, rank_ptr, C, s_c_b, BLOCK: tl.constexpr):
-        """One program per (row, block of candidates): each candidate's rank (`_ranks`; one
-        program doing a whole row's C^2 compares took 72 µs at C = 510 on an H200)."""
-        row = tl.program_id(0).to(tl.int64)
-        i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(rank_ptr + row * C + i, _ranks(scores_ptr, row, i, C, s_c_b, BLOCK), mask=i < C)
+        tl.store(rank_ptr + row * C + i, rank, mask=i < C)
 
     @triton.jit
     def _finalize_kernel(tokens_ptr, parents_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
                          o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
-                         scores_ptr, C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr,
-                         RANK_HERE: tl.constexpr):
+                         C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
         """One program per row, in two passes over blocks of candidates, the second reading what
-        the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr) or,
-        RANK_HERE (few candidates), ranking them itself from scores_ptr (a launch fewer)."""
+        the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr)."""
         row = tl.program_id(0).to(tl.int64)
         lanes = tl.arange(0, BLOCK)
         # 1. the kept candidates' nodes (how many kept come before: a running prefix count),
@@ -185,11 +157,7 @@ if triton is not None:
         before = 0
         for i0 in range(0, C, BLOCK):
             i = i0 + lanes
-            if RANK_HERE:
-                rank = _ranks(scores_ptr, row, i, C, s_c_b, BLOCK)
-            else:
-                rank = tl.load(rank_ptr + row * C + i, mask=i < C, other=N)
-            kept = (rank < N) & (i < C)
+            kept = (tl.load(rank_ptr + row * C + i, mask=i < C, other=N) < N) & (i < C)
             kept_count = kept.to(tl.int32)
             node = before + tl.cumsum(kept_count, 0) - kept_count
             before += tl.sum(kept_count, 0)
@@ -224,35 +192,12 @@ def _check_candidates(cand: Candidates):
         raise ValueError("tree candidates: tokens, parents and scores need the same row stride and unit steps")
 
 
-# the merged keys of a frontier's head rows [F, NSPLIT k] that the expand kernel takes in registers
-# (a depth of 8 nodes with 4 children over 128 slices is 8 x 512); wider ones merge in a launch first
-MAX_MERGED_KEYS = 8192
-
-
-def merges_in_expand(top: TopkPartials) -> bool:
-    """Whether `expand_level_triton` can take the head's partials and merge them itself."""
-    nsplit, k = top.values.shape[1:]
-    return len(top.lead) == 2 and triton.next_power_of_2(top.lead[1]) * triton.next_power_of_2(nsplit * k) \
-        <= MAX_MERGED_KEYS
-
-
 def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
-                        last, cand: Candidates, top_k: int, partials: TopkPartials | None = None) -> Frontier:
-    """`partials` (the tree head's first launch, kernels/lm_head_topk.py; child_ids and
-    child_logprobs None): the head's merge done in this launch (`merges_in_expand` says when)."""
+                        last, cand: Candidates, top_k: int) -> Frontier:
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
-    if partials is not None:
-        if not merges_in_expand(partials):
-            raise ValueError(f"expand_level: the head's partials {tuple(partials.values.shape)} for "
-                             f"{partials.lead} rows are too wide to merge here: merge them first")
-        (B, Fr), k = partials.lead, partials.k
-        child_ids = child_logprobs = partials.columns.view(B, Fr, -1)  # (not read: strides only)
-        nsplit = partials.values.shape[1]
-    else:
-        B, Fr, k = child_ids.shape
-        nsplit = 1
+    B, Fr, k = child_ids.shape
     C, n_new = cand.tokens.shape[1], Fr * k
     if not 1 <= top_k <= n_new or off + n_new > C:
         raise ValueError(f"expand_level: top_k={top_k} of {n_new} children, candidates {off}..{off + n_new} of {C}")
@@ -267,33 +212,22 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
     index, tokens, parent_row, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(4))
     scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
     visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
-    part = partials if partials is not None else (last,) * 4  # (not read without partials)
     if B:
         block_c = min(64, triton.next_power_of_2(C))
         _expand_kernel[(B, triton.cdiv(C, block_c))](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
                              cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
-                             index, scores, tokens, parent_row, visible.view(torch.uint8), positions, *part[:4],
-                             top_k, off, C, level, nsplit, 0 if partials is None else partials.vocab,
-                             child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
+                             index, scores, tokens, parent_row, visible.view(torch.uint8), positions,
+                             k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
                              child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
-                             cand.ancestors.stride(0), cand.ancestors.stride(1), K=k,
+                             cand.ancestors.stride(0), cand.ancestors.stride(1),
                              BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=block_c, N_NEW=n_new,
-                             AT_ROOT=at_root, FROM_PARTIALS=partials is not None,
-                             BLOCK_F=triton.next_power_of_2(Fr), BLOCK_PS=triton.next_power_of_2(nsplit),
-                             BLOCK_PC=triton.next_power_of_2(nsplit * k))
+                             AT_ROOT=at_root)
     return Frontier(index, scores, tokens, parent_row, visible, positions)
-
-
-# candidates the rerank ranks inside its finalize program (two blocks of 64: four 64 x 64 compares,
-# e.g. a depth-4 tree of 8 nodes a depth with 4 children, 104 candidates); more take a launch of
-# their own, parallel over blocks of candidates
-RANK_IN_FINALIZE = 128
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
                     base_offset: int = 0):
-    """One launch (two past RANK_IN_FINALIZE candidates)
-    → (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree, node
+    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree, node
     positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
     and the mask [B,N,N] bool) when given."""
     if triton is None:
@@ -317,11 +251,10 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
             raise ValueError(f"finalize: out mask {tuple(mask.shape)} {mask.dtype}, need [{B},{N},{N}] bool, contiguous")
     if B:
         block = min(64, triton.next_power_of_2(C))
-        rank_here = C <= RANK_IN_FINALIZE
-        if not rank_here:
-            _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
+        _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
         _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
-                               positions, cand.scores, C, N, top_k, top_k * k, base_offset, cand.tokens.stride(0),
-                               cand.ancestors.stride(0), cand.ancestors.stride(1), BLOCK=block, RANK_HERE=rank_here)
+                               positions, C, N, top_k, top_k * k, base_offset, cand.tokens.stride(0),
+                               cand.ancestors.stride(0),
+                               cand.ancestors.stride(1), BLOCK=block)
     return tokens, parents, depths, mask, positions

@@ -38,10 +38,8 @@ CEILINGS = {
     # slots and mask without launches of their own (RoPE's tree_block, the tree kernel reading
     # node t-1's row for query t: 35 before), then the rows still running from the emit kernel
     # (31 / 60 before), no clearing of the candidates' K/V where the tree kernel runs (it reads
-    # only slots some query sees) and the nodes' positions offset inside the rerank (58 before);
-    # session 22 each level's head merge inside its expand launch and, for 128 candidates or
-    # fewer, the rerank's ranks inside its finalize launch (57 before)
-    "eagle3-tree": {"verify_phase": 30, "proposer_phase": 52},
+    # only slots some query sees) and the nodes' positions offset inside the rerank (58 before)
+    "eagle3-tree": {"verify_phase": 30, "proposer_phase": 57},
 }
 
 

@@ -72,14 +72,9 @@ def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd, c
             assert (want.depths == 1 + (want.parents >= 0).long() * want.depths.gather(1, want.parents.clamp_min(0))).all()
 
 
-@pytest.mark.parametrize("rank_in_finalize", [128, 0])
-def test_finalize_over_many_candidates_crosses_its_blocks(monkeypatch, rank_in_finalize):
+def test_finalize_over_many_candidates_crosses_its_blocks():
     """More candidates than one block of lanes (64): ranks, node numbers and the mask are
-    counted across blocks, by the finalize program itself (up to RANK_IN_FINALIZE candidates)
-    or by the rank launch before it."""
-    import kernels.tree_select as tree_select
-
-    monkeypatch.setattr(tree_select, "RANK_IN_FINALIZE", rank_in_finalize)
+    counted across blocks."""
     dev = kernel_device()
     g = torch.Generator().manual_seed(5)
     cand, _, last = _draft(expand_level_reference, 2, 3, 6, 30, g, "cpu")  # 6 + 2 x 36 = 78 candidates
@@ -107,56 +102,3 @@ def test_a_nan_child_ranks_last_in_the_kernel():
     front = expand_level_triton(ids, logprobs, torch.arange(3, device=dev), None, None, 0, 0,
                                 torch.zeros(1, dtype=torch.long, device=dev), cand, 2)
     assert front.index.tolist() == [[1, 2]] and front.scores.tolist() == [[-1.0, -2.0]]
-
-
-@pytest.mark.parametrize("top_k,children,max_keys", [(4, 3, None), (3, 5, None), (4, 3, 16)])
-def test_expand_merges_the_heads_partials_as_the_merge_launch_does(monkeypatch, top_k, children, max_keys):
-    """The tree head's first launch (kernels/lm_head_topk.py partials) handed to the expand kernel,
-    which merges a frontier's rows itself, drafts the very tree that the head's merge launch
-    followed by the expand does: over lm_head slices with tied logits across slices (duplicated
-    rows), ragged rows, three depths. max_keys: too small a register budget, so the dispatcher
-    merges in a launch first (the path of wide frontiers)."""
-    import kernels.tree_select as tree_select
-    from inference.tree import expand_level
-    from kernels.lm_head_topk import norm_lm_head_topk_partials
-
-    if max_keys is not None:
-        monkeypatch.setattr(tree_select, "MAX_MERGED_KEYS", max_keys)
-    dev = kernel_device()
-    g = torch.Generator().manual_seed(top_k * 10 + children)
-    B, H, V, depth = 2, 32, 600, 3
-    half = torch.randn(V // 2, H, generator=g)
-    weight = torch.cat([half, half])[torch.randperm(V, generator=g)].to(dev)  # every logit tied with one elsewhere
-    norm_weight = (1 + torch.rand(H, generator=g)).to(dev)
-    draft_ids = torch.randperm(2 * V, generator=g)[:V].to(dev)
-    last = torch.randint(3, 40, (B,), generator=g).to(dev)
-    C = top_k + (depth - 1) * top_k * children
-    sides = []
-    for fused in (True, False):
-        cand = Candidates.empty(B, C, dev)
-        index = scores = None
-        drafted, fronts = 0, []
-        gen = torch.Generator().manual_seed(1)
-        for level in range(depth):
-            F_, k = (1, top_k) if level == 0 else (top_k, children)
-            hidden = torch.randn(B, F_, H, generator=gen).to(dev)
-            part = norm_lm_head_topk_partials(hidden, norm_weight, 1e-6, weight, k, block_v=128)  # 5 slices
-            assert part.values.shape == (B * F_, 5, k)
-            assert tree_select.merges_in_expand(part) == (max_keys is None)
-            merged = part.merge()
-            assert (merged[0][..., 0] == merged[0][..., 1]).all()  # each best logit's twin ties with it
-            top = part if fused else merged
-            front = expand_level(top, draft_ids, index, scores, drafted, level, last, cand, top_k)
-            fronts.append(front)
-            drafted += F_ * k
-            index, scores = front.index, front.scores
-        sides.append((cand, fronts))
-    (got, got_fronts), (want, want_fronts) = sides
-    for name, w, o in zip(Candidates._fields, want, got):
-        if name == "scores":
-            torch.testing.assert_close(o, w, rtol=1e-6, atol=1e-6)
-        else:
-            assert torch.equal(o, w), name
-    for w_front, o_front in zip(want_fronts, got_fronts):
-        for name, w, o in zip(w_front._fields, w_front, o_front):
-            assert torch.equal(o, w) if name != "scores" else torch.allclose(o, w, rtol=1e-6, atol=1e-6), name
