@@ -5,9 +5,9 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
     python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400]
 
 Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
-(how finely the cache is split), MAX_BLOCK_S (cache keys per tile) and COMBINE_HEADS (query heads
-a merge program takes); the first variant is the defaults with TF32 products instead of 16-bit
-ones (PRODUCTS_16BIT), a control. (Sessions 19-20 swept MAX_BLOCK_Q and NUM_WARPS: BENCHMARKS.md.)
+(how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32), NUM_WARPS, and 32
+score rows a program (MAX_BLOCK_Q); the first variant is the defaults with TF32 products instead
+of 16-bit ones (PRODUCTS_16BIT), a control. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.)
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
@@ -66,10 +66,12 @@ def main():
     # session 19 timed score rows x 16-bit products (16-bit won: kept in every variant but the
     # defaults' TF32 control); session 20 the split's size, its key tiles and the warps (128 keys
     # and 4 warps won), a merge by the last program and one launch without splits (both lost,
-    # removed from the kernel); session 21 the query heads a merge program takes
+    # removed from the kernel); session 21 the query heads a merge program takes (16 won); session
+    # 22 shorter key tiles (32) with finer splits, two warps, and 32 score rows again
     variants = [dict(defaults)] + [
-        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, COMBINE_HEADS=heads)
-        for programs, block_s, heads in itertools.product((512, 2048), (64, 128), (1, 2, 4, 16))]
+        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
+        for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
+        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
 
     def use(knobs):  # the kernel reads its knobs at each call
