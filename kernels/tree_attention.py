@@ -128,10 +128,19 @@ NUM_WARPS = 4
 # verify over 40 nodes 6.41 against 6.99, over 60 nodes 6.71 against 7.68. In the bench the
 # verify step of a 4-8-40 tree (4 children) went from 0.987 to 0.971 ms.
 COMBINE_HEADS = 16
+# Splits a merge program sums at once (the rest in further chunks of this many). Its tile is
+# [COMBINE_HEADS, splits, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile:
+# 16 slots) makes one chunk, the tile every timing so far used. Summed at once, 32 or 64 split
+# slots took 9.3-10.2 and 34-39 µs a call on an H200 against 5.7-7.3 (session 22's sweep: 64- and
+# 32-key tiles at 1,024 slots; the default 128-key tiles split a 2,048- or 4,096-slot cache the
+# same way): a long context would have paid that in each of a verify step's 30 calls. The chunked
+# sum's own speed at those lengths is not yet timed on a GPU.
+MERGE_SPLIT_CHUNK = 16
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16)}
+          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16),
+          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -305,11 +314,14 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, NH, span, tree_split, tree_end, stride_ot,
-                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr):
+                             D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
+                             SPLIT_CHUNK: tl.constexpr):
         """One (query token, block of BLOCK_H query heads): merge the statistics of the cache splits
         up to the base and of the tree block's tiles (splits tree_split .. tree_end-1). Split 0
         always holds a visible key, so the max is finite; a tree tile's m is -inf where the query
-        sees none of its nodes (the root sees none): weight 0."""
+        sees none of its nodes (the root sees none): weight 0. The partial outputs are summed
+        SPLIT_CHUNK splits at a time: a [BLOCK_H, SPLIT_CHUNK, BLOCK_D] tile whatever the cache's
+        length (MERGE_SPLIT_CHUNK says why)."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         head_ok = heads < NH
@@ -323,8 +335,15 @@ if triton is not None:
         w = tl.where(used, tl.exp(m - top[:, None]), 0.0)  # [BLOCK_H, BLOCK_SPLITS] rescaling of each split
         l = tl.where(head_ok, tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1), 1.0)  # [BLOCK_H]
         dims = tl.arange(0, BLOCK_D)
-        acc = tl.load(acc_ptr + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=used[:, :, None], other=0.0)
-        out = tl.sum(w[:, :, None] * acc, 1) / l[:, None]  # [BLOCK_H, BLOCK_D]
+        out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        for j0 in tl.static_range(0, BLOCK_SPLITS, SPLIT_CHUNK):
+            jc = j0 + tl.arange(0, SPLIT_CHUNK)
+            used_c = ((jc < splits) | ((jc >= tree_split) & (jc < tree_end)))[None, :] & head_ok[:, None]
+            slots_c = start[:, None] + jc[None, :]  # [BLOCK_H, SPLIT_CHUNK]
+            w_c = tl.where(used_c, tl.exp(tl.load(m_ptr + slots_c, mask=used_c, other=float("-inf")) - top[:, None]), 0.0)
+            acc = tl.load(acc_ptr + slots_c[:, :, None] * BLOCK_D + dims[None, None, :], mask=used_c[:, :, None], other=0.0)
+            out += tl.sum(w_c[:, :, None] * acc, 1)
+        out = out / l[:, None]  # [BLOCK_H, BLOCK_D]
         tl.store(out_ptr + token * stride_ot + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None] & (dims < D)[None, :])
 
@@ -391,7 +410,8 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     block_h = min(COMBINE_HEADS, triton.next_power_of_2(nh))
     _tree_combine_kernel[(B * M, triton.cdiv(nh, block_h))](base, m, l, acc, out, M, nh, span, tree_split,
                                                             tree_split + tree_tiles, out.stride(1), D=d, BLOCK_D=block_d,
-                                                            BLOCK_SPLITS=block_splits, BLOCK_H=block_h)
+                                                            BLOCK_SPLITS=block_splits, BLOCK_H=block_h,
+                                                            SPLIT_CHUNK=min(block_splits, MERGE_SPLIT_CHUNK))
     return out
 
 

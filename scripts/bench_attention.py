@@ -2,7 +2,8 @@
 at SmolLM2-135M's shapes (9 query / 3 KV heads of 64) in bf16: the target's verify step over a
 tree of N nodes, and a drafter's level (8 frontier queries over its cache and a candidate buffer).
 
-    python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400]
+    python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400] [--defaults-only]
+    (a long context: --cache 4096 --base 3000)
 
 Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
 (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32), NUM_WARPS, and 32
@@ -58,6 +59,7 @@ def main():
     parser.add_argument("--out", type=Path, default=None, help="write bench_attention.json here")
     parser.add_argument("--cache", type=int, default=1024, help="cache slots S")
     parser.add_argument("--base", type=int, default=400, help="the root's slot (keys visible before the tree)")
+    parser.add_argument("--defaults-only", action="store_true", help="time the defaults alone (no sweep)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
@@ -73,6 +75,8 @@ def main():
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
         dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
+    if args.defaults_only:
+        variants = [dict(defaults)]
 
     def use(knobs):  # the kernel reads its knobs at each call
         for knob, value in knobs.items():
@@ -97,7 +101,7 @@ def main():
             row[label(variant)] = do_bench_cudagraph(lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
         rows.append(row)
         best = min((k for k in row if k != "case"), key=row.get)
-        print(f"{name}: defaults {row[label(variants[0])]:.2f} (TF32) / "
+        print(f"{name}: defaults {row[label(variants[0])]:.2f} {'' if args.defaults_only else '(TF32) '}/ "
               f"{row.get(label(defaults), float('nan')):.2f} µs; best {best}: {row[best]:.2f} µs", flush=True)
     # one number per variant, as a step weighs them: 30 calls of each verify case (one per layer),
     # 5 of each drafter case (one per level)

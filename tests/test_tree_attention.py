@@ -237,3 +237,20 @@ def test_a_bad_tuning_setting_stops_the_process_with_one_line():
                          text=True, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode != 0
     assert run.stderr.strip() == "error: DRAFTSMITH_TREE_ATTENTION: NUM_WARPS='3' is not one of 1, 2, 4, 8"
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("chunk", [16, 4])
+def test_a_long_cache_split_finely_is_merged_chunk_by_chunk(monkeypatch, chunk):
+    """Far more cache splits than a merge program sums at once (44 splits of 16 keys and the
+    tree's tile: 64 split slots, walked MERGE_SPLIT_CHUNK at a time, as a 4,096-slot cache is on a
+    GPU): the same attention as the reference, float32 exactly to 1e-5, for a row whose base
+    reaches the cache's end (every chunk holds splits) and one at base 0."""
+    import kernels.tree_attention as ta
+    monkeypatch.setattr(ta, "MAX_BLOCK_S", 16)
+    monkeypatch.setattr(ta, "TARGET_PROGRAMS", 1 << 16)
+    monkeypatch.setattr(ta, "MERGE_SPLIT_CHUNK", chunk)
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 5, 700, 9, 3, 64, torch.float32, seed=11)
+    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
