@@ -243,9 +243,10 @@ def test_a_bad_tuning_setting_stops_the_process_with_one_line():
 @pytest.mark.parametrize("chunk", [16, 4])
 def test_a_long_cache_split_finely_is_merged_chunk_by_chunk(monkeypatch, chunk):
     """Far more cache splits than a merge program sums at once (44 splits of 16 keys and the
-    tree's tile: 64 split slots, walked MERGE_SPLIT_CHUNK at a time, as a 4,096-slot cache is on a
-    GPU): the same attention as the reference, float32 exactly to 1e-5, for a row whose base
-    reaches the cache's end (every chunk holds splits) and one at base 0."""
+    tree's tile: 64 split slots, walked MERGE_SPLIT_CHUNK at a time, as a 4,096-slot cache's are
+    on a GPU): the same attention as the reference in float32, to 1e-5, for a row whose base
+    reaches the cache's end (its splits fill the first three chunks of 16, the tree's tile
+    included) and one at base 0 (the first split and the tree's tile alone)."""
     import kernels.tree_attention as ta
     monkeypatch.setattr(ta, "MAX_BLOCK_S", 16)
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", 1 << 16)
