@@ -336,6 +336,8 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
 
 def _print_prediction(predicted: Prediction):
     """The promise on the console: per held-out set, greedy chains (and by turn), sampled, trees."""
+    from inference.tree_acceptance import tree_words
+
     for name, held in [(predicted.dataset, predicted.heldout)] + list(predicted.also.items()):
         stats, turns = held.greedy, held.greedy.per_turn or {}
         print(f"predicted acceptance on held-out {name} (k={predicted.k}, T=0): "
@@ -346,8 +348,6 @@ def _print_prediction(predicted: Prediction):
             print(f"  at T={promise.temperature:g}, {promise.verification} verification: tau = "
                   f"{promise.acceptance.tau:.3f} ± {promise.acceptance.tau_se:.3f}")
         for tree in held.trees:
-            from inference.tree_acceptance import tree_words
-
             print(f"  tree {tree_words(tree.shape)} "
                   f"({tree.verify_tokens_per_step} verify tokens per step), T=0: tau = {tree.acceptance.tau:.3f}")
 
