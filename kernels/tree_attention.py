@@ -128,13 +128,13 @@ NUM_WARPS = 4
 # verify over 40 nodes 6.41 against 6.99, over 60 nodes 6.71 against 7.68. In the bench the
 # verify step of a 4-8-40 tree (4 children) went from 0.987 to 0.971 ms.
 COMBINE_HEADS = 16
-# Splits a merge program sums at once (the rest in further chunks of this many). Its tile is
-# [COMBINE_HEADS, splits, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile:
-# 16 slots) makes one chunk, the tile every timing so far used. Summed at once, 32 or 64 split
-# slots took 9.3-10.2 and 34-39 µs a call on an H200 against 5.7-7.3 (session 22's sweep: 64- and
+# Splits a merge program sums at once (the rest in further chunks of this many, an online softmax
+# over chunks; a chunk holding no split its row wrote is skipped). Its tile is [COMBINE_HEADS,
+# this, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile: 16 slots) makes
+# one chunk, the tile every timing up to session 22 used. Summed at once, 32 or 64 split slots
+# took 9.3-10.2 and 34-39 µs a call on an H200 against 5.7-7.3 (session 22's sweep: 64- and
 # 32-key tiles at 1,024 slots; the default 128-key tiles split a 2,048- or 4,096-slot cache the
-# same way): a long context would have paid that in each of a verify step's 30 calls. The chunked
-# sum's own speed at those lengths is not yet timed on a GPU.
+# same way): a long context would have paid that in each of a verify step's 30 calls.
 MERGE_SPLIT_CHUNK = 16
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
@@ -312,38 +312,48 @@ if triton is not None:
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
+    @triton.jit
+    def _merge_chunk(m_ptr, l_ptr, acc_ptr, slots, used, top, l, out, dims, BLOCK_D: tl.constexpr):
+        """Split slots [BLOCK_H, C] (`used` where written) folded into a merge's running max `top`
+        [BLOCK_H], sum `l` and output `out` [BLOCK_H, BLOCK_D] (an online softmax over chunks:
+        what the chunks before summed is rescaled to the new max). `top` starts finite, so an
+        idle head's exp(top - new) is 1, never NaN; a split's m is -inf where its query sees none
+        of its keys (a tree tile and the root): weight 0."""
+        m = tl.load(m_ptr + slots, mask=used, other=float("-inf"))
+        new_top = tl.maximum(top, tl.max(m, 1))
+        alpha = tl.exp(top - new_top)
+        w = tl.where(used, tl.exp(m - new_top[:, None]), 0.0)  # [BLOCK_H, C] rescaling of each split
+        l = l * alpha + tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1)
+        acc = tl.load(acc_ptr + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=used[:, :, None], other=0.0)
+        out = out * alpha[:, None] + tl.sum(w[:, :, None] * acc, 1)
+        return new_top, l, out
+
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, NH, span, tree_split, tree_end, stride_ot,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_H: tl.constexpr,
                              SPLIT_CHUNK: tl.constexpr):
         """One (query token, block of BLOCK_H query heads): merge the statistics of the cache splits
-        up to the base and of the tree block's tiles (splits tree_split .. tree_end-1). Split 0
-        always holds a visible key, so the max is finite; a tree tile's m is -inf where the query
-        sees none of its nodes (the root sees none): weight 0. The partial outputs are summed
-        SPLIT_CHUNK splits at a time: a [BLOCK_H, SPLIT_CHUNK, BLOCK_D] tile whatever the cache's
-        length (MERGE_SPLIT_CHUNK says why)."""
+        up to the base and of the tree block's tiles (splits tree_split .. tree_end-1). The split
+        slots are walked SPLIT_CHUNK at a time, a [BLOCK_H, SPLIT_CHUNK, BLOCK_D] tile whatever
+        the cache's length (MERGE_SPLIT_CHUNK says why), and a chunk that holds no split this row
+        wrote (past the base, before the tree's tiles) is skipped: a row early in a long cache
+        merges its few splits, not the cache's every slot."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         head_ok = heads < NH
         splits = tl.cdiv(tl.load(base_ptr + token // M) + 1, span)
         start = (token * NH + heads) * BLOCK_SPLITS  # [BLOCK_H]
-        j = tl.arange(0, BLOCK_SPLITS)
-        used = ((j < splits) | ((j >= tree_split) & (j < tree_end)))[None, :] & head_ok[:, None]  # [BLOCK_H, BLOCK_SPLITS]
-        slots = start[:, None] + j[None, :]
-        m = tl.load(m_ptr + slots, mask=used, other=float("-inf"))
-        top = tl.where(head_ok, tl.max(m, 1), 0.0)  # (heads past NH hold no split: no -inf - -inf)
-        w = tl.where(used, tl.exp(m - top[:, None]), 0.0)  # [BLOCK_H, BLOCK_SPLITS] rescaling of each split
-        l = tl.where(head_ok, tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1), 1.0)  # [BLOCK_H]
         dims = tl.arange(0, BLOCK_D)
+        top = tl.full([BLOCK_H], -1.0e30, tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
         out = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        for j0 in tl.static_range(0, BLOCK_SPLITS, SPLIT_CHUNK):
-            jc = j0 + tl.arange(0, SPLIT_CHUNK)
-            used_c = ((jc < splits) | ((jc >= tree_split) & (jc < tree_end)))[None, :] & head_ok[:, None]
-            slots_c = start[:, None] + jc[None, :]  # [BLOCK_H, SPLIT_CHUNK]
-            w_c = tl.where(used_c, tl.exp(tl.load(m_ptr + slots_c, mask=used_c, other=float("-inf")) - top[:, None]), 0.0)
-            acc = tl.load(acc_ptr + slots_c[:, :, None] * BLOCK_D + dims[None, None, :], mask=used_c[:, :, None], other=0.0)
-            out += tl.sum(w_c[:, :, None] * acc, 1)
-        out = out / l[:, None]  # [BLOCK_H, BLOCK_D]
+        for j0 in range(0, tree_end, SPLIT_CHUNK):
+            if (j0 < splits) | (j0 + SPLIT_CHUNK > tree_split):
+                jc = j0 + tl.arange(0, SPLIT_CHUNK)
+                used = ((jc < splits) | ((jc >= tree_split) & (jc < tree_end)))[None, :] & head_ok[:, None]
+                top, l, out = _merge_chunk(m_ptr, l_ptr, acc_ptr, start[:, None] + jc[None, :], used, top, l, out, dims,
+                                           BLOCK_D)
+        out = out / tl.where(head_ok, l, 1.0)[:, None]  # [BLOCK_H, BLOCK_D] (heads past NH: no 0 / 0)
         tl.store(out_ptr + token * stride_ot + heads[:, None] * D + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None] & (dims < D)[None, :])
 

@@ -3,7 +3,9 @@ at SmolLM2-135M's shapes (9 query / 3 KV heads of 64) in bf16: the target's veri
 tree of N nodes, and a drafter's level (8 frontier queries over its cache and a candidate buffer).
 
     python scripts/bench_attention.py [--out DIR] [--cache 1024] [--base 400] [--defaults-only]
-    (a long context: --cache 4096 --base 3000)
+        [--nodes 24,40,60] [--candidates 40,200,264]
+    (a long context: --cache 4096 --base 3000; the bench's MT-bench geometry, 20 first turns at
+    256 new tokens with a 4-8-40-4 tree: --cache 512 --base 100,200,300,380 --nodes 40 --candidates 104)
 
 Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
 (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32), NUM_WARPS, and 32
@@ -36,18 +38,19 @@ def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:
     return ancestor_mask(parents[None])[0]
 
 
-def cases(S: int, base: int):
-    """(name, q, k_cache, v_cache, base, tree_k, tree_v, mask) on the GPU."""
+def cases(S: int, base: int, nodes=(24, 40, 60), candidates=(40, 200, 264)):
+    """(name, q, k_cache, v_cache, base, tree_k, tree_v, mask) on the GPU: the verify step over
+    trees of each of `nodes`, a drafter's level over each of `candidates`."""
     dev, bf, g = "cuda", torch.bfloat16, torch.Generator().manual_seed(0)
     nh, nkv, d = 9, 3, 64
     k_cache = torch.randn(1, nkv, S, d, generator=g).to(dev, bf)
     v_cache = torch.randn(1, nkv, S, d, generator=g).to(dev, bf)
     base_t = torch.tensor([base], device=dev)
-    for n in (24, 40, 60):  # the verify step: the root and n nodes, the block in the cache after the root
+    for n in nodes:  # the verify step: the root and n nodes, the block in the cache after the root
         mask = random_tree_mask(n, g)[None].to(dev)  # the nodes' rows (the root, query 0, has none)
         q = torch.randn(1, nh, n + 1, d, generator=g).to(dev, bf)
         yield f"verify, {n} nodes", q, k_cache, v_cache, base_t, None, None, mask
-    for c in (40, 200, 264):  # a drafter's level: 8 frontier nodes over c candidates (4-4-24, 4-8-40, 5-8-40)
+    for c in candidates:  # a drafter's level: 8 frontier nodes over c candidates (4-4-24, 4-8-40, 5-8-40)
         mask = random_tree_mask(c, g)[-8:][None].to(dev)
         q = torch.randn(1, nh, 8, d, generator=g).to(dev, bf)
         tree_k, tree_v = (torch.randn(1, nkv, c, d, generator=g).to(dev, bf) for _ in range(2))
@@ -58,9 +61,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="write bench_attention.json here")
     parser.add_argument("--cache", type=int, default=1024, help="cache slots S")
-    parser.add_argument("--base", type=int, default=400, help="the root's slot (keys visible before the tree)")
+    parser.add_argument("--base", default="400", help="the root's slot (keys visible before the tree); several, "
+                        "comma-separated: every case at each, weighted alike")
+    parser.add_argument("--nodes", default="24,40,60", help="verify cases: trees of these many nodes")
+    parser.add_argument("--candidates", default="40,200,264", help="drafter-level cases: 8 queries over these many "
+                        "candidates (a depth-4 tree of top-k 8 and 4 children drafts 104)")
     parser.add_argument("--defaults-only", action="store_true", help="time the defaults alone (no sweep)")
     args = parser.parse_args()
+    try:
+        bases, nodes, candidates = ([int(x) for x in text.split(",") if x.strip()]
+                                    for text in (args.base, args.nodes, args.candidates))
+    except ValueError as error:
+        raise SystemExit(f"error: --base, --nodes and --candidates take comma-separated integers ({error})") from None
+    if not bases or max(bases) + max(nodes, default=0) >= args.cache or min(bases) < 0:
+        raise SystemExit(f"error: --base {args.base} with trees of {max(nodes, default=0)} nodes does not fit "
+                         f"--cache {args.cache}")
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
@@ -73,7 +88,9 @@ def main():
     variants = [dict(defaults)] + [
         dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
-        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)]
+        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)] + [
+        dict(defaults, TARGET_PROGRAMS=8192, MAX_BLOCK_S=block_s, NUM_WARPS=warps, MERGE_SPLIT_CHUNK=8)
+        for block_s, warps in itertools.product((32, 64), (2, 4))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
     if args.defaults_only:
         variants = [dict(defaults)]
@@ -84,9 +101,11 @@ def main():
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']}")
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']}")
 
-    for name, *operands in cases(args.cache, args.base):
+    all_cases = [(f"{name} (base {base})" if len(bases) > 1 else name, *operands)
+                 for base in bases for name, *operands in cases(args.cache, base, nodes, candidates)]
+    for name, *operands in all_cases:
         reference = ta.tree_attention_reference(*operands).float()
         row = {"case": name}
         for variant in variants:
@@ -113,12 +132,13 @@ def main():
     print(f"best on this GPU: DRAFTSMITH_TREE_ATTENTION={ta.tuning_spec()}")
     use(defaults)
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
-    _, q, k_cache, v_cache, *_ = next(cases(args.cache, args.base))
-    q5 = q[:, :, :5].contiguous()
-    positions = torch.arange(args.base, args.base + 5, device="cuda")[None]
-    chain = do_bench_cudagraph(lambda: decode_attention_triton(q5, k_cache, v_cache, positions), rep=50) * 1000
-    rows.append({"case": "chain verify (decode attention), 5 queries", "decode_attention": chain})
-    print(f"chain verify (decode attention), 5 queries: {chain:.2f} µs")
+    for base in bases:
+        _, q, k_cache, v_cache, *_ = next(cases(args.cache, base, nodes or (8,), ()))
+        q5 = q[:, :, :5].contiguous()
+        positions = torch.arange(base, base + 5, device="cuda")[None]
+        chain = do_bench_cudagraph(lambda: decode_attention_triton(q5, k_cache, v_cache, positions), rep=50) * 1000
+        rows.append({"case": f"chain verify (decode attention), 5 queries (base {base})", "decode_attention": chain})
+        print(f"chain verify (decode attention), 5 queries, base {base}: {chain:.2f} µs")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_attention.json").write_text(json.dumps(rows, indent=1))  # (a wrong variant: Infinity)

@@ -6,6 +6,8 @@
 #                                                     # set), start the recipes in RUNS
 #   bash scripts/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
 #                                                     # and 1, HumanEval's half), then EAGLE-3, DFlash and MTP on their recipes
+#   bash scripts/device_session.sh train MINUTES      # carry .whl .dev2 (after part1): the recipes in RUNS_TRAIN as written
+#                                                     # (default EAGLE-3 alone) on the original answers, nothing regenerated
 #   bash scripts/device_session.sh tree-promise NAME  # a copy of a `fresh` EAGLE-3 export promising trees alone (TREES)
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression test);
 #                                                     # BRING=NAME...: each finished export packed into $OUT as `bring` does
@@ -14,6 +16,7 @@
 # e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
 #                                                     # TUNE_ATTENTION=1: scripts/bench_attention.py first, its best variant exported
+#                                                     # (ATTN_ARGS: its geometry, e.g. the bench's own cache and roots)
 #   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
 #   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
 #                                                     # validations alone, in parallel
@@ -232,6 +235,13 @@ fresh)  # MINUTES: drafters from nothing (carry .dev2, after part1): the held-ou
   tail -n 2 $R/*-train.log
   collect
   ;;
+train)  # MINUTES: the recipes of RUNS_TRAIN as written on the original ShareGPT answers, promising on its
+  # held-out questions' original answers (no regeneration, no held-out answers made first: `fresh` makes those)
+  start_runs "${RUNS_TRAIN:-eagle3:eagle3:orig:0}" "$1"
+  sleep 30
+  tail -n 2 $R/*-train.log
+  collect
+  ;;
 wait)
   limit=$1; t0=$SECONDS
   # once, while the trainings run (the target is whole only after part2): every GPU-only test
@@ -272,7 +282,7 @@ bench)
   [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
   pkill -f "^python3 -m train " && sleep 3
   if [ "${TUNE_ATTENTION:-0}" = 1 ]; then  # time the tree-attention variants first, bench with the best
-    python3 scripts/bench_attention.py --out $R 2>&1 | tee $R/bench_attention.log | tail -8
+    python3 scripts/bench_attention.py --out $R ${ATTN_ARGS:-} 2>&1 | tee $R/bench_attention.log | tail -12
     spec=$(grep -a "^best on this GPU" $R/bench_attention.log | sed 's/.*DRAFTSMITH_TREE_ATTENTION=//')
     [ -n "$spec" ] && export DRAFTSMITH_TREE_ATTENTION=$spec && echo "tree attention: $spec"
   fi
