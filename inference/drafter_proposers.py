@@ -96,15 +96,20 @@ class Eagle3Proposer(HostLoopInterface):
 
         return self.drafter.step(tokens, hidden, positions, attend)
 
-    def _step0(self, tokens, aux, positions):
+    def _step0(self, tokens, aux, positions, aux_rows=None):
         """Step-0 entries of `tokens` [B,q] with target features `aux` [B,q,n*Ht] at `positions`
-        → the drafter's output hidden [B,q,H] (K/V cached)."""
+        → the drafter's output hidden [B,q,H] (K/V cached). aux_rows [B,q]: the features are
+        those rows of aux flattened ([R,n*Ht]: a verified tree's path among its nodes), gathered
+        by the input norm's launch where there is one."""
         aux = aux.to(self.drafter.fc.weight.dtype)
         if self.fused and self.drafter.config.norm_before_fc:  # the fused norm kernel: one launch, not seven
             norm = self.drafter.input_norm
-            fused = self.drafter.fc(rms_norm(aux, norm.weight, norm.eps)[0])
+            if aux_rows is None:
+                fused = self.drafter.fc(rms_norm(aux, norm.weight, norm.eps)[0])
+            else:
+                fused = self.drafter.fc(rms_norm(aux.flatten(0, -2), norm.weight, norm.eps, ids=aux_rows)[0])
         else:
-            fused = self.drafter.fuse(aux)
+            fused = self.drafter.fuse(aux if aux_rows is None else aux.flatten(0, -2)[aux_rows])
         return self._run(tokens, fused, positions)
 
     @torch.no_grad()
@@ -202,13 +207,14 @@ class Eagle3Proposer(HostLoopInterface):
                 hidden = self._run(self.drafts[:, s : s + 1], hidden, positions[:, s : s + 1])
 
     @torch.no_grad()
-    def advance(self, fed, aux, accepted, bonus, active):
-        """fed [B,q] = [t_{N-1}, d_1..d_{q-1}] with target features aux [B,q,n*Ht]; after n =
-        accepted drafts the next tokens are d_1..d_n, bonus, so entries t = N-1 .. N-1+n pair
-        (next token, feature of the fed token at t). Rows not `active` keep their place, so
-        their (ignored) entries never run past the cache."""
+    def advance(self, fed, aux, accepted, bonus, active, aux_rows=None):
+        """fed [B,q] = [t_{N-1}, d_1..d_{q-1}] with target features aux [B,q,n*Ht] (or rows
+        aux_rows [B,q] of aux flattened: `_step0`); after n = accepted drafts the next tokens are
+        d_1..d_n, bonus, so entries t = N-1 .. N-1+n pair (next token, feature of the fed token
+        at t). Rows not `active` keep their place, so their (ignored) entries never run past the
+        cache."""
         nxt, positions = advance_inputs(fed, bonus, accepted, self.last)  # [B,q] each
-        out = self._step0(nxt, aux, positions)  # [B,q,H]
+        out = self._step0(nxt, aux, positions, aux_rows)  # [B,q,H]
         keep_entry(out, positions, accepted, active, self.hidden, self.last, self.chain_positions)
 
 

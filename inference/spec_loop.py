@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from inference.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
 from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
-from kernels.emit import emit, feed
+from kernels.emit import EmitState, emit, feed
 
 
 class SpecLoop:
@@ -79,8 +79,13 @@ class SpecLoop:
         finished rows. Updates lengths, done flags (and `active`, their negation, which the
         proposer's advance reads) and the accepted-length histogram (one launch on a GPU:
         kernels/emit.py)."""
-        emit(drafts, accepted, bonus, self.eos, self.budget, self.tokens, self.length, self.n_out, self.done,
-             self.histogram, self.row_steps, active_out=self.active)
+        emit(drafts, accepted, bonus, *self.emit_state)
+
+    @property
+    def emit_state(self) -> EmitState:
+        """What `emit` updates (the tree's bookkeeping kernel emits into it too)."""
+        return EmitState(self.eos, self.budget, self.tokens, self.length, self.n_out, self.done, self.histogram,
+                         self.row_steps, self.active)
 
     def advance_phase(self):
         # after the step: a row that has just finished keeps its proposer state in place

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import use_kernel
+from kernels.argmax import argmax_chunks
+from kernels.emit import EmitState, emit_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
 from kernels.tree_select import Candidates, Frontier, candidate_depths, expand_level_triton, finalize_triton, \
@@ -434,11 +436,27 @@ def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active
     src, dst, valid = compaction_index(path, base)
     src, dst = compaction_moves(src, dst, valid & active[:, None], slots)
     fed = torch.cat([root[:, None], path_tokens.clamp_min(0)], 1)
-    index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)
+    index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)  # in each row's N + 1 outputs
+    index = index + torch.arange(len(index), device=index.device)[:, None] * (tree_tokens.shape[1] + 1)  # flattened
     return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
 
 
-def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int) -> TreeAccept:
-    """`tree_accept_reference`, through one kernel launch on CUDA tensors."""
-    fn = tree_accept_triton if use_kernel(tree_tokens) else tree_accept_reference
-    return fn(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)
+def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
+                logits=None, emit_into: EmitState | None = None) -> TreeAccept:
+    """`tree_accept_reference`, through one kernel launch on CUDA tensors. logits [B,N+1,V]
+    instead of choice (None): the target's greedy choices, its argmax after the root and each node
+    (on CUDA the argmax's chunk launch, its merge inside the kernel). emit_into: the step is also
+    emitted into the loop's state (kernels/emit.py `emit`; inside the kernel on CUDA)."""
+    if use_kernel(tree_tokens):
+        chunks = None
+        if logits is not None:
+            maxima, columns, _ = argmax_chunks(logits.flatten(0, 1))
+            chunks = (maxima, columns)
+        return tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots,
+                                  chunks=chunks, emit_into=emit_into)
+    if logits is not None:
+        choice = logits.argmax(-1)  # [B,N+1] (ties: the lowest id, as the kernels break them)
+    accepted = tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)
+    if emit_into is not None:
+        emit_reference(accepted.path_tokens, accepted.length, accepted.bonus, *emit_into)
+    return accepted

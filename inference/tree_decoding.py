@@ -33,7 +33,6 @@ from inference.spec_loop import SpecLoop
 from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from inference.verify import sampling_probs
 from kernels import use_kernel
-from kernels.argmax import argmax_rows
 from kernels.emit import feed
 from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
@@ -181,7 +180,6 @@ class TreeLoop(SpecLoop):
         # the verify step's input: the root, then the tree's nodes ([B,N+1], N = total_tokens)
         self.fed_ids = self.fed_ids.new_zeros(batch, proposer.verify_tokens + 1)
         self.fed_positions = torch.zeros_like(self.fed_ids)
-        self.choice = torch.zeros_like(self.fed_ids)  # the target's greedy choice after the root and each node
 
     def draft_phase(self):
         """The tree, in the proposer's buffers: the first draft and the proposer's step are two
@@ -200,19 +198,20 @@ class TreeLoop(SpecLoop):
         if self.temperature > 0:  # one draw from the target after the root and each node, matched down the tree
             probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
             u = torch.rand(probs.shape[:2], device=probs.device, generator=self.generator)
-            choice = sampled_tree_choice(probs, u)
-        else:  # [B,N+1]: chunks of the vocabulary in parallel, then merged (kernels/argmax.py; torch's
-            # one program a row scanned 49,152 logits in ~13 µs on an H200)
-            argmax_rows(logits.flatten(0, 1), self.choice.view(-1))
-            choice = self.choice
-        # the accepted path, what is emitted, the cache's moves and the proposer's next input
-        # (one launch on a GPU: kernels/tree_accept.py)
+            choice, greedy_logits = sampled_tree_choice(probs, u), None
+        else:  # the argmax after the root and each node: on a GPU its chunks in parallel (kernels/argmax.py;
+            # torch's one program a row scanned 49,152 logits in ~13 µs on an H200), merged by the next launch
+            choice, greedy_logits = None, logits
+        # the accepted path, what is emitted, the cache's moves and the proposer's next input, and
+        # the emission itself (one launch on a GPU: kernels/tree_accept.py)
         accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
-                               cache.k.shape[-2])
-        self.emit(accepted.path_tokens, accepted.length, accepted.bonus)
+                               cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state)
         # the accepted path's entries move from their tree slots to the slots after the root
         move_entries(cache.k, cache.v, accepted.src, accepted.dst)  # every layer at once: [L,B,nkv,S,d]
-        # the proposer takes in the path like a chain: [root, path tokens] with their features
-        self.fed = accepted.fed
-        self.aux = None if aux is None else aux.gather(1, accepted.index[..., None].expand(-1, -1, aux.shape[-1]))
+        # the proposer takes in the path like a chain: [root, path tokens] with their features, rows
+        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them
+        self.fed, self.aux, self.aux_rows = accepted.fed, aux, accepted.index
         self.accepted, self.bonus = accepted.length, accepted.bonus
+
+    def advance_phase(self):
+        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, self.active, aux_rows=self.aux_rows)

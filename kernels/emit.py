@@ -14,6 +14,8 @@ end-of-sequence token or `budget` tokens. A done row is left as it is. Writes st
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 try:
@@ -21,6 +23,28 @@ try:
     import triton.language as tl
 except ImportError:
     triton = None
+
+
+class EmitState(NamedTuple):
+    """The device loop's per-row state that `emit` updates (shapes above); active_out [B] bool
+    or None (see `emit`)."""
+    eos: torch.Tensor
+    budget: torch.Tensor
+    tokens: torch.Tensor
+    length: torch.Tensor
+    n_out: torch.Tensor
+    done: torch.Tensor
+    histogram: torch.Tensor
+    row_steps: torch.Tensor
+    active_out: torch.Tensor | None = None
+
+    def check(self):
+        """The kernels' layout: unit steps along the tokens' and histogram's rows, the rest contiguous."""
+        for name in ("tokens", "histogram"):
+            if getattr(self, name).stride(-1) != 1:
+                raise ValueError(f"{name} needs a contiguous last dimension")
+        if not all(t.is_contiguous() for t in self[:2] + self[3:] if t is not None and t is not self.histogram):
+            raise ValueError("the per-row state tensors must be contiguous")
 
 
 def feed_reference(tokens, length, drafts, fed, positions, draft_positions=None):
@@ -61,22 +85,18 @@ def emit_reference(drafts, accepted, bonus, eos, budget, tokens, length, n_out, 
 if triton is not None:
 
     @triton.jit
-    def _emit_kernel(drafts_ptr, accepted_ptr, bonus_ptr, eos_ptr, budget_ptr, tokens_ptr, length_ptr, n_out_ptr,
-                     done_ptr, histogram_ptr, row_steps_ptr, active_ptr, K, E, stride_d, stride_t, stride_h,
-                     BLOCK: tl.constexpr, HAS_ACTIVE: tl.constexpr):
-        """One program per row; BLOCK >= k+1 lanes, lane j is the row's j-th new token.
-        HAS_ACTIVE: also store whether the row is still running (not done) after the step."""
-        row = tl.program_id(0).to(tl.int64)
+    def emit_row(row, j, draft, accepted, bonus, K, E, eos_ptr, budget_ptr, tokens_ptr, length_ptr, n_out_ptr, done_ptr,
+                 histogram_ptr, row_steps_ptr, active_ptr, stride_t, stride_h, HAS_ACTIVE: tl.constexpr):
+        """Row `row`'s emission: lanes j [BLOCK] (BLOCK >= K + 1) are its new tokens, `draft`
+        [BLOCK] its drafts by lane (read below K only), `accepted` of them kept, then `bonus`.
+        HAS_ACTIVE: also store whether the row is still running (not done) after the step. Also
+        the tree's bookkeeping kernel's last part (kernels/tree_accept.py), on its accepted path."""
         if HAS_ACTIVE:  # a done row stays done; a running one is overwritten below when it finishes
             tl.store(active_ptr + row, (tl.load(done_ptr + row) == 0).to(tl.int1))
         if tl.load(done_ptr + row) == 0:
-            j = tl.arange(0, BLOCK)
-            accepted = tl.load(accepted_ptr + row)
-            bonus = tl.load(bonus_ptr + row)
-            draft = tl.load(drafts_ptr + row * stride_d + j, mask=j < K, other=0)
             token = tl.where(j == accepted, bonus, tl.maximum(draft, 0))  # [BLOCK]
             n_new = accepted + 1
-            is_eos = tl.zeros([BLOCK], tl.int1)
+            is_eos = tl.zeros(j.shape, tl.int1)
             for e in range(0, E):
                 is_eos = is_eos | (token == tl.load(eos_ptr + e))
             is_eos = is_eos & (j < n_new)
@@ -95,6 +115,18 @@ if triton is not None:
             tl.store(done_ptr + row, finished.to(tl.int1))
             if HAS_ACTIVE:
                 tl.store(active_ptr + row, (~finished).to(tl.int1))
+
+    @triton.jit
+    def _emit_kernel(drafts_ptr, accepted_ptr, bonus_ptr, eos_ptr, budget_ptr, tokens_ptr, length_ptr, n_out_ptr,
+                     done_ptr, histogram_ptr, row_steps_ptr, active_ptr, K, E, stride_d, stride_t, stride_h,
+                     BLOCK: tl.constexpr, HAS_ACTIVE: tl.constexpr):
+        """One program per row (`emit_row`); BLOCK >= k+1 lanes, lane j is the row's j-th new token."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK)
+        draft = tl.load(drafts_ptr + row * stride_d + j, mask=j < K, other=0)
+        emit_row(row, j, draft, tl.load(accepted_ptr + row), tl.load(bonus_ptr + row), K, E, eos_ptr, budget_ptr,
+                 tokens_ptr, length_ptr, n_out_ptr, done_ptr, histogram_ptr, row_steps_ptr, active_ptr, stride_t,
+                 stride_h, HAS_ACTIVE)
 
 
 if triton is not None:

@@ -9,8 +9,9 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
 
     → TreeAccept: path [B,D] (accepted nodes by depth, -1 padded), length [B], bonus [B],
       path_tokens [B,D] (-1 padded), fed [B,D+1] (root, then the path's tokens, 0 padded: the
-      proposer's next input), index [B,D+1] (0, then 1 + each path node: rows of the verify's
-      outputs for it), src / dst [B,D] (cache slots to move, every slot a move: `compaction_moves`)
+      proposer's next input), index [B,D+1] (its rows of the verify's outputs flattened to
+      [B*(N+1)]: the root's, row b*(N+1), then b*(N+1) + 1 + each path node's), src / dst [B,D]
+      (cache slots to move, every slot a move: `compaction_moves`)
 
 The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compaction_moves): its
 `tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
@@ -30,8 +31,13 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from kernels.argmax import merge_chunks
+    from kernels.emit import emit_row
 except ImportError:
     triton = None
+
+from kernels.emit import EmitState  # noqa: E402
 
 
 class TreeAccept(NamedTuple):
@@ -48,18 +54,41 @@ class TreeAccept(NamedTuple):
 if triton is not None:
 
     @triton.jit
+    def _chunk_choices(best_ptr, cidx_ptr, rows, ok, NSPLIT, BLOCK_S: tl.constexpr):
+        """The argmax of each of `rows` [BLOCK_N] (where `ok`; -1 elsewhere) from its chunks' (maximum,
+        first column) [rows, NSPLIT] (kernels/argmax.py `argmax_chunks`): the first chunk holding the
+        maximum, so the lowest column wins a tie, as `merge_chunks` does for one row."""
+        s = tl.arange(0, BLOCK_S)
+        s_ok = s < NSPLIT
+        best = tl.load(best_ptr + rows[:, None] * NSPLIT + s[None, :], mask=ok[:, None] & s_ok[None, :],
+                       other=float("-inf"))
+        m = tl.max(best, 1)
+        first = tl.min(tl.where(s_ok[None, :] & (best == m[:, None]), s[None, :], BLOCK_S), 1)
+        return tl.load(cidx_ptr + rows * NSPLIT + first, mask=ok, other=-1)
+
+    @triton.jit
     def _tree_accept_kernel(tokens_ptr, parents_ptr, mask_ptr, choice_ptr, base_ptr, root_ptr, active_ptr,
                             path_ptr, length_ptr, bonus_ptr, path_tokens_ptr, fed_ptr, index_ptr, src_ptr, dst_ptr,
                             N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o, stride_base,
-                            stride_root, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes d: depths (BLOCK_D >= D + 1)."""
+                            stride_root, cidx_ptr, NSPLIT, eos_ptr, budget_ptr, out_tokens_ptr, state_length_ptr,
+                            n_out_ptr, done_ptr, histogram_ptr, row_steps_ptr, active_out_ptr, E, stride_ot, stride_h,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FROM_CHUNKS: tl.constexpr,
+                            BLOCK_S: tl.constexpr, EMIT: tl.constexpr, HAS_ACTIVE_OUT: tl.constexpr):
+        """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes d: depths (BLOCK_D >= D + 1).
+        FROM_CHUNKS: the target's choices are the argmax of its logits, given as their chunks'
+        (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the columns),
+        merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted into the
+        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         in_tree = i < N
         token = tl.load(tokens_ptr + row * stride_t + i, mask=in_tree, other=-1)
         parent = tl.load(parents_ptr + row * stride_p + i, mask=in_tree, other=-1)
         # node i matches when its token is the target's choice after its parent
-        after_parent = tl.load(choice_ptr + row * stride_c + parent + 1, mask=in_tree, other=-1)
+        if FROM_CHUNKS:
+            after_parent = _chunk_choices(choice_ptr, cidx_ptr, row * (N + 1) + parent + 1, in_tree, NSPLIT, BLOCK_S)
+        else:
+            after_parent = tl.load(choice_ptr + row * stride_c + parent + 1, mask=in_tree, other=-1)
         match = (token == after_parent) & (token >= 0) & in_tree
         both = in_tree[:, None] & in_tree[None, :]
         sees = tl.load(mask_ptr + row * stride_mb + i[:, None] * stride_mi + i[None, :], mask=both, other=0) != 0
@@ -78,7 +107,11 @@ if triton is not None:
         in_path = d < D
         path_token = tl.load(tokens_ptr + row * stride_t + node, mask=has & in_path, other=-1)
         path_token = tl.where(has, path_token, -1)
-        bonus = tl.load(choice_ptr + row * stride_c + tl.where(length > 0, leaf + 1, 0))
+        after_leaf = tl.where(length > 0, leaf + 1, 0)
+        if FROM_CHUNKS:
+            bonus = merge_chunks(choice_ptr, cidx_ptr, row * (N + 1) + after_leaf, NSPLIT, BLOCK_S)
+        else:
+            bonus = tl.load(choice_ptr + row * stride_c + after_leaf)
         out = row * stride_o
         tl.store(path_ptr + out + d, node, mask=in_path)
         tl.store(path_tokens_ptr + out + d, path_token, mask=in_path)
@@ -91,7 +124,8 @@ if triton is not None:
         fed_token = tl.load(tokens_ptr + row * stride_t + fed_node, mask=on_fed, other=0)
         root = tl.load(root_ptr + row * stride_root)
         tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
-        tl.store(index_ptr + out_fed + d, tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1)), mask=d <= D)
+        local = tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1))  # in the row's N + 1 outputs
+        tl.store(index_ptr + out_fed + d, row * (N + 1) + local, mask=d <= D)
         # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
         # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
         base = tl.load(base_ptr + row * stride_base)
@@ -103,6 +137,10 @@ if triton is not None:
         fill_dst = tl.where(n_valid > 0, base + n_valid, still)
         tl.store(src_ptr + out + d, tl.where(valid, base + 1 + node, fill_src), mask=in_path)
         tl.store(dst_ptr + out + d, tl.where(valid, base + 1 + d, fill_dst), mask=in_path)
+        if EMIT:  # the path's tokens by depth lane (-1 past it), then the bonus
+            emit_row(row, d, path_token, length, bonus, D, E, eos_ptr, budget_ptr, out_tokens_ptr, state_length_ptr,
+                     n_out_ptr, done_ptr, histogram_ptr, row_steps_ptr, active_out_ptr, stride_ot, stride_h,
+                     HAS_ACTIVE_OUT)
 
 
 if triton is not None:
@@ -152,14 +190,29 @@ def move_entries_triton(k_cache, v_cache, src, dst):
     return k_cache, v_cache
 
 
-def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
-                       slots: int) -> TreeAccept:
+def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
+                       chunks=None, emit_into: EmitState | None = None) -> TreeAccept:
+    """choice [B,N+1]; or, with choice None, chunks = (maxima, columns) [B*(N+1), NSPLIT], the
+    verify logits' `argmax_chunks` (kernels/argmax.py), whose merge is done here (a launch fewer).
+    emit_into: the loop's state, into which the step is also emitted (kernels/emit.py's `emit`
+    on the path's tokens, length and bonus; a launch fewer)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, N = tree_tokens.shape
     D = max_depth
     if N > 1024:  # one block holds the row's [N, N] mask
         raise ValueError(f"tree_accept: {N} tree nodes; the kernel takes at most 1,024")
+    if (choice is None) == (chunks is None):
+        raise ValueError("tree_accept: give the target's choices or their argmax chunks, one of the two")
+    if chunks is not None:
+        choice, columns = chunks
+        nsplit = choice.shape[1]
+        if choice.shape != (B * (N + 1), nsplit) or columns.shape != choice.shape or not choice.is_contiguous() \
+                or not columns.is_contiguous():
+            raise ValueError(f"tree_accept: argmax chunks {tuple(choice.shape)} / {tuple(columns.shape)} need one "
+                             f"contiguous [{B * (N + 1)}, NSPLIT] layout")
+    else:
+        columns, nsplit = choice, 1
     for name, t in (("tree_tokens", tree_tokens), ("parents", parents), ("mask", mask), ("choice", choice)):
         if t.stride(-1) != 1:
             raise ValueError(f"tree_accept: {name} needs a contiguous last dimension")
@@ -171,9 +224,21 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
     fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
     length, bonus = (torch.empty(B, dtype=long, device=dev) for _ in range(2))
+    if emit_into is not None:
+        emit_into.check()
+        e = emit_into
+        emit_args = (e.eos, e.budget, e.tokens, e.length, e.n_out, e.done, e.histogram, e.row_steps,
+                     e.done if e.active_out is None else e.active_out, e.eos.numel(), e.tokens.stride(0),
+                     e.histogram.stride(0))
+    else:  # (unread: any tensors stand in)
+        emit_args = (length,) * 9 + (0, 0, 0)
     if B:
-        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active, path, length, bonus, path_tokens, fed, index, src, dst,
-                                  N, D, slots, tree_tokens.stride(0), parents.stride(0), mask.stride(0),
-                                  mask.stride(1), choice.stride(0), D, base.stride(0), root.stride(0),
-                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1))
+        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active, path, length, bonus,
+                                  path_tokens, fed, index, src, dst, N, D, slots, tree_tokens.stride(0),
+                                  parents.stride(0), mask.stride(0), mask.stride(1), choice.stride(0), D,
+                                  base.stride(0), root.stride(0), columns, nsplit, *emit_args,
+                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1),
+                                  FROM_CHUNKS=chunks is not None, BLOCK_S=triton.next_power_of_2(nsplit),
+                                  EMIT=emit_into is not None, HAS_ACTIVE_OUT=emit_into is not None
+                                  and emit_into.active_out is not None)
     return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)

@@ -99,7 +99,7 @@ def main(argv=None):
     proposers["ngram-gpu"] = lambda: GpuNgramProposer(args.k, 1, max_len)
     # an EAGLE-2 tree of the bench's smallest setting (depth 4, top-k 4, 24 nodes): its cache holds 25 verify slots
     tree_len = cache_size(prompts, 16, 24)
-    eagle = _random_drafters(hf)["eagle3"]
+    eagle = _random_drafters(hf)["eagle3-norms"]  # the recipe's input norm before fc (configs/eagle3.yaml)
     proposers["eagle3-tree"] = lambda: EagleTreeProposer(eagle, depth=4, top_k=4, total_tokens=24, batch=1,
                                                          max_len=tree_len, target_config=rt.config)
     lengths = {"eagle3-tree": tree_len}

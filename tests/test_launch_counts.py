@@ -38,8 +38,11 @@ CEILINGS = {
     # slots and mask without launches of their own (RoPE's tree_block, the tree kernel reading
     # node t-1's row for query t: 35 before), then the rows still running from the emit kernel
     # (31 / 60 before), no clearing of the candidates' K/V where the tree kernel runs (it reads
-    # only slots some query sees) and the nodes' positions offset inside the rerank (58 before)
-    "eagle3-tree": {"verify_phase": 30, "proposer_phase": 57},
+    # only slots some query sees) and the nodes' positions offset inside the rerank (58 before);
+    # session 23 the verify's argmax merge and emission inside the tree's bookkeeping kernel, and
+    # the path's features gathered by the drafter's input norm (30 before), the tree now drafted
+    # with the recipe's input norm before fc (configs/eagle3.yaml; its own launch: 57 without)
+    "eagle3-tree": {"verify_phase": 27, "proposer_phase": 58},
 }
 
 

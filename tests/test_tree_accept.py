@@ -79,3 +79,55 @@ def test_move_entries_kernel_matches_reference(dtype, lead, B, nkv, N, D, d):
     assert out[0] is got_k and out[1] is got_v  # in place
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
     assert not torch.equal(want_k, k)  # the case moved something
+
+
+@pytest.mark.parametrize("B,N,D", [(1, 5, 4), (3, 24, 4), (2, 40, 5)])
+def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, N, D):
+    """The verify step's greedy tail in one launch: the target's choices given as its logits'
+    argmax chunks (kernels/argmax.py, merged inside the kernel) and the step emitted by the same
+    launch. The same TreeAccept and the same loop state as argmax, the reference and
+    kernels/emit.py's reference one after another, over 5,000 logits (three chunks, a tie across
+    two of them: the lowest id wins), with a finished row, a row whose path meets the
+    end-of-sequence token and a row one token short of its budget."""
+    from kernels.argmax import argmax_chunks
+    from kernels.emit import EmitState, emit_reference
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(7 * N + B)
+    V, S, eos, budget = 5000, 64, 4, 40
+    accepted_somewhere = 0
+    for case in range(4):
+        parents = random_parents(B, N, g)
+        parents = torch.where(ancestor_mask(parents).sum(-1) > D, -1, parents)
+        mask = ancestor_mask(parents)
+        tokens = torch.randint(2, 6, (B, N), generator=g)  # a tiny set of tokens, the eos among them: long paths
+        tokens[torch.rand(B, N, generator=g) < 0.1] = -1
+        favourite = torch.randint(2, 6, (B, N + 1), generator=g)
+        logits = torch.randn(B, N + 1, V, generator=g)
+        logits.scatter_(2, favourite[..., None], 9.0)
+        logits[0, 0, [favourite[0, 0] + 2048, favourite[0, 0] + 4096]] = 9.0  # the same maximum in three chunks
+        base = torch.randint(0, S - N - 1, (B,), generator=g)
+        root = torch.randint(0, 50, (B,), generator=g)
+        active = torch.ones(B, dtype=torch.bool)
+        state = EmitState(torch.tensor([eos]), torch.tensor([budget]), torch.randint(0, 9, (B, S + D + 1), generator=g),
+                          torch.randint(1, S // 2, (B,), generator=g), torch.randint(0, budget - 8, (B,), generator=g),
+                          torch.zeros(B, dtype=torch.bool), torch.zeros(B, D + 1, dtype=torch.long),
+                          torch.randint(0, 5, (B,), generator=g), torch.ones(B, dtype=torch.bool))
+        state.n_out[0] = budget - 1  # one token left
+        if B > 1:
+            state.done[-1], state.active_out[-1], active[-1] = True, False, False  # a finished row
+        want_state = EmitState(*(t.clone() for t in state))
+        want = tree_accept_reference(tokens, parents, mask, logits.argmax(-1), base, root, active, D, S)
+        emit_reference(want.path_tokens, want.length, want.bonus, *want_state)
+        got_state = EmitState(*(t.clone().to(dev) for t in state))
+        maxima, columns, _ = argmax_chunks(logits.flatten(0, 1).to(dev))
+        got = tree_accept_triton(*(t.to(dev) for t in (tokens, parents, mask)), None,
+                                 *(t.to(dev) for t in (base, root, active)), D, S, chunks=(maxima, columns),
+                                 emit_into=got_state)
+        for name, w, o in zip(want._fields, want, got):
+            assert torch.equal(o.cpu(), w), (name, case, w, o)
+        for name, w, o in zip(state._fields, want_state, got_state):
+            assert torch.equal(o.cpu(), w), (name, case, w, o)
+        assert not torch.equal(want_state.tokens, state.tokens) and not torch.equal(want_state.n_out, state.n_out)
+        accepted_somewhere += int(want.length[:1 if B == 1 else -1].sum())
+    assert accepted_somewhere > 0

@@ -44,7 +44,7 @@ class OracleTree:
         candidates = wrong.scatter(2, slot[..., None], torch.where(hit, right, wrong[..., 0])[..., None])
         return static_tree(self.paths, candidates, self.base)
 
-    def advance(self, fed, aux, accepted, bonus, active):
+    def advance(self, fed, aux, accepted, bonus, active, aux_rows=None):  # (a tree proposer's: TreeLoop)
         self.n_out += torch.where(active, accepted + 1, 0)
         self.base += torch.where(active, accepted + 1, 0)
 
