@@ -14,7 +14,7 @@ from inference.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
 from kernels.argmax import argmax_rows
 from kernels.chain_state import advance_inputs, keep_entry
 from kernels.decode_attention import decode_attention
-from kernels.gemv import few_row_projections, few_rows, gemv, one_row_mode, swiglu_gemv
+from kernels.gemv import gemv, one_row, one_row_mode, swiglu_gemv
 from kernels.lm_head_argmax import norm_lm_head_argmax
 from kernels.rejection_sample import inverse_cdf
 from kernels.rms_norm import rms_norm, rms_norm_pair
@@ -251,8 +251,7 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, hidden, layer.hidden_norm.weight,
                          layer.hidden_norm.eps)
     normed = both[..., H:]
-    # batch 1, one token (or a few where kernels/gemv.py FEW_ROW_PROJECTIONS): the GEMV kernels
-    chain_step = p.one_row_kernels and few_row_projections(both)
+    chain_step = p.one_row_kernels and one_row(both)  # batch 1, one token: the GEMV kernels (kernels/gemv.py)
     qkv = gemv(both, p.qkv_weight) if chain_step else F.linear(both, p.qkv_weight)
     q = rope_cache(qkv, positions, d.inv_freq, p.k_cache, p.v_cache, cfg.num_attention_heads, cfg.num_key_value_heads)
     attn = decode_attention(q, p.k_cache, p.v_cache, positions)  # [B,q,H]
@@ -262,18 +261,7 @@ def _eagle3_layer(p: Eagle3Proposer, tokens, hidden, positions):
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
     if chain_step:  # h += down(silu(gate) * up), the product formed as the down projection reads it
         return swiglu_gemv(gemv(post, p.gate_up_weight), down.weight, h, out=h)
-    return mlp_into(p, h, post)  # h + MLP(post)
-
-
-def mlp_into(p: Eagle3Proposer, h, post):
-    """h += down(silu(gate(post)) * up(post)) in place for EAGLE-3's layer, h and post [B,q,H]:
-    for a few rows (an advance's path, a tree level's frontier) the down projection forms the
-    product as it reads it (kernels/gemv.py `swiglu_gemv`, no silu_mul launch); else cuBLAS."""
-    layer = p.drafter.layers[0]
-    if p.one_row_kernels and few_rows(post):
-        gate_up = gemv(post, p.gate_up_weight) if few_row_projections(post) else F.linear(post, p.gate_up_weight)
-        return swiglu_gemv(gate_up, layer.mlp.down_proj.weight, h, out=h)
-    return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)
+    return swiglu_into(h, post, p.gate_up_weight, down)  # h + MLP(post)
 
 
 class MedusaProposer(HostLoopInterface):

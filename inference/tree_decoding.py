@@ -28,16 +28,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.drafter_proposers import Eagle3Proposer, mlp_into
+from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
 from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
 from inference.verify import sampling_probs
 from kernels import use_kernel
 from kernels.emit import feed
-from kernels.gemv import few_row_projections, gemv
 from kernels.lm_head_topk import norm_lm_head_topk
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
+from kernels.silu_mul import swiglu_into
 from kernels.tree_attention import tree_attention
 from kernels.tree_select import Candidates
 
@@ -155,14 +155,11 @@ def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, f
                          layer.hidden_norm.weight, layer.hidden_norm.eps, x_rows=parent_row, x_out=parent_hidden)
     # q rotated; k rotated and v written to the candidate buffers at the nodes' candidate indices
     # (one launch on a GPU: kernels/rope_cache.py, its slots being the candidate indices)
-    few = p.one_row_kernels and few_row_projections(both)  # kernels/gemv.py FEW_ROW_PROJECTIONS
-    qkv = gemv(both, p.qkv_weight) if few else F.linear(both, p.qkv_weight)
-    q = rope_cache(qkv, positions, d.inv_freq, cand_k, cand_v, nh, nkv, slots=frontier)
-    attn = tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, visible)
-    attn = gemv(attn, layer.self_attn.o_proj.weight) if few else layer.self_attn.o_proj(attn)
+    q = rope_cache(F.linear(both, p.qkv_weight), positions, d.inv_freq, cand_k, cand_v, nh, nkv, slots=frontier)
+    attn = layer.self_attn.o_proj(tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, visible))
     residual = both[..., H:] if layer.norm_before_residual else parent_hidden
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
-    return mlp_into(p, h, post)  # h + MLP(post)
+    return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
 
 
 def _draft_top_k(d, hidden, top_k: int):
