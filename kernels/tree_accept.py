@@ -32,6 +32,7 @@ try:
     import triton
     import triton.language as tl
 
+    from kernels.argmax import merge_chunks
     from kernels.emit import emit_row
 except ImportError:
     triton = None
@@ -54,24 +55,16 @@ if triton is not None:
 
     @triton.jit
     def _chunk_choices(best_ptr, cidx_ptr, rows, ok, NSPLIT, BLOCK_S: tl.constexpr):
-        """The argmax of each of `rows` [R] (where `ok`; -1 elsewhere) from its chunks' (maximum,
+        """The argmax of each of `rows` [BLOCK_N] (where `ok`; -1 elsewhere) from its chunks' (maximum,
         first column) [rows, NSPLIT] (kernels/argmax.py `argmax_chunks`): the first chunk holding the
-        maximum, so the lowest column wins a tie, as `merge_chunks` does for one row. Both tiles
-        are loaded at once (the columns are picked in registers: no load waits for another)."""
+        maximum, so the lowest column wins a tie, as `merge_chunks` does for one row."""
         s = tl.arange(0, BLOCK_S)
-        both = ok[:, None] & (s < NSPLIT)[None, :]
-        at = rows[:, None] * NSPLIT + s[None, :]
-        best = tl.load(best_ptr + at, mask=both, other=float("-inf"))
-        column = tl.load(cidx_ptr + at, mask=both, other=-1)
+        s_ok = s < NSPLIT
+        best = tl.load(best_ptr + rows[:, None] * NSPLIT + s[None, :], mask=ok[:, None] & s_ok[None, :],
+                       other=float("-inf"))
         m = tl.max(best, 1)
-        first = tl.min(tl.where(both & (best == m[:, None]), s[None, :], BLOCK_S), 1)
-        return tl.where(ok, tl.sum(tl.where(s[None, :] == first[:, None], column, 0), 1), -1)
-
-    @triton.jit
-    def _pick(values, lanes, wanted):
-        """values[wanted] for each lane of `wanted` (its values indexes `lanes`; 0 where none
-        matches): a select in registers instead of a load that waits for `wanted`."""
-        return tl.sum(tl.where(lanes[None, :] == wanted[:, None], values[None, :], 0), 1)
+        first = tl.min(tl.where(s_ok[None, :] & (best == m[:, None]), s[None, :], BLOCK_S), 1)
+        return tl.load(cidx_ptr + rows * NSPLIT + first, mask=ok, other=-1)
 
     @triton.jit
     def _tree_accept_kernel(tokens_ptr, parents_ptr, mask_ptr, choice_ptr, base_ptr, root_ptr, active_ptr,
@@ -85,30 +78,20 @@ if triton is not None:
         FROM_CHUNKS: the target's choices are the argmax of its logits, given as their chunks'
         (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the columns),
         merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted into the
-        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
-        Everything the row needs is loaded first, at once; what follows picks from registers (a
-        load whose address waited for an earlier load cost a memory round trip each)."""
+        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         in_tree = i < N
         token = tl.load(tokens_ptr + row * stride_t + i, mask=in_tree, other=-1)
         parent = tl.load(parents_ptr + row * stride_p + i, mask=in_tree, other=-1)
+        # node i matches when its token is the target's choice after its parent
+        if FROM_CHUNKS:
+            after_parent = _chunk_choices(choice_ptr, cidx_ptr, row * (N + 1) + parent + 1, in_tree, NSPLIT, BLOCK_S)
+        else:
+            after_parent = tl.load(choice_ptr + row * stride_c + parent + 1, mask=in_tree, other=-1)
+        match = (token == after_parent) & (token >= 0) & in_tree
         both = in_tree[:, None] & in_tree[None, :]
         sees = tl.load(mask_ptr + row * stride_mb + i[:, None] * stride_mi + i[None, :], mask=both, other=0) != 0
-        base = tl.load(base_ptr + row * stride_base)
-        active = tl.load(active_ptr + row) != 0
-        root = tl.load(root_ptr + row * stride_root)
-        # the target's choice after the root (first) and after each node i (after_node[i])
-        if FROM_CHUNKS:
-            first = row * (N + 1)
-            after_root = tl.sum(_chunk_choices(choice_ptr, cidx_ptr, first + i, i == 0, NSPLIT, BLOCK_S) * (i == 0), 0)
-            after_node = _chunk_choices(choice_ptr, cidx_ptr, first + 1 + i, in_tree, NSPLIT, BLOCK_S)
-        else:
-            after_root = tl.load(choice_ptr + row * stride_c)
-            after_node = tl.load(choice_ptr + row * stride_c + 1 + i, mask=in_tree, other=-1)
-        # node i matches when its token is the target's choice after its parent
-        after_parent = tl.where(parent < 0, after_root, _pick(after_node, i, parent))
-        match = (token == after_parent) & (token >= 0) & in_tree
         # accepted: the node and every ancestor match; its depth: how many it sees
         broken = tl.max((sees & (match[None, :] == 0)).to(tl.int32), 1)  # [BLOCK_N] over i
         depth = tl.sum(sees.to(tl.int32), 1)
@@ -122,8 +105,13 @@ if triton is not None:
         has = tl.sum(at.to(tl.int32), 1) > 0
         node = tl.where(has, tl.sum(tl.where(at, i[None, :], 0), 1), -1)  # [BLOCK_D]
         in_path = d < D
-        path_token = tl.where(has & in_path, _pick(token, i, node), -1)
-        bonus = tl.where(length > 0, tl.sum(tl.where(i == leaf, after_node, 0), 0), after_root)
+        path_token = tl.load(tokens_ptr + row * stride_t + node, mask=has & in_path, other=-1)
+        path_token = tl.where(has, path_token, -1)
+        after_leaf = tl.where(length > 0, leaf + 1, 0)
+        if FROM_CHUNKS:
+            bonus = merge_chunks(choice_ptr, cidx_ptr, row * (N + 1) + after_leaf, NSPLIT, BLOCK_S)
+        else:
+            bonus = tl.load(choice_ptr + row * stride_c + after_leaf)
         out = row * stride_o
         tl.store(path_ptr + out + d, node, mask=in_path)
         tl.store(path_tokens_ptr + out + d, path_token, mask=in_path)
@@ -133,12 +121,15 @@ if triton is not None:
         out_fed = row * (stride_o + 1)
         on_fed = (d >= 1) & (d <= length)
         fed_node = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None]), i[None, :], 0), 1)
-        fed_token = tl.where(on_fed, _pick(token, i, fed_node), 0)
+        fed_token = tl.load(tokens_ptr + row * stride_t + fed_node, mask=on_fed, other=0)
+        root = tl.load(root_ptr + row * stride_root)
         tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
         local = tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1))  # in the row's N + 1 outputs
         tl.store(index_ptr + out_fed + d, row * (N + 1) + local, mask=d <= D)
         # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
         # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
+        base = tl.load(base_ptr + row * stride_base)
+        active = tl.load(active_ptr + row) != 0
         n_valid = tl.where(active, length, 0)
         valid = (d < n_valid) & has
         still = tl.minimum(tl.maximum(base + 1, 0), S - 1)

@@ -250,21 +250,15 @@ if triton is not None:
         `row`: the cache after the root, or a candidate buffer), -inf outside each query's mask row
         (mask_rows [BLOCK_Q]: pointers to them, read where `real`; rows with no mask row see none).
         → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]. Only the nodes some row of the tile
-        sees enter the products (the others' keys and values are zeroed as loaded): whatever a
-        slot no query sees holds, even inf or NaN left by an earlier draft, never reaches them (no
-        buffer to clear first). The keys and values are loaded beside the mask rows, not after
-        them: a load that waited for the mask put a second memory round trip on the tree tile's
-        programs, the slowest of the launch (session 23: ~1 µs a call of the verify's partial
-        launch, 4.4 µs against the chain's decode kernel's 3.3)."""
+        sees are read (the others load as 0): whatever a slot no query sees holds, even inf or
+        NaN left by an earlier draft, never reaches the products (no buffer to clear first)."""
         node_ok = nodes < N
-        offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
-        both = node_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=both, other=0.0)  # [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptr + offs, mask=both, other=0.0)
         seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
-        wanted = (tl.max(seen.to(tl.int32), 0) > 0)[:, None]  # [BLOCK_N, 1] nodes some row of the tile sees
-        k = _operand(tl.where(wanted, k, tl.zeros_like(k)), LOW)  # (in the cache's dtype)
-        v = _operand(tl.where(wanted, v, tl.zeros_like(v)), LOW)
+        wanted = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N] nodes some row of the tile sees
+        offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
+        both = (node_ok & wanted)[:, None] & dim_ok[None, :]
+        k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
+        v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
         s = tl.where(seen, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
         return s, seen, v
 
