@@ -78,7 +78,10 @@ if triton is not None:
         FROM_CHUNKS: the target's choices are the argmax of its logits, given as their chunks'
         (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the columns),
         merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted into the
-        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves."""
+        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
+        (Loading every choice first and picking the path's tokens and choices from registers
+        instead of loading them once known timed no faster on an H200, with another change beside
+        it that lost: session 23.)"""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         in_tree = i < N

@@ -251,7 +251,9 @@ if triton is not None:
         (mask_rows [BLOCK_Q]: pointers to them, read where `real`; rows with no mask row see none).
         → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]. Only the nodes some row of the tile
         sees are read (the others load as 0): whatever a slot no query sees holds, even inf or
-        NaN left by an earlier draft, never reaches the products (no buffer to clear first)."""
+        NaN left by an earlier draft, never reaches the products (no buffer to clear first).
+        (Loading every node's keys and values beside the mask rows and zeroing the unseen ones,
+        so that no load waits for the mask, was 0.2-0.3 µs a call slower on an H200: session 23.)"""
         node_ok = nodes < N
         seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
         wanted = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N] nodes some row of the tile sees
