@@ -12,6 +12,8 @@ index and copy launches a drafter's chain would otherwise pay per step.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import use_kernel
@@ -23,6 +25,10 @@ except ImportError:
     triton = None
 
 CHUNK = 2048  # columns per program of the first launch
+# columns per program as the runtime calls it: CHUNK on a GPU; 16,384 in Triton's CPU interpreter,
+# whose cost is per program (a verify over a 49,152-token vocabulary: 24 programs a row), unless
+# a caller asks for chunks of its own (the kernels' tests take the GPU's)
+RUNTIME_CHUNK = 16384 if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK
 
 
 def argmax_rows_reference(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -70,25 +76,27 @@ if triton is not None:
         tl.store(out_ptr + row * stride_out, choice)
 
 
-def argmax_chunks(x: torch.Tensor):
-    """First launch: x [R,V] → (best [R,NSPLIT] float32, index [R,NSPLIT] int64, NSPLIT)."""
+def argmax_chunks(x: torch.Tensor, chunk: int = RUNTIME_CHUNK):
+    """First launch: x [R,V] → (best [R,NSPLIT] float32, index [R,NSPLIT] int64, NSPLIT), chunks
+    of `chunk` columns (a power of two)."""
     R, V = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    nsplit = triton.cdiv(V, CHUNK)
+    nsplit = triton.cdiv(V, chunk)
     best = torch.empty(R, nsplit, dtype=torch.float32, device=x.device)
     index = torch.empty(R, nsplit, dtype=torch.long, device=x.device)
     if R:
-        _argmax_chunks_kernel[(R, nsplit)](x, best, index, V, x.stride(0), nsplit, CHUNK=CHUNK)
+        _argmax_chunks_kernel[(R, nsplit)](x, best, index, V, x.stride(0), nsplit, CHUNK=chunk)
     return best, index, nsplit
 
 
-def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows_triton(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None,
+                       chunk: int = RUNTIME_CHUNK) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton is not installed")
     if x.dim() != 2 or out.shape != x.shape[:1] or out.dtype != torch.long:
         raise ValueError(f"argmax of x {tuple(x.shape)} into out {tuple(out.shape)} {out.dtype}: need [R,V] and [R] int64")
-    best, index, _ = argmax_chunks(x)
+    best, index, _ = argmax_chunks(x, chunk)
     return merge_chunks_into(best, index, out, ids)
 
 

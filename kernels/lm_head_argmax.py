@@ -40,6 +40,11 @@ BLOCK_H = 64  # hidden columns per tile of the dot
 # which is what a GPU's tensor cores compute for bfloat16 operands (exact products, float32 sums).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_R = 16  # rows of hidden per program (tl.dot's least M; one row pays for 16 of compute, not memory)
+# lm_head rows per program as the runtime calls it: BLOCK_V on a GPU; 1,024 in Triton's CPU
+# interpreter, whose cost is per program (the tests' device loops drafted each chain token through
+# 384 programs of a 49,152-row head: 3.7 s a call), unless a caller asks for slices of its own (the
+# kernel's tests take the GPU's)
+ARGMAX_BLOCK_V = 1024 if INTERPRETED else BLOCK_V
 
 
 def norm_lm_head_argmax_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -91,7 +96,8 @@ if triton is not None:
 
 
 def norm_lm_head_argmax_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                               out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor, ids: torch.Tensor | None = None,
+                               block_v: int = ARGMAX_BLOCK_V) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton is not installed")
     R, H = hidden.shape if hidden.dim() == 2 else (None, None)
@@ -107,13 +113,13 @@ def norm_lm_head_argmax_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, 
         hidden = hidden.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
-    nsplit = triton.cdiv(V, BLOCK_V)
+    nsplit = triton.cdiv(V, block_v)
     best = torch.empty(R, nsplit, dtype=torch.float32, device=hidden.device)
     index = torch.empty(R, nsplit, dtype=torch.long, device=hidden.device)
     if R:
         _norm_gemv_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             hidden, norm_weight, weight, best, index, R, V, H, eps, hidden.stride(0), weight.stride(0), nsplit,
-            IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=BLOCK_V, BLOCK_H=BLOCK_H)
+            IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H)
     return merge_chunks_into(best, index, out, ids)
 
 

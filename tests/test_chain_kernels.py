@@ -19,7 +19,7 @@ def dev():
 def test_norm_lm_head_argmax_matches_reference(dev, dtype, R, H, V, mapped):
     """Rows on both sides of a 16-row block, a hidden size that is no multiple of the tile, a
     vocabulary that is no multiple of the slice; the output a strided column (a chain's)."""
-    from kernels.lm_head_argmax import norm_lm_head_argmax_reference, norm_lm_head_argmax_triton
+    from kernels.lm_head_argmax import BLOCK_V, norm_lm_head_argmax_reference, norm_lm_head_argmax_triton
     from kernels.rms_norm import rms_norm_reference
 
     g = torch.Generator().manual_seed(R * H + V)
@@ -30,7 +30,7 @@ def test_norm_lm_head_argmax_matches_reference(dev, dtype, R, H, V, mapped):
     want = norm_lm_head_argmax_reference(hidden, norm_weight, 1e-5, weight, torch.empty(R, dtype=torch.long,
                                                                                      device=dev), ids)
     buffer = torch.full((R, 3), -7, dtype=torch.long, device=dev)
-    got = norm_lm_head_argmax_triton(hidden, norm_weight, 1e-5, weight, buffer[:, 1], ids)
+    got = norm_lm_head_argmax_triton(hidden, norm_weight, 1e-5, weight, buffer[:, 1], ids, block_v=BLOCK_V)  # the GPU's
     assert (buffer[:, [0, 2]] == -7).all() and torch.equal(buffer[:, 1], got)
     if dtype == torch.float32:
         assert torch.equal(got, want)

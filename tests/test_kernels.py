@@ -152,7 +152,7 @@ def test_head_norm_kernel_matches_reference_in_place(dtype, tol, nh, nkv, rest, 
 @pytest.mark.parametrize("R,V", [(1, 7), (3, 2048), (4, 4099), (2, 16384)])
 @pytest.mark.parametrize("mapped", [False, True])
 def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
-    from kernels.argmax import argmax_rows_reference, argmax_rows_triton
+    from kernels.argmax import CHUNK, argmax_rows_reference, argmax_rows_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(R * V)
@@ -162,12 +162,12 @@ def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
     want = argmax_rows_reference(x, torch.empty(R, dtype=torch.long, device=device), ids)
     # the output a strided column of a bigger buffer, as a drafter's chain writes it
     buffer = torch.full((R, 3), -7, dtype=torch.long, device=device)
-    got = argmax_rows_triton(x, buffer[:, 1], ids)
+    got = argmax_rows_triton(x, buffer[:, 1], ids, chunk=CHUNK)  # the GPU's chunks
     assert torch.equal(got, want) and torch.equal(buffer[:, 1], want)
     assert (buffer[:, [0, 2]] == -7).all()
     # a row of NaN (a broken forward) or of -inf still names a real column, never V
     bad = torch.stack([torch.full((V,), float("nan")), torch.full((V,), float("-inf"))]).to(device, dtype)
-    got = argmax_rows_triton(bad, torch.empty(2, dtype=torch.long, device=device))
+    got = argmax_rows_triton(bad, torch.empty(2, dtype=torch.long, device=device), chunk=CHUNK)
     assert ((got >= 0) & (got < V)).all() and got[1] == 0
 
 

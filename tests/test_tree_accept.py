@@ -89,7 +89,7 @@ def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, 
     kernels/emit.py's reference one after another, over 5,000 logits (three chunks, a tie across
     two of them: the lowest id wins), with a finished row, a row whose path meets the
     end-of-sequence token and a row one token short of its budget."""
-    from kernels.argmax import argmax_chunks
+    from kernels.argmax import CHUNK, argmax_chunks
     from kernels.emit import EmitState, emit_reference
 
     dev = kernel_device()
@@ -120,7 +120,7 @@ def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, 
         want = tree_accept_reference(tokens, parents, mask, logits.argmax(-1), base, root, active, D, S)
         emit_reference(want.path_tokens, want.length, want.bonus, *want_state)
         got_state = EmitState(*(t.clone().to(dev) for t in state))
-        maxima, columns, _ = argmax_chunks(logits.flatten(0, 1).to(dev))
+        maxima, columns, _ = argmax_chunks(logits.flatten(0, 1).to(dev), chunk=CHUNK)  # the GPU's chunks
         got = tree_accept_triton(*(t.to(dev) for t in (tokens, parents, mask)), None,
                                  *(t.to(dev) for t in (base, root, active)), D, S, chunks=(maxima, columns),
                                  emit_into=got_state)
