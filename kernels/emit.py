@@ -178,11 +178,8 @@ def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, don
     B, k = drafts.shape
     if drafts.stride(-1) != 1:  # (a tree's path tokens may be a view)
         drafts = drafts.contiguous()
-    for name, t in (("tokens", tokens), ("histogram", histogram)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dimension")
-    state = (accepted, bonus, eos, budget, length, n_out, done, row_steps) + (() if active_out is None else (active_out,))
-    if not all(t.is_contiguous() for t in state):
+    EmitState(eos, budget, tokens, length, n_out, done, histogram, row_steps, active_out).check()
+    if not (accepted.is_contiguous() and bonus.is_contiguous()):
         raise ValueError("the per-row state tensors must be contiguous")
     if B:
         _emit_kernel[(B,)](drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps,
