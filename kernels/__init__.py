@@ -15,6 +15,10 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
+# Triton's CPU interpreter (TRITON_INTERPRET=1): its cost is per program, and its 16-bit dots are
+# wrong (3.9), so kernels take wider slices and float32 products there
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 def use_kernel(t) -> bool:
     mode = os.environ.get("DRAFTSMITH_KERNELS", "1")

@@ -12,11 +12,9 @@ index and copy launches a drafter's chain would otherwise pay per step.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels import use_kernel
+from kernels import INTERPRETED, use_kernel
 
 try:
     import triton
@@ -28,7 +26,7 @@ CHUNK = 2048  # columns per program of the first launch
 # columns per program as the runtime calls it: CHUNK on a GPU; 16,384 in Triton's CPU interpreter,
 # whose cost is per program (a verify over a 49,152-token vocabulary: 24 programs a row), unless
 # a caller asks for chunks of its own (the kernels' tests take the GPU's)
-RUNTIME_CHUNK = 16384 if os.environ.get("TRITON_INTERPRET") == "1" else CHUNK
+RUNTIME_CHUNK = 16384 if INTERPRETED else CHUNK
 
 
 def argmax_rows_reference(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,7 +43,8 @@ class EmitState(NamedTuple):
         for name in ("tokens", "histogram"):
             if getattr(self, name).stride(-1) != 1:
                 raise ValueError(f"{name} needs a contiguous last dimension")
-        if not all(t.is_contiguous() for t in self[:2] + self[3:] if t is not None and t is not self.histogram):
+        per_row = (self.eos, self.budget, self.length, self.n_out, self.done, self.row_steps, self.active_out)
+        if not all(t.is_contiguous() for t in per_row if t is not None):
             raise ValueError("the per-row state tensors must be contiguous")
 
 

@@ -17,12 +17,10 @@ index. Only the summation order differs from a cuBLAS matmul.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
+from kernels import INTERPRETED, use_kernel
 from kernels.argmax import argmax_rows_reference
 from kernels.rms_norm import rms_norm_reference
 
@@ -36,9 +34,9 @@ except ImportError:
 
 BLOCK_V = 128  # lm_head rows per program: 128 programs for a 16,384-row draft vocabulary
 BLOCK_H = 64  # hidden columns per tile of the dot
-# Triton's CPU interpreter gets 16-bit dots wrong (3.9): there the products are taken in float32,
-# which is what a GPU's tensor cores compute for bfloat16 operands (exact products, float32 sums).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Triton's CPU interpreter (kernels.INTERPRETED) gets 16-bit dots wrong (3.9): there the products
+# are taken in float32, which is what a GPU's tensor cores compute for bfloat16 operands (exact
+# products, float32 sums).
 BLOCK_R = 16  # rows of hidden per program (tl.dot's least M; one row pays for 16 of compute, not memory)
 # lm_head rows per program as the runtime calls it: BLOCK_V on a GPU; 1,024 in Triton's CPU
 # interpreter, whose cost is per program (the tests' device loops drafted each chain token through

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
-from kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V, INTERPRETED
+from kernels import INTERPRETED, use_kernel
+from kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V
 from kernels.rms_norm import rms_norm_reference
 
 try:

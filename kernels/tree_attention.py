@@ -39,9 +39,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
+from kernels import INTERPRETED, use_kernel
 from kernels.decode_attention import grouped_cache_attention
-from kernels.lm_head_argmax import INTERPRETED
 
 try:
     import triton
