@@ -135,18 +135,11 @@ COMBINE_HEADS = 16
 # 32-key tiles at 1,024 slots; the default 128-key tiles split a 2,048- or 4,096-slot cache the
 # same way): a long context would have paid that in each of a verify step's 30 calls.
 MERGE_SPLIT_CHUNK = 16
-# Caches of at most this many slots are attended in one launch: each program walks all of its
-# row's visible cache tiles and the tree's tiles in one online softmax and writes o_proj's input
-# itself, with no split and no merge (0: always split). A short cache has few key tiles, so the
-# parallelism a split buys is small there, while the merge is a launch of its own. (Session 20
-# timed this form at 1,024 slots with the root at 400: 7.68 against 7.31 µs over 60 nodes, before
-# session 21's faster merge; scripts/bench_attention.py times it at the bench's geometry.)
-SINGLE_PASS_SLOTS = 0
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
           "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16),
-          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64), "SINGLE_PASS_SLOTS": (0, 128, 256, 512, 1024, 2048, 4096, 8192)}
+          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -320,48 +313,6 @@ if triton is not None:
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
 
-    # M, N (queries, tree nodes) vary with the tree's size: not specialised on
-    @triton.jit(do_not_specialize=["M", "N"])
-    def _tree_single_pass_kernel(q_ptr, kc_ptr, vc_ptr, base_ptr, kt_ptr, vt_ptr, mask_ptr, out_ptr, M, N, G, scale,
-                                 stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
-                                 stride_tb, stride_th, stride_tt, stride_mb, stride_mq, stride_ob, stride_ot,
-                                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                                 BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr, IEEE: tl.constexpr,
-                                 LOW: tl.constexpr, ROUND_P: tl.constexpr):
-        """One (row, KV head and tile of BLOCK_Q score rows): the cache slots 0 .. base in tiles
-        of BLOCK_S keys, then the tree block's tiles of BLOCK_N nodes under each query's mask
-        row (as `_tree_partial_kernel`'s splits, IN_CACHE alike), one online softmax over all
-        of them; the output goes straight to o_proj's layout [B,M,nh*d] (no merge)."""
-        b = tl.program_id(0).to(tl.int64)
-        kv, t, head, real, dims, dim_ok, q_offs = _tile_setup(b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D, BLOCK_Q)
-        q = _operand(tl.load(q_ptr + q_offs, mask=real[:, None] & dim_ok[None, :], other=0.0), LOW)
-        base = tl.load(base_ptr + b)
-        cache_row = b * stride_cb + kv * stride_ch
-        m = tl.full([BLOCK_Q], -1.0e30, tl.float32)  # finite: slot 0 is always visible, so m ends finite
-        l = tl.zeros([BLOCK_Q], tl.float32)
-        acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
-        m, l, acc = _attend_cache(q, kc_ptr, vc_ptr, cache_row, 0, base + 1, m, l, acc, scale, stride_cs, dims, dim_ok,
-                                  BLOCK_S, IEEE, LOW, ROUND_P)
-        for first in range(0, N, BLOCK_N):
-            nodes = first + tl.arange(0, BLOCK_N)
-            if IN_CACHE:  # node j at cache slot base + 1 + j; query t > 0 is node t-1, the root (t = 0) sees none
-                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs,
-                                        mask_ptr + b * stride_mb + (t - 1) * stride_mq, nodes, N, real & (t > 0),
-                                        dims, dim_ok, scale, IEEE, LOW)
-            else:
-                s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt,
-                                        mask_ptr + b * stride_mb + t * stride_mq, nodes, N, real, dims, dim_ok, scale,
-                                        IEEE, LOW)
-            m_new = tl.maximum(m, tl.max(s, 1))  # m is finite: a query that sees no node of the tile keeps it
-            p = tl.exp(s - m_new[:, None])  # [BLOCK_Q, BLOCK_N], 0 outside each mask row
-            alpha = tl.exp(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot_pv(p, v, IEEE, ROUND_P, vc_ptr.dtype.element_ty)
-            m = m_new
-        out = acc / l[:, None]  # [BLOCK_Q, BLOCK_D]
-        tl.store(out_ptr + b * stride_ob + t[:, None] * stride_ot + head[:, None] * D + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=real[:, None] & dim_ok[None, :])
-
     @triton.jit
     def _merge_chunk(m_ptr, l_ptr, acc_ptr, slots, used, top, l, out, dims, BLOCK_D: tl.constexpr):
         """Split slots [BLOCK_H, C] (`used` where written) folded into a merge's running max `top`
@@ -411,8 +362,7 @@ if triton is not None:
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
                           max_splits: int = MAX_SPLITS):
     """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
-    splits + tree tiles) and the merge over (B*M, nh); one launch over (B, nkv * score-row tiles)
-    for a cache of at most SINGLE_PASS_SLOTS slots. `bias` is the torch path's and is ignored;
+    splits + tree tiles) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
     max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
@@ -448,15 +398,6 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     tiles = triton.cdiv(M * G, block_q)
     block_s, block_d = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
-    ieee, low_operands = q.dtype == torch.float32, low and not INTERPRETED
-    strides = (q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-               tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1))
-    if S <= SINGLE_PASS_SLOTS:  # a short cache: one launch, no split, no merge
-        _tree_single_pass_kernel[(B, nkv * tiles)](
-            q, k_cache, v_cache, base, tree_k, tree_v, mask, out, M, N, G, d ** -0.5, *strides, out.stride(0),
-            out.stride(1), D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_Q=block_q, IN_CACHE=in_cache,
-            IEEE=ieee, LOW=low_operands, ROUND_P=low, num_warps=NUM_WARPS)
-        return out
     tree_tiles = triton.cdiv(N, block_n) if N else 0
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
@@ -472,9 +413,11 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     l = torch.empty_like(m)
     acc = torch.empty(B * M * nh * block_splits, block_d, dtype=torch.float32, device=q.device)
     _tree_partial_kernel[(B, nkv * tiles, tree_split + tree_tiles)](
-        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5, *strides,
+        q, k_cache, v_cache, base, tree_k, tree_v, mask, m, l, acc, M, N, G, nh, span, tree_split, d ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IN_CACHE=in_cache, IEEE=ieee, LOW=low_operands, ROUND_P=low, num_warps=NUM_WARPS)
+        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
     block_h = min(COMBINE_HEADS, triton.next_power_of_2(nh))
     _tree_combine_kernel[(B * M, triton.cdiv(nh, block_h))](base, m, l, acc, out, M, nh, span, tree_split,
                                                             tree_split + tree_tiles, out.stride(1), D=d, BLOCK_D=block_d,

@@ -9,10 +9,8 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
 
 Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
 (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32), NUM_WARPS, and 32
-score rows a program (MAX_BLOCK_Q), and the one-pass form (SINGLE_PASS_SLOTS: no split, no merge)
-with its tiles and warps; the first variant is the defaults with TF32 products instead of 16-bit
-ones (PRODUCTS_16BIT), a control. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.) Last, the
-chain's verify and a plain step through the decode attention and through the one-pass form.
+score rows a program (MAX_BLOCK_Q); the first variant is the defaults with TF32 products instead
+of 16-bit ones (PRODUCTS_16BIT), a control. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.)
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
@@ -87,15 +85,13 @@ def main():
     # and 4 warps won), a merge by the last program and one launch without splits (both lost,
     # removed from the kernel); session 21 the query heads a merge program takes (16 won); session
     # 22 shorter key tiles (32) with finer splits, two warps, and 32 score rows again; session 23
-    # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry:
-    # dropped from the sweep); session 24 one pass without splits nor merge (SINGLE_PASS_SLOTS)
+    # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry)
     variants = [dict(defaults)] + [
-        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps, SINGLE_PASS_SLOTS=0)
+        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
-        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s, SINGLE_PASS_SLOTS=0) for block_s in (64, 128)] + [
-        dict(defaults, SINGLE_PASS_SLOTS=8192, MAX_BLOCK_Q=block_q, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
-        for block_q, block_s, warps in [(16, 64, 4), (16, 128, 4), (16, 128, 8), (16, 128, 2), (32, 128, 4),
-                                        (16, 32, 4)]]
+        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)] + [
+        dict(defaults, TARGET_PROGRAMS=8192, MAX_BLOCK_S=block_s, NUM_WARPS=warps, MERGE_SPLIT_CHUNK=8)
+        for block_s, warps in itertools.product((32, 64), (2, 4))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
     if args.defaults_only:
         variants = [dict(defaults)]
@@ -106,8 +102,7 @@ def main():
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']}"
-                + (f" one pass <= {v['SINGLE_PASS_SLOTS']}" if v["SINGLE_PASS_SLOTS"] else ""))
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']}")
 
     all_cases = [(f"{name} (base {base})" if len(bases) > 1 else name, *operands)
                  for base in bases for name, *operands in cases(args.cache, base, nodes, candidates)]
@@ -137,30 +132,14 @@ def main():
     use(next(v for v in variants if label(v) == min(totals, key=totals.get)))
     print(f"best on this GPU: DRAFTSMITH_TREE_ATTENTION={ta.tuning_spec()}")
     use(defaults)
-    # the chain's verify and a plain step for comparison (5 queries at positions base .. base + 4,
-    # and 1 at base), through the decode attention the runtime runs for them, and through the tree
-    # kernel in one pass (the chain as a path of 4 nodes after the root; plain, a tree of none):
-    # whether the one-pass form would serve chains too
-    path = torch.ones(4, 4, dtype=torch.bool, device="cuda").tril()[None]
+    # the chain's verify for comparison: 5 queries at positions base .. base + 4
     for base in bases:
         _, q, k_cache, v_cache, *_ = next(cases(args.cache, base, nodes or (8,), ()))
-        base_t = torch.tensor([base], device="cuda")
-        for n, name in [(5, "chain verify"), (1, "plain step")]:
-            qn = q[:, :, :n].contiguous()
-            positions = torch.arange(base, base + n, device="cuda")[None]
-            decode = do_bench_cudagraph(lambda: decode_attention_triton(qn, k_cache, v_cache, positions), rep=50) * 1000
-            use(dict(defaults, SINGLE_PASS_SLOTS=8192))
-            mask = path[:, : n - 1, : n - 1].contiguous()
-            torch.testing.assert_close(ta.tree_attention_triton(qn, k_cache, v_cache, base_t, None, None, mask).float(),
-                                       decode_attention_triton(qn, k_cache, v_cache, positions).float(), rtol=2e-2,
-                                       atol=2e-2)
-            one_pass = do_bench_cudagraph(lambda: ta.tree_attention_triton(qn, k_cache, v_cache, base_t, None, None, mask),
-                                          rep=50) * 1000
-            use(defaults)
-            rows.append({"case": f"{name} ({n} queries, base {base})", "decode_attention": decode,
-                         "tree kernel in one pass": one_pass})
-            print(f"{name} ({n} queries), base {base}: decode attention {decode:.2f} µs, the tree kernel in one pass "
-                  f"{one_pass:.2f} µs")
+        q5 = q[:, :, :5].contiguous()
+        positions = torch.arange(base, base + 5, device="cuda")[None]
+        chain = do_bench_cudagraph(lambda: decode_attention_triton(q5, k_cache, v_cache, positions), rep=50) * 1000
+        rows.append({"case": f"chain verify (decode attention), 5 queries (base {base})", "decode_attention": chain})
+        print(f"chain verify (decode attention), 5 queries, base {base}: {chain:.2f} µs")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_attention.json").write_text(json.dumps(rows, indent=1))  # (a wrong variant: Infinity)

@@ -134,52 +134,10 @@ def test_a_verify_block_of_several_tiles_matches_reference():
 
 
 @needs_triton_backend
-@pytest.mark.parametrize("dtype,tol", DTYPES)
-def test_the_single_pass_form_matches_reference(monkeypatch, dtype, tol):
-    """SINGLE_PASS_SLOTS: a short cache attended in one launch (each program walks its row's
-    cache tiles and the tree's tiles in one online softmax, no merge) computes the same attention:
-    odd shapes with ragged rows, a verify block of 70 nodes (two tiles) read from the cache, and a
-    drafter's level over 150 candidates (three tiles, the first row's last node seeing all three);
-    a cache longer than the setting still splits (the same result either way)."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "SINGLE_PASS_SLOTS", 256)
-    monkeypatch.setattr(ta, "MAX_BLOCK_S", 32)  # several key tiles a program for the caches below
-    for B, N, S, nh, nkv, d in [(3, 5, 37, 9, 3, 48), (2, 22, 150, 6, 2, 64), (2, 70, 150, 9, 3, 64)]:
-        args = operands(B, N, S, nh, nkv, d, dtype, seed=N + d)
-        torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
-                                   rtol=tol, atol=tol)
-        q, k_cache, v_cache, base, _, _, mask = verify_operands(B, N, S, nh, nkv, d, dtype, seed=N + d + 1)
-        ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
-        got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
-        assert got.shape == ref.shape == (B, N + 1, nh * d) and got.dtype == dtype
-        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
-    # a drafter's level: 8 frontier queries over 150 candidates, a path through every tile
-    q, k_cache, v_cache, base, tree_k, tree_v, _ = operands(2, 150, 37, 9, 3, 64, dtype, seed=5)
-    parents = random_parents(2, 150, torch.Generator().manual_seed(5))
-    for parent, child in [(2, 65), (65, 130), (130, 149)]:
-        parents[0, child] = parent
-    mask = ancestor_mask(parents).to(q.device)[:, -8:]
-    q = q[:, :, :8].contiguous()
-    torch.testing.assert_close(tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, mask).float(),
-                               tree_attention_reference(q, k_cache, v_cache, base, tree_k, tree_v, mask).float(),
-                               rtol=tol, atol=tol)
-    # past the setting the cache splits: the same attention
-    q, k_cache, v_cache, base, _, _, mask = verify_operands(1, 5, 300, 9, 3, 64, dtype, seed=9)
-    split = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
-    monkeypatch.setattr(ta, "SINGLE_PASS_SLOTS", 512)
-    torch.testing.assert_close(tree_attention_triton(q, k_cache, v_cache, base, None, None, mask).float(),
-                               split.float(), rtol=tol, atol=tol)
-
-
-@needs_triton_backend
-@pytest.mark.parametrize("single_pass_slots", [0, 64])
-def test_unseen_keys_are_never_read(monkeypatch, single_pass_slots):
+def test_unseen_keys_are_never_read():
     """Cache keys past the row's base (past its tree block, when the block is in the cache):
     poisoning them with NaN changes nothing. Tree keys outside a query's mask row are read by the
-    tile its query shares with others, but weigh exactly 0: any finite values change nothing.
-    Split and merged, and in one pass (SINGLE_PASS_SLOTS)."""
-    import kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "SINGLE_PASS_SLOTS", single_pass_slots)
+    tile its query shares with others, but weigh exactly 0: any finite values change nothing."""
     q, k_cache, v_cache, base, tree_k, tree_v, mask = operands(3, 5, 37, 9, 3, 48, torch.float32, seed=7)
     got = tree_attention_triton(q, k_cache, v_cache, base, tree_k, tree_v, mask)
     beyond = torch.arange(37, device=base.device)[None, :] > base[:, None]  # [B,S]
