@@ -118,6 +118,9 @@ PRODUCTS_16BIT = True
 # program of each group after an atomic count (7.50 against 5.85 µs a verify over 24 nodes), and
 # one launch whose programs walk the whole cache and tree with no split nor merge (7.68 against
 # 7.31 µs over 60 nodes: the lost parallelism along the cache costs more than the launch saved).
+# Session 24 timed that one-pass form again at the bench's own geometry (512 slots, roots 52-394,
+# 40 nodes): 6.8-9.8 µs against 5.7-6.3 split and merged, and 8.5-11.4 against 5.6-5.7 for a
+# drafter's level over 104 candidates; each key tile walked in turn costs ~1-2 µs. Removed again.
 MAX_BLOCK_S = 128
 NUM_WARPS = 4
 # Query heads a merge program takes for its token: 1 launches B*M*nh programs (a verify over 60

@@ -85,7 +85,8 @@ def main():
     # and 4 warps won), a merge by the last program and one launch without splits (both lost,
     # removed from the kernel); session 21 the query heads a merge program takes (16 won); session
     # 22 shorter key tiles (32) with finer splits, two warps, and 32 score rows again; session 23
-    # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry)
+    # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry);
+    # session 24 the one-pass form again (no split, no merge) at the bench's geometry: lost, removed
     variants = [dict(defaults)] + [
         dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
