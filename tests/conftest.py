@@ -132,6 +132,27 @@ def two_process_runs(tmp_path_factory):
     return overrides, runs
 
 
+@pytest.fixture(scope="session")
+def zoo_plain_greedy(tokenizer):
+    """The zoo target's (smollm2-135m-instruct, float32) plain greedy decoding of the 20 real
+    prompts (tests/test_speculative.py `_real_prompts`), 16 new tokens in ragged batches of 5,
+    ending at the tokenizer's EOS: (prompts, outputs), computed once for the lossless tests on real
+    prompts that compare against this same reference (the tree's and EAGLE-3's)."""
+    import torch
+
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+    from models.zoo import resolve_target
+    from tests.test_speculative import _real_prompts
+
+    rt = RuntimeModel.from_pretrained(resolve_target("smollm2-135m-instruct"), dtype=torch.float32)
+    prompts = _real_prompts(tokenizer)
+    plain = []
+    for i in range(0, len(prompts), 5):
+        plain.extend(generate(rt, prompts[i : i + 5], 16, eos_ids=(tokenizer.eos_token_id,))[0])
+    return prompts, plain
+
+
 def package_alone(requirement: str):
     """A package with pins draftsmith does not share, installed alone (`pip --no-deps`) into the
     draftsmith cache once, for a test to import in a subprocess: its folder, or a skip saying
