@@ -38,11 +38,12 @@ BLOCK_H = 64  # hidden columns per tile of the dot
 # are taken in float32, which is what a GPU's tensor cores compute for bfloat16 operands (exact
 # products, float32 sums).
 BLOCK_R = 16  # rows of hidden per program (tl.dot's least M; one row pays for 16 of compute, not memory)
-# lm_head rows per program as the runtime calls it: BLOCK_V on a GPU; 1,024 in Triton's CPU
+# lm_head rows per program as the runtime calls it: BLOCK_V on a GPU; 8,192 in Triton's CPU
 # interpreter, whose cost is per program (the tests' device loops drafted each chain token through
-# 384 programs of a 49,152-row head: 3.7 s a call), unless a caller asks for slices of its own (the
+# 384 programs of a 49,152-row head: 3.7 s a call; 48 programs of 1,024 rows: 0.59 s, 6 of 8,192:
+# 0.18 s, still more than one slice to merge), unless a caller asks for slices of its own (the
 # kernel's tests take the GPU's)
-ARGMAX_BLOCK_V = 1024 if INTERPRETED else BLOCK_V
+ARGMAX_BLOCK_V = 8192 if INTERPRETED else BLOCK_V
 
 
 def norm_lm_head_argmax_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,

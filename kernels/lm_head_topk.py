@@ -40,9 +40,11 @@ except ImportError:
 
 MAX_K = 64  # children per node: the merge keeps every slice's k best in one block of lanes
 # lm_head rows per program: 128 on a GPU (as kernels/lm_head_argmax.py: 128 programs for a 16,384-row
-# draft vocabulary); 1,024 in Triton's CPU interpreter, whose cost is per program (CI runs whole
-# tree loops through it), unless a caller asks for slices of its own (the kernel's tests do)
-TOPK_BLOCK_V = 1024 if INTERPRETED else BLOCK_V
+# draft vocabulary); 8,192 in Triton's CPU interpreter, whose cost is per program (CI runs whole
+# tree loops through it: a 49,152-row head in 48 programs of 1,024 rows took 1.24 s a call, in 6 of
+# 8,192 0.25 s, still more than one slice to merge), unless a caller asks for slices of its own
+# (the kernel's tests do)
+TOPK_BLOCK_V = 8192 if INTERPRETED else BLOCK_V
 
 
 def log_softmax_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 GPU, where a small model's step is bound by its number of kernels (2-4 µs each), not by FLOPs.
 
     python scripts/count_launches.py [--k 3] [--only eagle3-tree]   # --only: one proposer, every op listed
+    python scripts/count_launches.py --json --proposers eagle3,mtp  # these proposers alone
 
 Runs the device loop on the tiny random target (float32, `TRITON_INTERPRET=1
 DRAFTSMITH_KERNELS=force`, so every runtime kernel runs as on a GPU) with random drafters of
@@ -66,6 +67,7 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print {proposer: {phase: launches}} as JSON instead")
     ap.add_argument("--only", help="this proposer alone (eagle3, eagle3-tree, ...), every aten op of its phases listed")
+    ap.add_argument("--proposers", help="these proposers alone, comma-separated (default: all of them)")
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -105,8 +107,11 @@ def main(argv=None):
     lengths = {"eagle3-tree": tree_len}
     if args.only and args.only not in proposers:
         ap.error(f"--only {args.only}: not one of {', '.join(proposers)}")
+    chosen = args.proposers.split(",") if args.proposers else list(proposers)
+    if set(chosen) - set(proposers):
+        ap.error(f"--proposers {args.proposers}: not all of them in {', '.join(proposers)}")
     for name, make in proposers.items():
-        if args.only and name != args.only:
+        if (args.only and name != args.only) or name not in chosen:
             continue
         generate(rt, prompts, 8, proposer=make(), max_len=lengths.get(name, max_len))
     if args.json:

@@ -86,6 +86,73 @@ def tiny_overrides(chat_file: str, out_dir, **extra) -> list[str]:
     return [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in base.items()]
 
 
+def train_at_once(*runs, one_thread: bool = False, env: dict | None = None):
+    """Independent training runs (each a list of arguments) started together, each of which must
+    exit 0: a run is mostly one busy core (imports, a tiny model) with waits between its ranks, so
+    two at once on CI's 2 cores take about as long as one. one_thread: each process computes on
+    one thread, as Lightning already gives each rank of a 2-process run on 2 cores (two
+    one-process runs of two threads each on 2 cores spent the time saved spinning on each
+    other's cores). env: variables set for the runs."""
+    import subprocess
+    import sys
+    import tempfile
+
+    started = []
+    for args in runs:
+        err = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: no run waits on a full pipe
+        variables = {**os.environ, **(env or {}), **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
+        started.append((subprocess.Popen([sys.executable, "-m", "train", *args], stdout=subprocess.DEVNULL, stderr=err,
+                                         text=True, env=variables), err))
+    for proc, err in started:
+        proc.wait(timeout=600)
+    for proc, err in started:
+        err.seek(0)
+        assert proc.returncode == 0, err.read()[-3000:]
+        err.close()
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(tmp_path_factory):
+    """The tiny recipe trained 4 steps (checkpoints every 2) on two gloo processes, with
+    trainer.strategy=ddp and with trainer.strategy=fsdp, both at once, once a session for the tests
+    that compare or resume them (tests/test_distributed.py, tests/test_fsdp.py): (overrides, runs)
+    with runs {"ddp": folder, "fsdp": folder} and overrides(out_dir) the arguments they were
+    trained with for another out_dir. Tests resume copies and leave these folders as they are."""
+    root = tmp_path_factory.mktemp("two_process_runs")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(120)))
+
+    def overrides(out_dir):
+        return tiny_overrides(str(chat), out_dir, **{"trainer.max_steps": 4, "checkpoint_every_n_steps": 2})
+
+    runs = {name: root / name for name in ("ddp", "fsdp")}
+    # (the autouse dataset-cache fixture below is a test's, not yet set for a session fixture)
+    train_at_once(*([*overrides(out), f"trainer.strategy={name}", "trainer.devices=2"] for name, out in runs.items()),
+                  env={"HF_DATASETS_CACHE": str(tmp_path_factory.getbasetemp() / "hf_datasets")})
+    return overrides, runs
+
+
+@pytest.fixture(scope="session")
+def zoo_plain_greedy(tokenizer):
+    """The zoo target's (smollm2-135m-instruct, float32) plain greedy decoding of the 20 real
+    prompts (tests/test_speculative.py `_real_prompts`), 16 new tokens in ragged batches of 5,
+    ending at the tokenizer's EOS: (prompts, outputs), computed once for the lossless tests on real
+    prompts that compare against this same reference (the tree's and EAGLE-3's)."""
+    import torch
+
+    from inference.engine import generate
+    from inference.model import RuntimeModel
+    from models.zoo import resolve_target
+    from tests.test_speculative import _real_prompts
+
+    rt = RuntimeModel.from_pretrained(resolve_target("smollm2-135m-instruct"), dtype=torch.float32)
+    prompts = _real_prompts(tokenizer)
+    plain = []
+    for i in range(0, len(prompts), 5):
+        plain.extend(generate(rt, prompts[i : i + 5], 16, eos_ids=(tokenizer.eos_token_id,))[0])
+    return prompts, plain
+
+
 def package_alone(requirement: str):
     """A package with pins draftsmith does not share, installed alone (`pip --no-deps`) into the
     draftsmith cache once, for a test to import in a subprocess: its folder, or a skip saying

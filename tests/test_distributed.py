@@ -1,4 +1,5 @@
 """Rank-aware data sharding and a 2-process (gloo) training run on CPU."""
+import shutil
 import subprocess
 import sys
 
@@ -7,7 +8,6 @@ import pytest
 import torch
 
 from data.module import ResumableBatchSampler
-from tests.conftest import tiny_overrides
 
 
 def test_ranks_never_share_a_sample_within_an_epoch():
@@ -33,16 +33,14 @@ def test_resumed_sampler_continues_the_same_order():
 
 
 @pytest.mark.slow
-def test_two_process_gloo_run_and_single_process_reload(chat_file, tmp_path):
+def test_two_process_gloo_run_and_single_process_reload(two_process_runs, tmp_path):
+    overrides, runs = two_process_runs  # the 2-process DDP run (trainer.strategy=ddp trainer.devices=2; conftest)
     out = tmp_path / "ddp"
-    args = tiny_overrides(chat_file, out, **{"trainer.max_steps": 4, "checkpoint_every_n_steps": 2})
-    ddp = [sys.executable, "-m", "train", *args, "trainer.strategy=ddp", "trainer.devices=2", "trainer.accelerator=cpu"]
-    res = subprocess.run(ddp, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    shutil.copytree(runs["ddp"], out)  # a copy: the run is shared with tests/test_fsdp.py
     ckpt = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == 4
     # the 2-process checkpoint resumes on one process and trains on to step 6
-    single = [sys.executable, "-m", "train", *args, "trainer.max_steps=6", "--resume"]
+    single = [sys.executable, "-m", "train", *overrides(out), "trainer.max_steps=6", "--resume"]
     res = subprocess.run(single, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6

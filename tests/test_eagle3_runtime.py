@@ -106,19 +106,18 @@ def test_drafter_for_another_target_is_refused(tiny_target):
 
 
 @pytest.mark.slow
-def test_lossless_with_eagle3_proposer_on_real_prompts(tokenizer):
+def test_lossless_with_eagle3_proposer_on_real_prompts(tokenizer, zoo_plain_greedy):
     from models.zoo import resolve_target
-    from tests.test_speculative import _real_prompts
 
     path = resolve_target("smollm2-135m-instruct")
     rt = RuntimeModel.from_pretrained(path)
     drafter = _drafter_for(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), vd=4096)
-    prompts = _real_prompts(tokenizer)
+    # the 20 real prompts and plain greedy's outputs, 16 new tokens in these batches of 5 (conftest)
+    prompts, plain = zoo_plain_greedy
     eos = (tokenizer.eos_token_id,)
-    plain, spec = [], []
+    spec = []
     for i in range(0, len(prompts), 5):
         batch = prompts[i : i + 5]
-        plain.extend(generate(rt, batch, 16, eos_ids=eos)[0])
         proposer = Eagle3Proposer(drafter, 3, len(batch), cache_size(batch, 16, 3), target_config=rt.config)
         spec.extend(generate(rt, batch, 16, proposer=proposer, eos_ids=eos)[0])
     assert spec == plain

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.conftest import overfit_one_batch, tiny_overrides
+from tests.conftest import overfit_one_batch, tiny_overrides, train_at_once
 from train.fsdp import ShardingError, is_sharded, keyed_by_index, keyed_by_name, shard_drafter, shard_units
 
 
@@ -164,12 +164,13 @@ def _assert_same_run(a, b, atol=1e-6):
 def test_fsdp_on_one_process_equals_a_plain_run_resumes_and_exports(chat_file, tmp_path):
     plain, fsdp = tmp_path / "plain", tmp_path / "fsdp"
     short = {"trainer.max_steps": 4, "checkpoint_every_n_steps": 2}
-    _train(tiny_overrides(chat_file, plain, **short))
-    _train(tiny_overrides(chat_file, fsdp, **short), "trainer.strategy=fsdp")
+    train_at_once(tiny_overrides(chat_file, plain, **short), [*tiny_overrides(chat_file, fsdp, **short), "trainer.strategy=fsdp"],
+                   one_thread=True)
     _assert_same_run(plain, fsdp)
     # both resume to step 6 (the FSDP checkpoint under FSDP) and still agree
-    _train(tiny_overrides(chat_file, plain, **short), "trainer.max_steps=6", "--resume")
-    _train(tiny_overrides(chat_file, fsdp, **short), "trainer.strategy=fsdp", "trainer.max_steps=6", "--resume")
+    train_at_once([*tiny_overrides(chat_file, plain, **short), "trainer.max_steps=6", "--resume"],
+                   [*tiny_overrides(chat_file, fsdp, **short), "trainer.strategy=fsdp", "trainer.max_steps=6", "--resume"],
+                   one_thread=True)
     _assert_same_run(plain, fsdp)
     # the FSDP checkpoint exports on its own and passes the check
     res = subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(fsdp / "checkpoints" / "last.ckpt"),
@@ -181,15 +182,16 @@ def test_fsdp_on_one_process_equals_a_plain_run_resumes_and_exports(chat_file, t
 
 
 @pytest.mark.slow
-def test_fsdp_on_two_gloo_processes_equals_ddp_and_reloads_on_one(chat_file, tmp_path):
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    short = {"trainer.max_steps": 4, "checkpoint_every_n_steps": 2}
-    _train(tiny_overrides(chat_file, ddp, **short), "trainer.strategy=ddp", "trainer.devices=2")
-    _train(tiny_overrides(chat_file, fsdp, **short), "trainer.strategy=fsdp", "trainer.devices=2")
+def test_fsdp_on_two_gloo_processes_equals_ddp_and_reloads_on_one(two_process_runs, tmp_path):
+    import shutil
+
+    overrides, runs = two_process_runs  # 2-process DDP and FSDP runs of 4 steps (conftest)
+    ddp, fsdp = runs["ddp"], runs["fsdp"]
     _assert_same_run(ddp, fsdp)
-    # the 2-process FSDP checkpoint resumes on one process without FSDP
-    _train(tiny_overrides(chat_file, fsdp, **short), "trainer.max_steps=5", "--resume")
-    assert _checkpoint(fsdp)["global_step"] == 5
+    # the 2-process FSDP checkpoint resumes on one process without FSDP (a copy: the runs are shared)
+    shutil.copytree(fsdp, tmp_path / "fsdp")
+    _train(overrides(tmp_path / "fsdp"), "trainer.max_steps=5", "--resume")
+    assert _checkpoint(tmp_path / "fsdp")["global_step"] == 5
 
 
 # ----------------------------------------------------------------------------- on a GPU

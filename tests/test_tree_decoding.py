@@ -68,10 +68,12 @@ def _random_eagle3(hf):
     return d.eval()
 
 
-def _check_lossless(rt, hf, prompts, max_new, eos, batch):
-    plain = []
-    for i in range(0, len(prompts), batch):
-        plain.extend(generate(rt, prompts[i : i + batch], max_new, eos_ids=eos)[0])
+def _check_lossless(rt, hf, prompts, max_new, eos, batch, plain=None):
+    """plain: plain greedy's outputs for these prompts (computed here in batches of `batch` when None)."""
+    if plain is None:
+        plain = []
+        for i in range(0, len(prompts), batch):
+            plain.extend(generate(rt, prompts[i : i + batch], max_new, eos_ids=eos)[0])
     drafter = _random_eagle3(hf)
     deep = 0
     for name in ("oracle", "eagle3", "eagle3, 2 children"):  # the last: kept nodes expanded into fewer children
@@ -174,17 +176,17 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
 
 
 @pytest.mark.slow
-def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer):
-    """float32, zoo target, 20 real prompts in ragged batches of 5."""
+def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer, zoo_plain_greedy):
+    """float32, zoo target, 20 real prompts in ragged batches of 5 (plain greedy's outputs, 16
+    new tokens in the same batches, from the session's fixture: conftest zoo_plain_greedy)."""
     from models.zoo import resolve_target
-    from tests.test_speculative import _real_prompts
 
     path = resolve_target("smollm2-135m-instruct")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     rt = RuntimeModel.from_pretrained(path, dtype=torch.float32)
-    prompts = _real_prompts(tokenizer)
+    prompts, plain = zoo_plain_greedy
     assert len(prompts) >= 20
-    _check_lossless(rt, hf, prompts, 16, (tokenizer.eos_token_id,), batch=5)
+    _check_lossless(rt, hf, prompts, 16, (tokenizer.eos_token_id,), batch=5, plain=plain)
 
 
 @pytest.mark.gpu
