@@ -253,9 +253,36 @@ def _unknown(key: str, known) -> ConfigError:
 
 
 def _trainer_keys() -> set[str]:
-    import lightning
+    """lightning.Trainer's keyword arguments, read from the installed Trainer's source: importing
+    lightning takes 6-8 s on a 2-core machine, and a recipe's bad key should be one quick line.
+    Where the source is not found or not as expected, lightning itself says."""
+    names = _trainer_keys_from_source()
+    if names is None:
+        import lightning
 
-    return set(inspect.signature(lightning.Trainer.__init__).parameters) - {"self"}
+        names = set(inspect.signature(lightning.Trainer.__init__).parameters)
+    return names - {"self"}
+
+
+def _trainer_keys_from_source() -> set[str] | None:
+    import ast
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("lightning")  # (finds the package without running it)
+        source = Path(next(iter(spec.submodule_search_locations)), "pytorch", "trainer", "trainer.py").read_text()
+        tree = ast.parse(source)
+    except (AttributeError, StopIteration, TypeError, OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    if args.vararg or args.kwarg:  # a **kwargs would pass keys the source does not name
+                        return None
+                    return {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    return None
 
 
 def _build(cls, raw: dict, prefix: str):
