@@ -19,18 +19,25 @@ GQA: query head h reads KV head h // (nh / nkv), as transformers' repeat_kv orde
 base_positions must lie in 0..S-1, and base + N in 0..S-1 when the block is in the cache (not
 checked: that would be a host sync). Cache slots past the base (past the block) are never read;
 tree keys outside a query's mask row are read with its tile and weigh exactly 0, so they must be
-finite (they are: written this step).
+finite (in the cache they are: written this step; a candidate buffer's unseen slots are not
+even read).
 
-Why a kernel: the torch form is one SDPA call over the whole cache under a dense additive mask
+Why kernels: the torch form is one SDPA call over the whole cache under a dense additive mask
 [B,1,g*M,S] (plus the mask's own ~10 launches), as a chain verify step was before
-decode_attention. Here, as in decode_attention, the g*M score rows of a KV head are one tile
-(tl.dot), so each cache key up to the base is read once per tile, not once per (query, head);
-the cache is cut into splits that run in parallel (flash-decoding; as many as the rows, heads
-and tiles leave the GPU room for), each an online softmax over tiles of keys; the tree block is
-cut into tiles of at most 64 nodes, one more split each, under its own mask; a second launch
-merges the splits into o_proj's layout, in float32. (The tree block was one split of one tile
-once: a drafter's candidate buffer of 264 nodes, depth 5 with top-k 8, made it a 64 x 512 tile
-that took ~30 us a level on an H200, against ~6 us for 200 nodes.)
+decode_attention. The verify step's form goes through decode_attention's own kernels
+(kernels/decode_attention.py): the cache and the block after the root are cut alike into chunks
+scored in parallel, the chunks holding tree slots reading each query's mask row beside their
+keys, and merged by a second launch. The drafter's form is the kernel below: as in
+decode_attention, the g*M score rows of a KV head are one tile (tl.dot), so each cache key up to
+the base is read once per tile, not once per (query, head); the cache is cut into splits that
+run in parallel (flash-decoding; as many as the rows, heads and tiles leave the GPU room for),
+each an online softmax over tiles of keys; the candidate buffer is cut into tiles of at most 64
+nodes, one more split each, under its own mask; a second launch merges the splits into o_proj's
+layout, in float32. (The buffer was one split of one tile once: 264 candidates, depth 5 with
+top-k 8, made it a 64 x 512 tile that took ~30 us a level on an H200, against ~6 us for 200.)
+(Until session 25 the verify step's block was also tiles of this kernel, read from the cache:
+on an H200 at the bench's geometry, 512 slots and 40 nodes, 5.6-5.8 us a call against 5.2-5.6
+through decode_attention's chunks, and a tree verify step 0.992 against 0.977 ms: BENCHMARKS.md.)
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import INTERPRETED, use_kernel
-from kernels.decode_attention import grouped_cache_attention
+from kernels.decode_attention import decode_attention_triton, grouped_cache_attention
 
 try:
     import triton
@@ -100,7 +107,7 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 # 21's best with COMBINE_HEADS below, within 0.3 % of 512 (at its 1,024-slot cache the key tiles
 # bound the split either way; a longer cache may split into one tile a split for more rows).
 TARGET_PROGRAMS = 2048
-MAX_SPLITS = 63  # + a verify step's tree block (one tile): 64 split slots, a power of two for the merge
+MAX_SPLITS = 63  # + a candidate buffer's tile: 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
 # Tuning knobs for scripts/bench_attention.py, which times the variants on a GPU: the most score
 # rows a program takes (a verify step of 41 queries x 3 heads per KV head is 123 rows: two tiles
@@ -138,11 +145,21 @@ COMBINE_HEADS = 16
 # 32-key tiles at 1,024 slots; the default 128-key tiles split a 2,048- or 4,096-slot cache the
 # same way): a long context would have paid that in each of a verify step's 30 calls.
 MERGE_SPLIT_CHUNK = 16
+# The verify step's form, through decode_attention's kernels: CHUNKED_BLOCK_Q score rows a
+# program, CHUNKED_HEADS query heads a merge program, the cache cut into at most
+# CHUNKED_MAX_CHUNKS chunks of 32 slots or more (PRODUCTS_16BIT and MERGE_SPLIT_CHUNK as above).
+# Timed in session 25 (scripts/bench_attention.py, H200, bf16, 40 nodes): 16 rows and a token's
+# heads in one merge program won at 512 and 768 slots (5.2-5.8 us a call); 1 head a program
+# 0.3-1.0 us slower, 64 or 32 rows up to 1.3 us; at 4,096 slots 32 rows led by 1-2 %.
+CHUNKED_BLOCK_Q = 16
+CHUNKED_HEADS = 16
+CHUNKED_MAX_CHUNKS = 64
 # the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
 # are at least 16 wide)
 TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
           "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16),
-          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64)}
+          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64), "CHUNKED_BLOCK_Q": (16, 32, 64),
+          "CHUNKED_HEADS": (1, 2, 4, 8, 16), "CHUNKED_MAX_CHUNKS": (8, 16, 32, 64)}
 
 
 def apply_tuning(spec: str) -> dict:
@@ -179,6 +196,7 @@ except ValueError as error:  # a bad setting stops the process with one line, be
 
 
 if triton is not None:
+    from kernels.decode_attention import _merge_chunk  # the merges' online softmax over chunks of splits
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
@@ -246,11 +264,11 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _tree_tile(q, k_ptr, v_ptr, row, first_slot, stride_n, mask_rows, nodes, N, real, dims, dim_ok, scale,
+    def _tree_tile(q, k_ptr, v_ptr, row, stride_n, mask_rows, nodes, N, real, dims, dim_ok, scale,
                    IEEE: tl.constexpr, LOW: tl.constexpr):
-        """Scores of a tile of tree nodes `nodes` [BLOCK_N] (node j's K/V at slot first_slot + j of
-        `row`: the cache after the root, or a candidate buffer), -inf outside each query's mask row
-        (mask_rows [BLOCK_Q]: pointers to them, read where `real`; rows with no mask row see none).
+        """Scores of a tile of tree nodes `nodes` [BLOCK_N] (node j's K/V at slot j of `row`, a
+        candidate buffer), -inf outside each query's mask row (mask_rows [BLOCK_Q]: pointers to
+        them, read where `real`).
         → s [BLOCK_Q, BLOCK_N], seen, v [BLOCK_N, BLOCK_D]. Only the nodes some row of the tile
         sees are read (the others load as 0): whatever a slot no query sees holds, even inf or
         NaN left by an earlier draft, never reaches the products (no buffer to clear first).
@@ -259,7 +277,7 @@ if triton is not None:
         node_ok = nodes < N
         seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
         wanted = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N] nodes some row of the tile sees
-        offs = row + (first_slot + nodes)[:, None] * stride_n + dims[None, :]
+        offs = row + nodes[:, None] * stride_n + dims[None, :]
         both = (node_ok & wanted)[:, None] & dim_ok[None, :]
         k = _operand(tl.load(k_ptr + offs, mask=both, other=0.0), LOW)  # [BLOCK_N, BLOCK_D]
         v = _operand(tl.load(v_ptr + offs, mask=both, other=0.0), LOW)
@@ -273,14 +291,13 @@ if triton is not None:
                              stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs,
                              stride_tb, stride_th, stride_tt, stride_mb, stride_mq,
                              D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IN_CACHE: tl.constexpr,
+                             BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr,
                              IEEE: tl.constexpr, LOW: tl.constexpr, ROUND_P: tl.constexpr):
         """One (row, KV head and tile of BLOCK_Q score rows, split). Splits 0 .. tree_split-1
         cover `span` cache slots each (a multiple of BLOCK_S), all visible up to the base, in
         tiles of BLOCK_S keys with an online softmax (splits past the base do nothing); split
-        tree_split + i is tile i of the tree block (nodes i*BLOCK_N .., under each query's mask
-        row; IN_CACHE: query 0 is the root, which has none, and query t reads row t-1). Each writes
-        per (query, head) softmax statistics for the merge."""
+        tree_split + i is tile i of the candidate buffer (nodes i*BLOCK_N .., under each query's
+        mask row). Each writes per (query, head) softmax statistics for the merge."""
         b = tl.program_id(0).to(tl.int64)
         split = tl.program_id(2)
         kv, t, head, real, dims, dim_ok, q_offs = _tile_setup(b, M, G, stride_qb, stride_qh, stride_qt, D, BLOCK_D, BLOCK_Q)
@@ -291,15 +308,10 @@ if triton is not None:
         if split >= tree_split:
             q = _operand(tl.load(q_ptr + q_offs, mask=q_ok, other=0.0), LOW)  # [BLOCK_Q, BLOCK_D]
             nodes = (split - tree_split) * BLOCK_N + tl.arange(0, BLOCK_N)
-            if IN_CACHE:  # node j at cache slot base + 1 + j; query t > 0 is node t-1, the root (t = 0) sees none
-                mask_rows = mask_ptr + b * stride_mb + (t - 1) * stride_mq
-                s, seen, v = _tree_tile(q, kc_ptr, vc_ptr, cache_row, base + 1, stride_cs, mask_rows, nodes, N,
-                                        real & (t > 0), dims, dim_ok, scale, IEEE, LOW)
-            else:
-                mask_rows = mask_ptr + b * stride_mb + t * stride_mq
-                s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, 0, stride_tt, mask_rows,
-                                        nodes, N, real, dims, dim_ok, scale, IEEE, LOW)
-            m = tl.max(s, 1)  # -inf for a query that sees no node of the tile (the root): weight 0 in the merge
+            mask_rows = mask_ptr + b * stride_mb + t * stride_mq
+            s, seen, v = _tree_tile(q, kt_ptr, vt_ptr, b * stride_tb + kv * stride_th, stride_tt, mask_rows, nodes, N,
+                                    real, dims, dim_ok, scale, IEEE, LOW)
+            m = tl.max(s, 1)  # -inf for a query that sees no node of the tile: weight 0 in the merge
             p = tl.where(seen, tl.exp(s - tl.where(m == float("-inf"), 0.0, m)[:, None]), 0.0)
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, tl.sum(p, 1), mask=real)
@@ -315,22 +327,6 @@ if triton is not None:
             tl.store(m_ptr + slot, m, mask=real)
             tl.store(l_ptr + slot, l, mask=real)
             tl.store(acc_ptr + slot[:, None] * BLOCK_D + dims[None, :], acc, mask=real[:, None])
-
-    @triton.jit
-    def _merge_chunk(m_ptr, l_ptr, acc_ptr, slots, used, top, l, out, dims, BLOCK_D: tl.constexpr):
-        """Split slots [BLOCK_H, C] (`used` where written) folded into a merge's running max `top`
-        [BLOCK_H], sum `l` and output `out` [BLOCK_H, BLOCK_D] (an online softmax over chunks:
-        what the chunks before summed is rescaled to the new max). `top` starts finite, so an
-        idle head's exp(top - new) is 1, never NaN; a split's m is -inf where its query sees none
-        of its keys (a tree tile and the root): weight 0."""
-        m = tl.load(m_ptr + slots, mask=used, other=float("-inf"))
-        new_top = tl.maximum(top, tl.max(m, 1))
-        alpha = tl.exp(top - new_top)
-        w = tl.where(used, tl.exp(m - new_top[:, None]), 0.0)  # [BLOCK_H, C] rescaling of each split
-        l = l * alpha + tl.sum(w * tl.load(l_ptr + slots, mask=used, other=0.0), 1)
-        acc = tl.load(acc_ptr + slots[:, :, None] * BLOCK_D + dims[None, None, :], mask=used[:, :, None], other=0.0)
-        out = out * alpha[:, None] + tl.sum(w[:, :, None] * acc, 1)
-        return new_top, l, out
 
     @triton.jit(do_not_specialize=["M", "span", "tree_split", "tree_end"])
     def _tree_combine_kernel(base_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, M, NH, span, tree_split, tree_end, stride_ot,
@@ -364,9 +360,11 @@ if triton is not None:
 
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
                           max_splits: int = MAX_SPLITS):
-    """Two launches whatever the tree: the partial kernel over (B, nkv * score-row tiles, cache
-    splits + tree tiles) and the merge over (B*M, nh). `bias` is the torch path's and is ignored;
-    max_splits caps the cache splits (tests lower it so that one split loops over several tiles)."""
+    """Two launches whatever the tree. The verify step's form (tree_k None): decode_attention's
+    partial and merge kernels under the tree's mask. A drafter's: the partial kernel over (B, nkv
+    * score-row tiles, cache splits + candidate tiles) and the merge over (B*M, blocks of query
+    heads). `bias` is the torch path's and is ignored; max_splits caps a drafter's cache splits
+    (tests lower it so that one split loops over several tiles)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, M, d = q.shape
@@ -381,11 +379,12 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         raise ValueError(f"tree k/v {tuple(tree_k.shape)} do not fit the mask's {N} nodes")
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
-    in_cache = tree_k is None
-    if in_cache:  # unused pointers and strides: the cache's stand in
-        tree_k, tree_v = k_cache, v_cache
-    else:
-        tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
+    if tree_k is None:  # the verify step's form: decode_attention's chunks, the mask read beside the keys
+        return decode_attention_triton(q, k_cache, v_cache, base_positions, tree_mask=tree_mask,
+                                       max_block_q=CHUNKED_BLOCK_Q, low_products=PRODUCTS_16BIT,
+                                       combine_heads=CHUNKED_HEADS, merge_chunk=MERGE_SPLIT_CHUNK,
+                                       max_chunks=CHUNKED_MAX_CHUNKS)
+    tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
     # bool pointers load as int1; a byte view is plainer and costs no launch
     mask = tree_mask.contiguous()
     mask = mask.view(torch.int8) if mask.dtype == torch.bool else mask
@@ -420,7 +419,7 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IN_CACHE=in_cache, IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
+        IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
     block_h = min(COMBINE_HEADS, triton.next_power_of_2(nh))
     _tree_combine_kernel[(B * M, triton.cdiv(nh, block_h))](base, m, l, acc, out, M, nh, span, tree_split,
                                                             tree_split + tree_tiles, out.stride(1), D=d, BLOCK_D=block_d,

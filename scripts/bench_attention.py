@@ -7,10 +7,12 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
     (a long context: --cache 4096 --base 3000; the bench's MT-bench geometry, 20 first turns at
     256 new tokens with a 4-8-40-4 tree: --cache 512 --base 100,200,300,380 --nodes 40 --candidates 104)
 
-Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults, sweeping TARGET_PROGRAMS
-(how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32), NUM_WARPS, and 32
-score rows a program (MAX_BLOCK_Q); the first variant is the defaults with TF32 products instead
-of 16-bit ones (PRODUCTS_16BIT), a control. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.)
+Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults. The drafter's form:
+TARGET_PROGRAMS (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32),
+NUM_WARPS, and 32 score rows a program (MAX_BLOCK_Q); the first variant is the defaults with TF32
+products instead of 16-bit ones (PRODUCTS_16BIT, both forms), a control. The verify step's form
+(decode_attention's chunks under the tree's mask): CHUNKED_BLOCK_Q score rows, CHUNKED_HEADS query
+heads a merge program, CHUNKED_MAX_CHUNKS. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.)
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
@@ -86,13 +88,16 @@ def main():
     # removed from the kernel); session 21 the query heads a merge program takes (16 won); session
     # 22 shorter key tiles (32) with finer splits, two warps, and 32 score rows again; session 23
     # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry);
-    # session 24 the one-pass form again (no split, no merge) at the bench's geometry: lost, removed
+    # session 24 the one-pass form again (no split, no merge) at the bench's geometry: lost, removed;
+    # session 25 the verify step through decode_attention's chunks (won: the verify's only form since)
     variants = [dict(defaults)] + [
         dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
         dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)] + [
         dict(defaults, TARGET_PROGRAMS=8192, MAX_BLOCK_S=block_s, NUM_WARPS=warps, MERGE_SPLIT_CHUNK=8)
-        for block_s, warps in itertools.product((32, 64), (2, 4))]
+        for block_s, warps in itertools.product((32, 64), (2, 4))] + [
+        dict(defaults, CHUNKED_BLOCK_Q=block_q, CHUNKED_HEADS=heads, CHUNKED_MAX_CHUNKS=chunks)
+        for block_q, heads, chunks in itertools.product((16, 32), (4, 16), (16, 64))]
     variants[0]["PRODUCTS_16BIT"] = False  # the control: the defaults in TF32
     if args.defaults_only:
         variants = [dict(defaults)]
@@ -103,7 +108,8 @@ def main():
 
     def label(v):
         return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']}")
+                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']} "
+                f"verify q{v['CHUNKED_BLOCK_Q']} h{v['CHUNKED_HEADS']} n{v['CHUNKED_MAX_CHUNKS']}")
 
     all_cases = [(f"{name} (base {base})" if len(bases) > 1 else name, *operands)
                  for base in bases for name, *operands in cases(args.cache, base, nodes, candidates)]

@@ -89,12 +89,33 @@ def test_tree_block_read_from_the_cache_matches_reference(dtype, tol, B, N, S, n
 @pytest.mark.parametrize("max_splits", [1, 2])
 @pytest.mark.parametrize("B,N,S,nh,nkv,d", [(3, 5, 150, 9, 3, 48), (2, 22, 150, 6, 2, 64)])
 def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits, B, N, S, nh, nkv, d):
-    """Few splits of a long cache: each program runs its online softmax over several tiles."""
-    q, k_cache, v_cache, base, _, _, mask = verify_operands(B, N, S, nh, nkv, d, torch.float32, seed=N)
-    for args in (operands(B, N, S, nh, nkv, d, torch.float32, seed=N), (q, k_cache, v_cache, base, None, None, mask)):
-        ref = tree_attention_reference(*args)
-        got = tree_attention_triton(*args, max_splits=max_splits)
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    """A drafter's form with few splits of a long cache: each program runs its online softmax
+    over several tiles."""
+    args = operands(B, N, S, nh, nkv, d, torch.float32, seed=N)
+    got = tree_attention_triton(*args, max_splits=max_splits)
+    torch.testing.assert_close(got, tree_attention_reference(*args), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton_backend
+@pytest.mark.parametrize("block_q,heads,max_chunks,merge_chunk,dtype", [
+    (16, 16, 64, 16, torch.float32), (32, 4, 64, 4, torch.bfloat16), (64, 1, 2, 4, torch.float32),
+    (16, 2, 64, 4, torch.bfloat16)])
+def test_the_verify_forms_chunks_and_merges_match_reference(monkeypatch, block_q, heads, max_chunks, merge_chunk,
+                                                            dtype):
+    """The verify step through decode_attention's chunks, at each of its knobs: score rows a
+    program, query heads a merge program (9 heads: blocks of 4, 4 and 1, 2 ... and 1, or 16 with
+    7 idle), the cache cut into 7 chunks of 32 (200 slots) or 2 of 128, merged 4 or 16 at a time
+    (so the merge's online softmax runs over two rounds): a tree of 40 nodes spanning two or
+    three chunks, rows from base 0 to the block ending at the last slot."""
+    import kernels.tree_attention as ta
+    for knob, value in (("CHUNKED_BLOCK_Q", block_q), ("CHUNKED_HEADS", heads), ("CHUNKED_MAX_CHUNKS", max_chunks),
+                        ("MERGE_SPLIT_CHUNK", merge_chunk)):
+        monkeypatch.setattr(ta, knob, value)
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 200, 9, 3, 64, dtype, seed=block_q + heads)
+    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
 @needs_triton_backend
@@ -188,12 +209,12 @@ def test_reference_equals_plain_attention_over_the_path():
                           (64, False, 512, 128, 8, 2)])
 def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
                                              num_warps, combine_heads):
-    """scripts/bench_attention.py's variants (score rows per program, 16-bit products, cache
-    splits coarse and fine, key tiles, warps, query heads a merge program takes) compute the same
-    attention: a verify step of 41 queries over a ragged cache (9 heads: merge programs of 4, 4
-    and 1, or one of 16 with 7 idle), and a drafter's level (6 heads). (150 slots in tiles of 32
-    make 5 splits at most: 16 programs leave one split looping over every tile, 2,048 one tile a
-    split.)"""
+    """scripts/bench_attention.py's variants of the drafter's form (score rows per program,
+    16-bit products, cache splits coarse and fine, key tiles, warps, query heads a merge program
+    takes) compute the same attention: 40 queries over a ragged cache and 40 candidates (9 heads:
+    merge programs of 4, 4 and 1, or one of 16 with 7 idle), and 22 over 22 (6 heads). (150 slots
+    in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every tile,
+    2,048 one tile a split.)"""
     import kernels.tree_attention as ta
     monkeypatch.setattr(ta, "COMBINE_HEADS", combine_heads)
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
@@ -201,13 +222,10 @@ def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
     monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
     monkeypatch.setattr(ta, "NUM_WARPS", num_warps)
-    q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3)
-    ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
-    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
-    torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-    args = operands(2, 22, 150, 6, 2, 64, torch.bfloat16, seed=4)
-    torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
-                               rtol=2e-2, atol=2e-2)
+    for args in (operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3), operands(2, 22, 150, 6, 2, 64, torch.bfloat16,
+                                                                               seed=4)):
+        torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
+                                   rtol=2e-2, atol=2e-2)
 
 
 def test_tuning_knobs_from_a_setting_line(monkeypatch):
