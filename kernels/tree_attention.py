@@ -149,8 +149,9 @@ MERGE_SPLIT_CHUNK = 16
 # program, CHUNKED_HEADS query heads a merge program, the cache cut into at most
 # CHUNKED_MAX_CHUNKS chunks of 32 slots or more (PRODUCTS_16BIT and MERGE_SPLIT_CHUNK as above).
 # Timed in session 25 (scripts/bench_attention.py, H200, bf16, 40 nodes): 16 rows and a token's
-# heads in one merge program won at 512 and 768 slots (5.2-5.8 us a call); 1 head a program
-# 0.3-1.0 us slower, 64 or 32 rows up to 1.3 us; at 4,096 slots 32 rows led by 1-2 %.
+# heads in one merge program won at 512 and 768 slots (5.1-6.0 us a call); at 512 slots one head
+# a merge program was 0.2-0.8 us slower, 64 rows 0.9-1.5 us and TF32 products 0.3-0.6 us. At
+# 4,096 slots 32 rows came first (the run kept no margin: time it before a long-context serve).
 CHUNKED_BLOCK_Q = 16
 CHUNKED_HEADS = 16
 CHUNKED_MAX_CHUNKS = 64
