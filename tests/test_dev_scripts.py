@@ -55,3 +55,33 @@ def test_acceptance_by_offset_buckets_held_out_and_served_chains(chat_file, tmp_
     assert list(served["1"]["buckets"]) == ["0-31"] and served["1"]["before 8"] == served["1"]["all"]
     for turn in held.values():  # chains are counted once: the buckets add up to the whole
         assert sum(n for _, n in turn["buckets"].values()) == turn["all"][1] >= turn["before 8"][1]
+
+
+def test_sweep_trees_walks_the_runtimes_own_chains_and_reuses_its_answers(chat_file, tmp_path, capsys, monkeypatch):
+    import inference.served
+    from scripts.sweep_trees import main as sweep
+    from tests.conftest import tiny_overrides
+    from train.config import load_config
+    from train.run import run
+
+    run(load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{"trainer.max_steps": 2})))
+    export, answers, rows = str(tmp_path / "run" / "export"), tmp_path / "answers.json", tmp_path / "rows.json"
+    args = [export, "--chains", "1,3", "--tree", "2,2,4", "--dataset", chat_file, "--num-prompts", "3",
+            "--max-new-tokens", "12", "--answers", str(answers), "--json", str(rows)]
+    assert sweep(args) == 0
+    first = json.loads(rows.read_text())
+    assert [r["shape"] for r in first["rows"]] == ["chain k=1", "chain k=3", "tree 2-2-4"]
+    # float32 greedy: the walk at the served k drafts the very chains the runtime drafted
+    assert first["served"]["k"] == 3 and first["rows"][1]["histogram"] == first["served"]["histogram"]
+    assert all(r["steps"] == sum(r["histogram"]) > 0 for r in first["rows"])
+
+    def never(*a, **k):
+        raise AssertionError("served again although the answers were kept")
+    monkeypatch.setattr(inference.served, "measure", never)
+    assert sweep(args) == 0 and json.loads(rows.read_text()) == first
+    assert "3 answers read from" in capsys.readouterr().out
+    assert sweep([export, "--tree", "2,2,99"]) == 2  # more nodes than a depth-2, top-2 tree drafts
+    assert sweep([str(tmp_path), "--chains", "2"]) == 2 and "no draftsmith.json" in capsys.readouterr().err
+    (tmp_path / "notes.json").write_text('["mine"]')
+    assert sweep([export, "--answers", str(tmp_path / "notes.json")]) == 2
+    assert "not answers this script wrote" in capsys.readouterr().err and (tmp_path / "notes.json").read_text() == '["mine"]'
