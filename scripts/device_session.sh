@@ -15,7 +15,11 @@
 #                                                     # BRING=NAME...: each finished export packed into $OUT as `bring` does
 # A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
 # trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
-# e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`
+# e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`.
+# Gaps between calls are not always short (sessions 26/27 lost three trainings of 9-14 minutes to
+# gaps of 45 and 3.7 minutes): a training that must come back ends inside the call that starts it,
+# `part2 8; GPU_TESTS=0 BRING=eagle3 bash scripts/device_session.sh wait 540` in one call (<600 s),
+# and its export is here whatever the next gap does (bench it later: part1, then carry its parts)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
 #                                                     # TUNE_ATTENTION=1: scripts/bench_attention.py first, its best variant exported
 #                                                     # (ATTN_ARGS: its geometry, e.g. the bench's own cache and roots)
