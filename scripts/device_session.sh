@@ -16,8 +16,9 @@
 # A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
 # trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
 # e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`.
-# Gaps between calls are not always short (sessions 26/27 lost three trainings of 9-14 minutes to
-# gaps of 45 and 3.7 minutes): a training that must come back ends inside the call that starts it,
+# Gaps between calls are not always short (sessions 26/27 lost three trainings of 9-14 minutes
+# between calls: one at a session's end, two to gaps of 45 and 3.7 minutes): a training that must
+# come back ends inside the call that starts it,
 # `part2 8; GPU_TESTS=0 BRING=eagle3 bash scripts/device_session.sh wait 540` in one call (<600 s),
 # and its export is here whatever the next gap does (bench it later: part1, then carry its parts)
 #   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
