@@ -59,7 +59,19 @@ def main(argv=None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    from data.sources import DataError
+    from models.zoo import AssetError
 
+    try:
+        return sweep(args, chains, trees, provenance_path)
+    except (ValueError, KeyError, OSError, DataError, AssetError) as e:  # a data set, target or export that will not load
+        print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
+        return 2
+
+
+def sweep(args, chains: list[int], trees: list[tuple[int, ...]], provenance_path: Path) -> int:
+    """Serve (or read) the answers, walk each shape over them, print and write the rows."""
+    import torch
     from transformers import AutoTokenizer
 
     from data.sources import load_prompts
@@ -88,11 +100,12 @@ def main(argv=None) -> int:
     if args.answers and Path(args.answers).exists():
         try:
             kept = read_json(args.answers)
-        except (ValueError, OSError) as e:
-            kept = e
+        except (ValueError, OSError):
+            kept = None
         if not (isinstance(kept, dict) and {"served_for", "served", "records"} <= set(kept)):
             print(f"error: --answers {args.answers}: not answers this script wrote; left as it is", file=sys.stderr)
             return 2
+    this_export = str(Path(args.export).resolve())
     if kept and kept["served_for"] == served_for:
         records, served = kept["records"], kept["served"]
         print(f"{len(records)} answers read from {args.answers}")
@@ -104,13 +117,16 @@ def main(argv=None) -> int:
             records = measure(load_runtime(path), tokenizer, drafter, questions, served_k, args.max_new_tokens, 0.0,
                               max_turns=1)
         histogram = sum(torch.as_tensor(r["histogram"]) for r in records)
-        served = {"k": served_k, "tau": acceptance_from_histogram(histogram)["tau"], "histogram": histogram.tolist()}
+        served = {"export": this_export, "k": served_k, "tau": acceptance_from_histogram(histogram)["tau"], "histogram": histogram.tolist()}
         records = [{"prompt": r["prompt"], "answer": r["answer"]} for r in records]
         print(f"served {len(records)} answers, {sum(len(r['answer']) for r in records)} tokens, in {time.time() - t0:.0f} s")
         if args.answers:
             atomic_write_json(args.answers, {"served_for": served_for, "served": served, "records": records})
-    print(f"the runtime's chains at k={served['k']} accepted tau {served['tau']:.3f} (in float32 the walk's k={served['k']} "
-          "row drafts the same chains)")
+    if served["export"] == this_export:  # kept answers serve any drafter of the target; the chains were this one's
+        print(f"the runtime's chains at k={served['k']} accepted tau {served['tau']:.3f} (in float32 the walk's "
+              f"k={served['k']} row drafts the same chains)")
+    else:
+        served = None
     target = Target.load(cfg.target, list(getattr(drafter, "aux_layer_ids", [])))
     shapes = [(f"chain k={k}", k, None) for k in chains] + [("tree " + "-".join(map(str, t)), t[0], t) for t in trees]
     rows = []

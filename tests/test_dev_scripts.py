@@ -80,6 +80,11 @@ def test_sweep_trees_walks_the_runtimes_own_chains_and_reuses_its_answers(chat_f
     monkeypatch.setattr(inference.served, "measure", never)
     assert sweep(args) == 0 and json.loads(rows.read_text()) == first
     assert "3 answers read from" in capsys.readouterr().out
+    # the kept answers serve another drafter of the target too; the runtime's chains were not its own
+    import shutil
+    shutil.copytree(export, tmp_path / "other")
+    assert sweep([str(tmp_path / "other")] + args[1:]) == 0 and "runtime's chains" not in capsys.readouterr().out
+    assert json.loads(rows.read_text()) == {"served": None, "rows": first["rows"]}
     assert sweep([export, "--tree", "2,2,99"]) == 2  # more nodes than a depth-2, top-2 tree drafts
     assert sweep([str(tmp_path), "--chains", "2"]) == 2 and "no draftsmith.json" in capsys.readouterr().err
     (tmp_path / "notes.json").write_text('["mine"]')
