@@ -63,7 +63,7 @@ class ResumableBatchSampler(Sampler[list[int]]):
 def collate(rows: list[dict], pad_id: int, multiple: int = 128) -> dict:
     """Right-pad to the longest row, rounded up to `multiple` (few distinct shapes, so the GPU
     attention and matmul plans are built once each): input_ids, loss_mask [B,T],
-    lengths [B]."""
+    lengths [B]; num_tokens, their sum as a host int (a count no device read waits for)."""
     T = max(len(r["input_ids"]) for r in rows)
     T = -(-T // multiple) * multiple
     ids = torch.full((len(rows), T), pad_id, dtype=torch.long)
@@ -72,8 +72,8 @@ def collate(rows: list[dict], pad_id: int, multiple: int = 128) -> dict:
         n = len(r["input_ids"])
         ids[i, :n] = torch.as_tensor(r["input_ids"])
         mask[i, :n] = torch.as_tensor(r["loss_mask"])
-    lengths = torch.tensor([len(r["input_ids"]) for r in rows])
-    return {"input_ids": ids, "loss_mask": mask, "lengths": lengths}
+    lengths = [len(r["input_ids"]) for r in rows]
+    return {"input_ids": ids, "loss_mask": mask, "lengths": torch.tensor(lengths), "num_tokens": sum(lengths)}
 
 
 class ChatDataModule(L.LightningDataModule):
@@ -96,7 +96,8 @@ class ChatDataModule(L.LightningDataModule):
                                         total=self.max_steps * self.accumulate, start=done, rank=rank, world=world)
         return DataLoader(self.train_set.with_format(columns=["input_ids", "loss_mask"]), batch_sampler=sampler,
                           collate_fn=self._collate, num_workers=self.num_workers,
-                          persistent_workers=False)
+                          # pinned batches copy to the GPU without waiting for it (asynchronously)
+                          pin_memory=torch.cuda.is_available(), persistent_workers=False)
 
     def val_dataloader(self):
         """One loader per held-out set (a list when there are several)."""

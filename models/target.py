@@ -8,6 +8,7 @@ and the greedy token over the full vocabulary. No [B, T, V] float32 tensor is ev
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,47 @@ from torch import nn
 class TargetOutput:
     aux: torch.Tensor  # [B, T, n*Ht]: aux layers concatenated, in the order asked
     last_hidden: torch.Tensor  # [B, T, Ht]: after the final norm
+
+
+# The training pass attends causally over a whole right-padded batch (padding only follows real
+# tokens, and its positions are out of every loss). Through transformers' "sdpa" the decoder first
+# prepares a mask, and with no mask and no cache that means a packed-sequence check that reads a
+# device value: a host sync at every training step, which keeps the host from queueing the next
+# step while the device finishes this one. This implementation needs no mask (transformers skips
+# mask preparation for attention it has no mask function for) and makes sdpa's own causal call.
+CAUSAL_ATTENTION = "draftsmith_causal"
+
+
+def causal_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """q [B,h,T,d], k / v [B,kv,T,d] → ([B,T,h,d], None), as transformers' attention functions."""
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=query.shape[2] > 1,
+                                         scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_causal_attention():
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
+
+
+def plain_causal(config) -> bool:
+    """Whether every layer of this target attends causally over all earlier tokens through sdpa
+    (no sliding window): what `causal_attention` computes. Others keep transformers' own path."""
+    layer_types = getattr(config, "layer_types", None)
+    return (config._attn_implementation == "sdpa" and getattr(config, "sliding_window", None) is None
+            and all(t == "full_attention" for t in layer_types or ()))
+
+
+@contextmanager
+def attention_implementation(config, name: str):
+    """The decoder's attention switched to `name` for one call (the config is shared by its layers)."""
+    before = config._attn_implementation
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class Target(nn.Module):
@@ -70,7 +112,12 @@ class Target(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> TargetOutput:
         self._captured.clear()
-        out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+        if attention_mask is None and position_ids is None and plain_causal(self.config):
+            _register_causal_attention()
+            with attention_implementation(self.config, CAUSAL_ATTENTION):
+                out = self.decoder(input_ids=input_ids, use_cache=False)
+        else:
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1) if self.aux_layer_ids else None
         self._captured.clear()
         return TargetOutput(aux=aux, last_hidden=out.last_hidden_state)

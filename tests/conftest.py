@@ -218,3 +218,21 @@ def interrupt_training_at(monkeypatch, step: int):
 
     monkeypatch.setattr(run_mod, "build_trainer", interrupted)
     return lambda: monkeypatch.setattr(run_mod, "build_trainer", real_build)
+
+
+def device_reads(fn):
+    """Runs fn() and counts the ops that read a tensor's value back to the host (on a GPU, a
+    sync: the host waits for the device there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("_local_scalar_dense", "nonzero", "is_nonzero", "masked_select"):
+                reads.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        out = fn()
+    return out, reads

@@ -2,6 +2,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models.target import Target
+from tests.conftest import device_reads
 
 
 def _target(path, layers):
@@ -76,3 +77,27 @@ def test_chain_steps_equal_the_whole_forward_and_restart_per_window(tiny_target)
         got = torch.stack([steps.step(chains[:, i]) for i in range(c)], 1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         assert steps.cache.get_seq_length() == ids.numel() + anchors.numel() * c
+
+
+def test_the_training_pass_reads_nothing_back_and_equals_transformers_own(tiny_target):
+    target = _target(tiny_target, [0, 1])
+    ids = torch.randint(0, 1000, (3, 19))
+    with torch.no_grad():
+        out, reads = device_reads(lambda: target(ids))
+        # transformers' own path (its mask preparation reads the positions back: a sync a step)
+        ref, ref_reads = device_reads(lambda: target(ids, position_ids=torch.arange(19).expand(3, 19)))
+    assert reads == [] and ref_reads != []
+    assert torch.equal(out.aux, ref.aux) and torch.equal(out.last_hidden, ref.last_hidden)
+    assert target.config._attn_implementation == "sdpa"  # switched for the call only
+
+
+def test_a_sliding_window_target_keeps_transformers_attention(tiny_target):
+    from models.target import plain_causal
+
+    target = _target(tiny_target, [0])
+    assert plain_causal(target.config)
+    target.config.sliding_window = 8
+    assert not plain_causal(target.config)
+    target.config.sliding_window = None
+    target.config.layer_types = ["full_attention", "sliding_attention"]
+    assert not plain_causal(target.config)

@@ -284,3 +284,50 @@ def test_a_rehearsal_keeps_nothing_so_the_real_run_can_follow(chat_file, tmp_pat
     assert not out.exists()
     run(load_config(None, tiny_overrides(chat_file, out, **{"trainer.max_steps": 1})))
     assert (out / "export" / "config.json").is_file()
+
+
+def test_a_training_step_reads_nothing_back_from_the_device(chat_file, tmp_path, monkeypatch):
+    # a value read back inside the step makes the host wait for the device there: the host then
+    # cannot queue step n+1 while the device runs step n (issue 20's drafter trains in one call)
+    from tests.conftest import device_reads
+    from train.module import DrafterModule
+
+    reads, steps = [], []
+    step = DrafterModule.training_step
+
+    def counted(self, batch, batch_idx):
+        loss, found = device_reads(lambda: step(self, batch, batch_idx))
+        reads.extend(found)
+        steps.append(batch_idx)
+        return loss
+
+    monkeypatch.setattr(DrafterModule, "training_step", counted)
+    run(load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{"trainer.max_steps": 3, "eval.every_n_steps": 100})))
+    assert len(steps) == 3 and reads == []
+
+
+def test_throughput_syncs_once_a_window_and_counts_every_timed_token(monkeypatch):
+    from train.callbacks import Throughput
+
+    syncs = []
+    monkeypatch.setattr(Throughput, "_sync", staticmethod(lambda: syncs.append(1)))
+    meter = Throughput(warmup=5, every=50)
+
+    class Module:
+        logged = {}
+
+        def log(self, name, value, **_):
+            self.logged[name] = value
+
+    module = Module()
+    for i in range(130):
+        if i == 80:  # a validation in the middle: the open window closes there
+            meter.on_validation_start(None, module)
+        batch = {"num_tokens": i + 1}
+        meter.on_train_batch_start(None, module, batch, i)
+        meter.on_train_batch_end(None, module, None, batch, i)
+    meter.on_train_end(None, module)
+    # windows: steps 6-55 (closed after 50), 56-80 (closed by the validation), 81-130 (50)
+    assert len(syncs) == 6
+    assert meter.tokens == sum(range(6, 131))
+    assert module.logged["train/tokens_per_s"] > 0

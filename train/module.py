@@ -223,7 +223,6 @@ class DrafterModule(L.LightningModule):
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"train/loss_{s}", l)
             self.log(f"train/acc_{s}", a)
-        self.log("train/tokens", float(batch["lengths"].sum()), reduce_fx="sum")
         return total
 
     # ----------------------------------------------------------------- held-out validation

@@ -52,6 +52,12 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     total_batches = int(cfg.trainer.get("max_steps", 1)) * accumulate
     callbacks = [checkpoints, Throughput()]
+    if cfg.trainer.get("enable_progress_bar", True) is not False:
+        from lightning.pytorch.callbacks import TQDMProgressBar
+
+        # the bar shows the logged loss and accuracy, read back from the device at each refresh:
+        # on a GPU every 10th step, not every step (each read is a host sync)
+        callbacks.append(TQDMProgressBar(refresh_rate=10 if torch.cuda.is_available() else 1))
     if cfg.trainer.get("logger", True) is not False:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     kwargs = dict(
