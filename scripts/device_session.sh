@@ -43,6 +43,8 @@
 #                                                     # variants (scripts/bench_attention.py), then chain and tree steps
 #                                                     # side by side on random weights of the real shapes (PROFILE_TREES),
 #                                                     # each traced kernel by kernel (eager trees where the graph test fails)
+#   bash scripts/device_session.sh train-ab STEPS NAME=[@DIR]...  # training speed side by side (after part1;
+#                                                     # carry .whl .dev2, and .ab for older checkouts)
 #   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
 #                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
@@ -308,6 +310,39 @@ bench)
     --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
+  collect
+  ;;
+train-ab)  # STEPS VARIANT...: training speed side by side, one variant after another (GPU otherwise idle)
+  # configs/eagle3.yaml as part2 trains it (16 regenerated conversations a batch) for STEPS steps,
+  # once per variant: NAME= (this checkout) or NAME=@DIR (an older one carried beside it, as
+  # ab_profile.sh takes them). Carry .whl, the target's second half and the regenerated answers
+  # (.dev2, or a folder of smol.part-ab and regen-conversations.jsonl.gz), after part1. Each prints
+  # its steps a second over the training loop alone (fit minus the final walk: the same clock in
+  # every version, whatever its own tokens/s meter did) and its meter's tokens/s.
+  steps=$1; shift
+  if [ ! -f $REGEN ]; then
+    mkdir -p /tmp/regen
+    gunzip -c $(ls .dev*/regen-conversations.jsonl.gz | head -1) > $REGEN
+  fi
+  for spec in "$@"; do
+    name=${spec%%=*}; body=${spec#*=}; dir=.
+    case $body in @*) dir=${body#@} ;; esac
+    (cd "$dir" && PYTHONPATH=/tmp/site:. python3 -m train --config configs/eagle3.yaml out_dir=/tmp/ab-$name \
+      trainer.max_steps=$steps checkpoint_every_n_steps=1000000 data.batch_size=16 data.num_workers=1 \
+      data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.num_sequences=4 trainer.enable_progress_bar=false \
+      > $R/ab-$name.log 2>&1)
+    python3 - "$name" /tmp/ab-$name/predicted.json <<'PY'
+import json, sys
+name, path = sys.argv[1:]
+try:
+    d = json.load(open(path))
+except OSError:
+    print(f"{name}: no predicted.json (see its log)"); sys.exit()
+loop = d["fit_seconds"] - sum(d.get("walk_seconds", {}).values())
+print(f"{name}: {d['train_steps']} steps, {d['train_steps'] / loop:.2f} steps/s over the loop ({loop:.1f} s), "
+      f"meter {d['throughput'].get('tokens_per_s')} tokens/s, peak {d['throughput'].get('peak_gpu_memory_gib')} GiB")
+PY
+  done
   collect
   ;;
 fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side
