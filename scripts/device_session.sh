@@ -13,6 +13,8 @@
 #   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression
 #                                                     # tests, beside the trainings; GPU_TESTS=0: none, for a recipe trained alone);
 #                                                     # BRING=NAME...: each finished export packed into $OUT as `bring` does
+#                                                     # (BRING_MID=1: one still training, its last checkpoint exported
+#                                                     # and packed as NAME-mid-parts)
 # A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
 # trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
 # e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`.
@@ -276,7 +278,18 @@ wait)
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
   train_summary
   for name in ${BRING:-}; do  # the exports come back as parts once written: a lost machine keeps nothing
-    pgrep -f "out_dir=/tmp/run-$name " > /dev/null && { echo "$name: still training, not brought"; continue; }
+    if pgrep -f "out_dir=/tmp/run-$name " > /dev/null; then
+      # BRING_MID=1: a training that spans calls sends its latest checkpoint back, exported, as
+      # NAME-mid-parts (mid-schedule, so weaker than the finished one: what a lost machine leaves)
+      if [ "${BRING_MID:-0}" = 1 ] && [ -f /tmp/run-$name/checkpoints/last.ckpt ]; then
+        rm -rf /tmp/run-$name-mid
+        python3 -m export --checkpoint /tmp/run-$name/checkpoints/last.ckpt --out /tmp/run-$name-mid/export 2>&1 | tail -1
+        python3 scripts/drafter_parts.py pack /tmp/run-$name-mid/export $OUT/$name-mid-parts --target smollm2-135m-instruct 2>&1 | tail -1
+      else
+        echo "$name: still training, not brought"
+      fi
+      continue
+    fi
     [ -d /tmp/run-$name/export ] || { echo "$name: no export to bring"; continue; }
     python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct 2>&1 | tail -1
   done
