@@ -106,8 +106,10 @@ start_runs() {  # RUNS-style specs, minutes each
     esac
     ds+=(eval.num_sequences=${EVAL_SEQS:-64})
     [ -n "${TREES:-}" ] && [[ $recipe == eagle3 ]] && ds+=("eval.trees=$TREES")  # the tree promise (EAGLE-3 drafts trees)
+    # minutes may be fractional (7.5: what one call holds beside the startup, final walk and export)
+    secs=$(awk -v m="$2" 'BEGIN { printf "%d", m * 60 }')
     CUDA_VISIBLE_DEVICES=${gpu:-0} setsid nohup python3 -m train --config configs/$recipe.yaml out_dir=/tmp/run-$name \
-      "trainer.max_time=00:00:$(printf %02d "$2"):00" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
+      "trainer.max_time=00:$(printf %02d:%02d:%02d $((secs / 3600)) $((secs % 3600 / 60)) $((secs % 60)))" trainer.max_steps=1000000 trainer.enable_progress_bar=false \
       data.num_workers=1 eval.every_n_steps=${EVAL_EVERY:-1000000} "${ds[@]}" ${extra//,/ } > $R/$name-train.log 2>&1 < /dev/null &
     pids+=($!)
     sleep 2
