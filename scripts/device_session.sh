@@ -327,37 +327,12 @@ bench)
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
-train-ab)  # STEPS VARIANT...: training speed side by side, one variant after another (GPU otherwise idle)
-  # configs/eagle3.yaml as part2 trains it (16 regenerated conversations a batch) for STEPS steps,
-  # once per variant: NAME= (this checkout) or NAME=@DIR (an older one carried beside it, as
-  # ab_profile.sh takes them). Carry .whl, the target's second half and the regenerated answers
-  # (.dev2, or a folder of smol.part-ab and regen-conversations.jsonl.gz), after part1. Each prints
-  # its steps a second over the training loop alone (fit minus the final walk: the same clock in
-  # every version, whatever its own tokens/s meter did) and its meter's tokens/s.
-  steps=$1; shift
+train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/train_ab.sh)
   if [ ! -f $REGEN ]; then
     mkdir -p /tmp/regen
     gunzip -c $(ls .dev*/regen-conversations.jsonl.gz | head -1) > $REGEN
   fi
-  for spec in "$@"; do
-    name=${spec%%=*}; body=${spec#*=}; dir=.
-    case $body in @*) dir=${body#@} ;; esac
-    (cd "$dir" && PYTHONPATH=/tmp/site:. python3 -m train --config configs/eagle3.yaml out_dir=/tmp/ab-$name \
-      trainer.max_steps=$steps checkpoint_every_n_steps=1000000 data.batch_size=16 data.num_workers=1 \
-      data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.num_sequences=4 trainer.enable_progress_bar=false \
-      > $R/ab-$name.log 2>&1)
-    python3 - "$name" /tmp/ab-$name/predicted.json <<'PY'
-import json, sys
-name, path = sys.argv[1:]
-try:
-    d = json.load(open(path))
-except OSError:
-    print(f"{name}: no predicted.json (see its log)"); sys.exit()
-loop = d["fit_seconds"] - sum(d.get("walk_seconds", {}).values())
-print(f"{name}: {d['train_steps']} steps, {d['train_steps'] / loop:.2f} steps/s over the loop ({loop:.1f} s), "
-      f"meter {d['throughput'].get('tokens_per_s')} tokens/s, peak {d['throughput'].get('peak_gpu_memory_gib')} GiB")
-PY
-  done
+  LOGS=$R DATA=$REGEN bash scripts/train_ab.sh "$@"
   collect
   ;;
 fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side

@@ -90,3 +90,22 @@ def test_sweep_trees_walks_the_runtimes_own_chains_and_reuses_its_answers(chat_f
     (tmp_path / "notes.json").write_text('["mine"]')
     assert sweep([export, "--answers", str(tmp_path / "notes.json")]) == 2
     assert "not answers this script wrote" in capsys.readouterr().err and (tmp_path / "notes.json").read_text() == '["mine"]'
+
+
+def test_train_ab_times_each_checkout_on_the_loops_own_clock(chat_file, tmp_path):
+    import os
+    import subprocess
+
+    from tests.conftest import tiny_overrides
+
+    extra = [a for a in tiny_overrides(chat_file, tmp_path / "unused", **{"trainer.max_steps": 3})
+             if not a.startswith(("out_dir=", "data.dataset=", "trainer.max_steps="))]
+    env = {**os.environ, "DATA": chat_file, "LOGS": str(tmp_path / "logs"), "RUNS_DIR": str(tmp_path),
+           "TRAIN_ARGS": " ".join(extra)}
+    out = subprocess.run(["bash", "scripts/train_ab.sh", "3", "a=", "b=@."], env=env, capture_output=True, text=True,
+                         timeout=600)
+    lines = [line for line in out.stdout.splitlines() if line.startswith(("a:", "b:"))]
+    assert len(lines) == 2, out.stdout + out.stderr + (tmp_path / "logs" / "ab-a.log").read_text()[-2000:]
+    for line in lines:
+        assert " 3 steps, " in line and "steps/s over the loop" in line, line
+    assert (tmp_path / "ab-b" / "predicted.json").exists()
