@@ -33,6 +33,11 @@ CAUSAL_ATTENTION = "draftsmith_causal"
 
 def causal_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """q [B,h,T,d], k / v [B,kv,T,d] → ([B,T,h,d], None), as transformers' attention functions."""
+    # what this does not compute is an error, never silently dropped (plain_causal keeps such
+    # targets on transformers' path; this guards a model that passes them anyway)
+    extra = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
+    if attention_mask is not None or extra:
+        raise ValueError(f"{CAUSAL_ATTENTION} attention is plain causal: got {['attention_mask'] + extra if attention_mask is not None else extra}")
     out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=query.shape[2] > 1,
                                          scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
@@ -44,11 +49,18 @@ def _register_causal_attention():
     AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
 
 
+# Families whose attention is plain causal softmax attention (no soft-capping, sinks or
+# bidirectional parts): the only ones switched. Any other keeps transformers' own path.
+PLAIN_CAUSAL_MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def plain_causal(config) -> bool:
     """Whether every layer of this target attends causally over all earlier tokens through sdpa
-    (no sliding window): what `causal_attention` computes. Others keep transformers' own path."""
+    (a listed family, no sliding window): what `causal_attention` computes."""
     layer_types = getattr(config, "layer_types", None)
-    return (config._attn_implementation == "sdpa" and getattr(config, "sliding_window", None) is None
+    return (config._attn_implementation == "sdpa" and getattr(config, "model_type", None) in PLAIN_CAUSAL_MODELS
+            and getattr(config, "is_causal", True) is not False
+            and getattr(config, "sliding_window", None) is None and not getattr(config, "use_sliding_window", False)
             and all(t == "full_attention" for t in layer_types or ()))
 
 

@@ -12,7 +12,8 @@
 # TRAIN_ARGS: more overrides, after these (the tests run it on the tiny target).
 set -u
 steps=$1; shift
-logs=${LOGS:-/tmp/results} runs=${RUNS_DIR:-/tmp}
+# absolute: each variant runs from its own folder
+logs=$(realpath -m "${LOGS:-/tmp/results}") runs=$(realpath -m "${RUNS_DIR:-/tmp}") DATA=$(realpath -m "$DATA")
 mkdir -p "$logs"
 for spec in "$@"; do
   name=${spec%%=*}; body=${spec#*=}; dir=.

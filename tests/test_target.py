@@ -101,3 +101,22 @@ def test_a_sliding_window_target_keeps_transformers_attention(tiny_target):
     target.config.sliding_window = None
     target.config.layer_types = ["full_attention", "sliding_attention"]
     assert not plain_causal(target.config)
+    target.config.layer_types = None
+    target.config.model_type = "gemma2"  # soft-capped attention: not a listed family
+    assert not plain_causal(target.config)
+
+
+def test_the_causal_attention_refuses_what_it_does_not_compute():
+    import pytest
+
+    from models.target import causal_attention
+
+    q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+    out, _ = causal_attention(None, q, k, k, None, scaling=0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1),
+                                                           is_causal=True, scale=0.5)
+    torch.testing.assert_close(out, ref.transpose(1, 2))
+    with pytest.raises(ValueError, match="softcap"):
+        causal_attention(None, q, k, k, None, softcap=30.0)
+    with pytest.raises(ValueError, match="attention_mask"):
+        causal_attention(None, q, k, k, torch.ones(1, 1, 5, 5, dtype=torch.bool))

@@ -288,22 +288,43 @@ def test_a_rehearsal_keeps_nothing_so_the_real_run_can_follow(chat_file, tmp_pat
 
 def test_a_training_step_reads_nothing_back_from_the_device(chat_file, tmp_path, monkeypatch):
     # a value read back inside the step makes the host wait for the device there: the host then
-    # cannot queue step n+1 while the device runs step n (issue 20's drafter trains in one call)
+    # cannot queue step n+1 while the device runs step n (issue 20's drafter trains in one call).
+    # Counted: the step itself, and what Lightning and the callbacks do after each batch (Lightning
+    # reads back every value logged with prog_bar=True there, whether or not a bar is shown)
+    from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+
+    import train.callbacks as callbacks
     from tests.conftest import device_reads
+    from train.callbacks import ProgressBar, Throughput
     from train.module import DrafterModule
 
     reads, steps = [], []
-    step = DrafterModule.training_step
 
-    def counted(self, batch, batch_idx):
-        loss, found = device_reads(lambda: step(self, batch, batch_idx))
-        reads.extend(found)
-        steps.append(batch_idx)
-        return loss
+    def counted(cls, name, record=None):
+        real = getattr(cls, name)
 
-    monkeypatch.setattr(DrafterModule, "training_step", counted)
-    run(load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{"trainer.max_steps": 3, "eval.every_n_steps": 100})))
-    assert len(steps) == 3 and reads == []
+        def wrapper(*args, **kwargs):
+            out, found = device_reads(lambda: real(*args, **kwargs))
+            reads.extend((len(steps), f"{cls.__name__}.{name}", op) for op in found)
+            if record is not None:
+                record.append(1)
+            return out
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    counted(DrafterModule, "training_step", steps)
+    counted(_LoggerConnector, "on_batch_end")
+    counted(ProgressBar, "on_train_batch_end")
+    counted(Throughput, "on_train_batch_end")
+    monkeypatch.setattr(callbacks, "progress_refresh_rate", lambda: 1000)  # a GPU's bar: it refreshes rarely
+    monkeypatch.setattr(Throughput, "__init__", lambda self, warmup=1, every=2, _init=Throughput.__init__: _init(self, warmup, every))
+    monkeypatch.setattr(Throughput, "_sync", staticmethod(lambda: None))
+    run(load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{
+        "trainer.max_steps": 4, "eval.every_n_steps": 100, "trainer.enable_progress_bar": True,
+        "trainer.log_every_n_steps": 1000})))
+    assert len(steps) == 4
+    # the only reads: the bar's refresh at the epoch's last batch (loss and accuracy shown)
+    assert reads == [(4, "ProgressBar.on_train_batch_end", "_local_scalar_dense")] * 2, reads
 
 
 def test_throughput_syncs_once_a_window_and_counts_every_timed_token(monkeypatch):

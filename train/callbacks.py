@@ -1,5 +1,6 @@
-"""Training callbacks (throughput and peak memory, measured over training batches only) and a
-CSV logger that continues its file on --resume."""
+"""Training callbacks (throughput and peak memory, measured over training batches only; a progress
+bar that reads the device only when it refreshes) and a CSV logger that continues its file on
+--resume."""
 from __future__ import annotations
 
 import csv
@@ -8,11 +9,38 @@ import time
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+
+def progress_refresh_rate() -> int:
+    """Steps between progress-bar refreshes: each reads the shown loss back from the device (a
+    host sync on a GPU), so on a GPU every 10th step; on a CPU, where a read costs nothing, every
+    step."""
+    return 10 if torch.cuda.is_available() else 1
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar, showing the last step's loss and first-position accuracy (the module's
+    `shown`, read only when the bar refreshes) and the tokens/s of the Throughput meter (a host
+    number). Metrics logged with prog_bar=True would instead be read after every batch: Lightning
+    converts them to numbers whether or not a bar is shown."""
+
+    def get_metrics(self, trainer, module):
+        metrics = super().get_metrics(trainer, module)
+        for name, value in getattr(module, "shown", {}).items():
+            metrics[name] = f"{float(value):.4g}"
+        meter = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)
+        if meter is not None and meter.seconds > 0:
+            metrics["tokens/s"] = f"{meter.tokens / meter.seconds:,.0f}"
+        return metrics
 
 
 class Throughput(L.Callback):
-    """Real (unpadded) tokens per second over training steps, excluding validation and the
-    first `warmup` steps (allocator and kernel warm-up); peak accelerator memory.
+    """Real (unpadded) tokens per second over training steps, the time between them included
+    (batches loaded, logs and checkpoints written: the wall clock a time box runs on), excluding
+    validation and the first `warmup` steps (allocator and kernel warm-up); peak accelerator
+    memory. (Until session 28 it timed each batch alone, a sync at each end: its figures ran
+    higher than the wall clock's.)
 
     The device is synchronised only where a window of `every` steps opens and closes, and around
     validation: a sync at every step kept the host from queueing step n+1 while the device still
@@ -25,6 +53,7 @@ class Throughput(L.Callback):
         self._seen = 0  # training batches begun
         self._t0 = None  # the open window's start
         self._window_tokens = self._window_steps = 0
+        self._pending = False  # a window closed whose rate is not logged yet (logging waits for a training batch)
 
     @staticmethod
     def _sync():
@@ -54,11 +83,14 @@ class Throughput(L.Callback):
         # device's `lengths` would be a sync of its own
         self._window_tokens += int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["lengths"].sum())
         self._window_steps += 1
-        if self._window_steps >= self.every and self._close():
-            module.log("train/tokens_per_s", self.tokens / max(self.seconds, 1e-9), prog_bar=True)
+        if self._window_steps >= self.every:
+            self._pending = self._close()
+        if self._pending:  # a window closed here or by the validation before this step: log the rate
+            module.log("train/tokens_per_s", self.tokens / max(self.seconds, 1e-9))
+            self._pending = False
 
     def on_validation_start(self, trainer, module):
-        self._close()
+        self._pending = self._close() or self._pending
 
     def on_train_end(self, trainer, module):
         self._close()

@@ -51,6 +51,7 @@ class DrafterModule(L.LightningModule):
         self.steps = drafter.train_steps(objective.ttt_steps)  # TTT length, or Medusa's head count
         self.step_weights = ttt_step_weights(self.steps, objective.ttt_decay)  # DFlash uses its own position weights
         self.predicted: Prediction | None = None
+        self.shown: dict[str, torch.Tensor] = {}  # the last training step's loss and accuracy (the progress bar's)
         self.walk_seconds: dict[str, float] = {}  # the last validation's, by part (on_validation_epoch_start)
         self.eval_names = eval_names or ["heldout"]  # one validation loader per held-out set
         # then one loader per eval.sampled_answers set: the first set's promise at that T walks it
@@ -218,8 +219,12 @@ class DrafterModule(L.LightningModule):
                 + self.objective.keep_weight * terms.get("keep_kl", 0.0)
             for name, value in terms.items():
                 self.log(f"train/target_{name}", value)
-        self.log("train/loss", total, prog_bar=True)
-        self.log("train/acc0", accs[0], prog_bar=True)
+        # logged for the loggers only: Lightning turns every prog_bar value into a number after every
+        # batch (a device read, a host sync on a GPU); the progress bar reads `shown` when it
+        # refreshes instead (train/callbacks.py ProgressBar)
+        self.log("train/loss", total)
+        self.log("train/acc0", accs[0])
+        self.shown = {"loss": total.detach(), "acc0": accs[0].detach()}
         for s, (l, a) in enumerate(zip(losses, accs)):
             self.log(f"train/loss_{s}", l)
             self.log(f"train/acc_{s}", a)

@@ -35,7 +35,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from train.callbacks import Throughput, resumable_csv_logger
+    from train.callbacks import ProgressBar, Throughput, progress_refresh_rate, resumable_csv_logger
     from train.checkpoint_io import make_checkpoint_io
 
     loggers = [resumable_csv_logger(out_dir), TensorBoardLogger(out_dir, name="tb", version="")]
@@ -52,12 +52,9 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     total_batches = int(cfg.trainer.get("max_steps", 1)) * accumulate
     callbacks = [checkpoints, Throughput()]
-    if cfg.trainer.get("enable_progress_bar", True) is not False:
-        from lightning.pytorch.callbacks import TQDMProgressBar
-
-        # the bar shows the logged loss and accuracy, read back from the device at each refresh:
-        # on a GPU every 10th step, not every step (each read is a host sync)
-        callbacks.append(TQDMProgressBar(refresh_rate=10 if torch.cuda.is_available() else 1))
+    bar = cfg.trainer.get("enable_progress_bar")
+    if bar is None or bar:  # (Lightning's own test: None is its default, on)
+        callbacks.append(ProgressBar(refresh_rate=progress_refresh_rate()))
     if cfg.trainer.get("logger", True) is not False:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
     kwargs = dict(
@@ -70,7 +67,8 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         use_distributed_sampler=False,  # ChatDataModule shards by rank itself (resumable order)
-        log_every_n_steps=10,
+        # each logged row reads every logged value back from the device (a host sync on a GPU)
+        log_every_n_steps=50 if torch.cuda.is_available() else 10,
         enable_model_summary=False,
         gradient_clip_val=1.0,
     )
