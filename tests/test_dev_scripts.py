@@ -102,10 +102,11 @@ def test_train_ab_times_each_checkout_on_the_loops_own_clock(chat_file, tmp_path
              if not a.startswith(("out_dir=", "data.dataset=", "trainer.max_steps="))]
     env = {**os.environ, "DATA": chat_file, "LOGS": str(tmp_path / "logs"), "RUNS_DIR": str(tmp_path),
            "TRAIN_ARGS": " ".join(extra)}
-    out = subprocess.run(["bash", "scripts/train_ab.sh", "3", "a=", "b=@."], env=env, capture_output=True, text=True,
+    # one variant, from a folder (the form an older checkout takes; `NAME=` runs from here): a
+    # training a variant keeps the suite short
+    out = subprocess.run(["bash", "scripts/train_ab.sh", "3", "b=@."], env=env, capture_output=True, text=True,
                          timeout=600)
-    lines = [line for line in out.stdout.splitlines() if line.startswith(("a:", "b:"))]
-    assert len(lines) == 2, out.stdout + out.stderr + (tmp_path / "logs" / "ab-a.log").read_text()[-2000:]
-    for line in lines:
-        assert " 3 steps, " in line and "steps/s over the loop" in line, line
+    lines = [line for line in out.stdout.splitlines() if line.startswith("b:")]
+    assert len(lines) == 1, out.stdout + out.stderr + (tmp_path / "logs" / "ab-b.log").read_text()[-2000:]
+    assert " 3 steps, " in lines[0] and "steps/s over the loop" in lines[0], lines[0]
     assert (tmp_path / "ab-b" / "predicted.json").exists()
