@@ -8,6 +8,7 @@ and the greedy token over the full vocabulary. No [B, T, V] float32 tensor is ev
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,14 +36,16 @@ def causal_attention(module, query, key, value, attention_mask, dropout: float =
     """q [B,h,T,d], k / v [B,kv,T,d] → ([B,T,h,d], None), as transformers' attention functions."""
     # what this does not compute is an error, never silently dropped (plain_causal keeps such
     # targets on transformers' path; this guards a model that passes them anyway)
-    extra = [name for name in ("softcap", "s_aux", "sliding_window") if kwargs.get(name) is not None]
-    if attention_mask is not None or extra:
-        raise ValueError(f"{CAUSAL_ATTENTION} attention is plain causal: got {['attention_mask'] + extra if attention_mask is not None else extra}")
+    unsupported = [name for name, value in (("attention_mask", attention_mask), *((k, kwargs.get(k)) for k in
+                   ("softcap", "s_aux", "sliding_window"))) if value is not None]
+    if unsupported:
+        raise ValueError(f"{CAUSAL_ATTENTION} attention is plain causal; it was given {', '.join(unsupported)}")
     out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=query.shape[2] > 1,
                                          scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _register_causal_attention():
     from transformers import AttentionInterface
 

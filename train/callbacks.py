@@ -81,7 +81,7 @@ class Throughput(L.Callback):
             return
         # a count made on the host by the collate function (data/module.py): reading it from the
         # device's `lengths` would be a sync of its own
-        self._window_tokens += int(batch["num_tokens"]) if "num_tokens" in batch else int(batch["lengths"].sum())
+        self._window_tokens += batch["num_tokens"]
         self._window_steps += 1
         if self._window_steps >= self.every:
             self._pending = self._close()
