@@ -116,6 +116,12 @@ start_runs() {  # RUNS-style specs, minutes each
   done
 }
 
+carried_regen() {  # the regenerated answers carried in a .devN folder, unpacked once into $REGEN
+  [ -f $REGEN ] && return
+  mkdir -p /tmp/regen
+  gunzip -c $(ls .dev*/regen-conversations.jsonl.gz | head -1) > $REGEN
+}
+
 train_summary() {  # the last figures each training printed (peak memory: in its predicted.json)
   for f in $R/*-train.log; do echo "== $f"; grep -a "predicted acceptance\|perplexity\|Error\|error:" "$f" | tail -4; done
 }
@@ -183,9 +189,10 @@ part2)
   minutes=$1
   mkdir -p /tmp/regen
   carried=()
-  if [ -f .dev2/regen-conversations.jsonl.gz ]; then
-    # an earlier session's regenerated answers, carried (scripts/device_stage.sh REGEN_FROM=...)
-    gunzip -c .dev2/regen-conversations.jsonl.gz > /tmp/regen/carried.jsonl
+  found=$(ls .dev*/regen-conversations.jsonl.gz 2> /dev/null | head -1)
+  if [ -n "$found" ]; then
+    # an earlier session's regenerated answers, carried in any .devN (scripts/device_stage.sh REGEN_FROM=...)
+    gunzip -c "$found" > /tmp/regen/carried.jsonl
     echo "regenerated answers carried: $(wc -l < /tmp/regen/carried.jsonl) conversations"
     carried=(--continue-from /tmp/regen/carried.jsonl)
   fi
@@ -328,16 +335,13 @@ bench)
   collect
   ;;
 train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/train_ab.sh)
-  if [ ! -f $REGEN ]; then
-    mkdir -p /tmp/regen
-    gunzip -c $(ls .dev*/regen-conversations.jsonl.gz | head -1) > $REGEN
-  fi
+  carried_regen
   LOGS=$R DATA=$REGEN bash scripts/train_ab.sh "$@"
   collect
   ;;
 fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side
   steps=${1:-40}
-  [ -f $REGEN ] || { mkdir -p /tmp/regen; gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN; }
+  carried_regen
   common=(--config configs/eagle3.yaml trainer.max_steps=$steps checkpoint_every_n_steps=$((steps / 2))
           data.dataset=$REGEN "eval.datasets=[$REGEN]" eval.num_sequences=16 data.num_workers=1 trainer.enable_progress_bar=false)
   python3 -m train "${common[@]}" out_dir=/tmp/fsdp-plain > $R/fsdp-plain.log 2>&1 &
@@ -360,7 +364,7 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
   # (default 256: all 161 of the 7,424 conversations; 64 were too few: BENCHMARKS.md, session 14); in parallel
   # The promise at T = 1 walks answers sampled at T = 1 (eval.sampled_answers): the held-out
   # conversations' answers sampled once here (SAMPLED=0: the greedy answers, as session 14 did)
-  [ -f $REGEN ] || { mkdir -p /tmp/regen; gunzip -c .dev2/regen-conversations.jsonl.gz > $REGEN; }
+  carried_regen
   sampled=()
   if [ "${SAMPLED:-1}" = 1 ]; then
     python3 -m inference.regenerate --dataset $REGEN --out /tmp/regen-t1 --temperature 1 --heldout-only 0.02 \

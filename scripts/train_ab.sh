@@ -34,5 +34,4 @@ loop = d["fit_seconds"] - sum(d.get("walk_seconds", {}).values())
 print(f"{name}: {d['train_steps']} steps, {d['train_steps'] / loop:.2f} steps/s over the loop ({loop:.1f} s), "
       f"meter {d['throughput'].get('tokens_per_s')} tokens/s, peak {d['throughput'].get('peak_gpu_memory_gib')} GiB")
 PY
-
 done
