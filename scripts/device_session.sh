@@ -334,9 +334,10 @@ bench)
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
-train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/train_ab.sh)
-  carried_regen
-  LOGS=$R DATA=$REGEN bash scripts/train_ab.sh "$@"
+train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/train_ab.sh): on carried
+  # regenerated answers where a .devN holds them, else on the recipe's own (original ShareGPT answers)
+  if ls .dev*/regen-conversations.jsonl.gz > /dev/null 2>&1; then carried_regen; export DATA=$REGEN; fi
+  LOGS=$R bash scripts/train_ab.sh "$@"
   collect
   ;;
 fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side

@@ -402,3 +402,22 @@ def test_ngram_kernel_matches_reference(B, S, k, min_n, max_n):
         got = ngram_drafts_triton(buffer, lengths, k, min_n, max_n)
         assert torch.equal(got, ref), (trial, got, ref)
     assert (ref >= 0).any() or S < 6  # matches were found
+
+
+def test_a_name_the_package_lacks_names_the_clash_with_hugging_face_kernels(monkeypatch):
+    """transformers >= 5.25 imports Hugging Face's `kernels` by this package's name: where that
+    distribution is installed the failed import says what to do; where it is not, a missing name
+    is the usual AttributeError (getattr's default still works: transformers probes __version__)."""
+    import importlib.metadata
+
+    import kernels
+
+    with pytest.raises(ImportError, match="cannot import name"):
+        exec("from kernels import CUDAProperties", {})
+    assert getattr(kernels, "__version__", "N/A") == "N/A"
+    real_version = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "0.19.1" if name == "kernels" else real_version(name))
+    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` package \(0.19.1\).*'CUDAProperties'.*uninstall"):
+        exec("from kernels import CUDAProperties", {})
+    assert getattr(kernels, "__version__", "N/A") == "N/A"  # dunder probes are not the clash
