@@ -41,6 +41,6 @@ def __getattr__(name: str):
         if version is not None:
             raise ImportError(
                 f"Hugging Face's `kernels` package ({version}) is installed here and shares its import name with "
-                f"draftsmith's kernels/ (asked for {name!r}, which only that package has): `pip uninstall -y kernels` and "
+                f"draftsmith's kernels/ (asked for {name!r}, which this package lacks): `pip uninstall -y kernels` and "
                 f"`pip install 'transformers<5.25'` (as pyproject.toml pins), or use a separate environment")
     raise AttributeError(f"module 'kernels' has no attribute {name!r}")
