@@ -18,9 +18,10 @@ The target's verify step runs through the kernels as a chain's does (inference/m
 `tree_mask=`): RoPE with the cache write at the tree's slots (kernels/rope_cache.py), then
 kernels/tree_attention.py, which reads the tree block straight from the cache slots after the
 root and its own mask row per query, with no dense mask over the cache; on a CPU the torch
-references run instead. The drafter's tree steps run through the same kernels (paired input
-norms, the tree-attention kernel over its cache and its candidate buffer, the fused norms and
-SwiGLU of chains), and the tree step runs eagerly unless TREES_GRAPHED
+references run instead. The drafter's tree steps run through the same kernels (the
+tree-attention kernel over its cache and its candidate buffer, the fused norms and SwiGLU of
+chains; each depth's selection inside its head's merge and the next step's paired input norms:
+`_expand`), and the tree step runs eagerly unless TREES_GRAPHED
 (inference/spec_loop.py) says its CUDA graphs were checked on a GPU.
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
 from kernels.tree_attention import tree_attention
-from kernels.tree_select import Candidates
+from kernels.tree_select import Candidates, expand_children_triton, frontier_norm_pair_triton
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -116,48 +117,76 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     # [B,F,H]: the drafter's output at the frontier just drafted from (the root alone first); a
     # new frontier node's parent is one of its rows (Frontier.parent_row)
     drafted_from = hidden[:, None]
-    # every candidate's token, parent, score and ancestors, depth by depth (kernels/tree_select.py:
-    # one launch per depth on a GPU)
+    # every candidate's token, parent, score and ancestors, depth by depth
     cand = Candidates.empty(B, candidates, hidden.device)
     index = scores = None  # the frontier: the root alone
-    top = _draft_top_k(d, hidden[:, None], top_k)  # [B,1,top_k]: the root's best children
-    drafted = 0
+    k, drafted = top_k, 0  # the root's children: top_k
     for level in range(depth):
-        child_logprobs, child_ids = top  # [B,F,k]: log-probabilities, rows of the draft vocabulary
-        frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, drafted, level, last, cand, top_k)
-        drafted += child_ids.shape[1] * child_ids.shape[2]
-        index, scores = frontier.index, frontier.scores
-        if level + 1 < depth:  # run the drafter on the new frontier (its nodes are at depth level + 1)
-            h = _tree_step(p, frontier.tokens, drafted_from, frontier.parent_row, frontier.positions, index,
-                           frontier.visible, cand_k, cand_v, k_cache, v_cache, last)
+        more = level + 1 < depth  # the drafter runs on the new frontier (its nodes are at depth level + 1)
+        frontier, pair, parent_hidden = _expand(p, drafted_from, k, index, scores, drafted, level, last, cand, top_k,
+                                                more)
+        drafted += drafted_from.shape[1] * k
+        if more:
+            h = _tree_step(p, pair, parent_hidden, frontier, cand_k, cand_v, k_cache, v_cache, last)
             drafted_from = h.to(hidden.dtype)
-            top = _draft_top_k(d, h, children)  # [B,F,children] each
+            index, scores, k = frontier.index, frontier.scores, children
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
     return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1)  # positions last + 1 + depth
 
 
-def _tree_step(p: Eagle3Proposer, tokens, drafted_from, parent_row, positions, frontier, visible, cand_k, cand_v,
-               k_cache, v_cache, last):
-    """EAGLE-3's layer (as `_eagle3_layer`) for F tree nodes: tokens, parent_row, positions,
-    frontier [B,F], visible [B,F,C] (each node's ancestors and itself); node f's parent hidden
-    state is drafted_from[b, parent_row[b, f]] ([B,F0,H], the level before's output).
-    Their K/V go to the candidate buffers [B,nkv,C,d] at their candidate index; each node
-    attends to the drafter's cache [B,nkv,S,d] up to the row's last step-0 entry `last` [B]
-    and to the visible candidates. → hidden [B,F,H]."""
+def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,
+            top_k: int, more: bool):
+    """One depth of EAGLE-2 selection: the drafter's head over drafted_from [B,F,H] (the outputs at
+    the frontier index / scores [B,F], None: the root), each node's best k children written as
+    candidates off .. off + F k of `cand`; when the drafter runs on a deeper level (`more`), the
+    next frontier (the best top_k of them) and that layer's input: its two normalised halves
+    [B,top_k,2H] (token embeddings, parents' hidden states) and the parents' hidden states
+    [B,top_k,H] (the residual). → (Frontier, pair, parent_hidden), or three Nones.
+
+    On a GPU three launches (two at the last depth): the head's slices, then their merge writing
+    the candidates, then the frontier ranked with the layer's input norms
+    (kernels/tree_select.py), where `norm_lm_head_topk`, `expand_level` and `rms_norm_pair` take
+    five; the same numbers either way."""
+    d = p.drafter
+    layer = d.layers[0]
+    B, _, H = drafted_from.shape
+    parent_hidden = drafted_from.new_empty(B, top_k, H) if more else None
+    norms = (d.embed_tokens.weight, layer.input_layernorm.weight, drafted_from, layer.hidden_norm.weight,
+             layer.hidden_norm.eps)
+    if use_kernel(drafted_from):
+        expand_children_triton(drafted_from, d.norm.weight, d.norm.eps, d.lm_head.weight, k, p.draft_ids, index, scores,
+                               off, cand)
+        if not more:
+            return None, None, None
+        frontier, pair = frontier_norm_pair_triton(cand, off, k, top_k, level, last, *norms, parent_hidden)
+        return frontier, pair, parent_hidden
+    child_logprobs, child_ids = _draft_top_k(d, drafted_from, k)  # [B,F,k]: log-probabilities, draft-vocabulary rows
+    frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, off, level, last, cand, top_k)
+    if not more:
+        return None, None, None
+    table, table_weight, x, x_weight, eps = norms
+    pair = rms_norm_pair(table, frontier.tokens, table_weight, x, x_weight, eps, x_rows=frontier.parent_row,
+                         x_out=parent_hidden)
+    return frontier, pair, parent_hidden
+
+
+def _tree_step(p: Eagle3Proposer, pair, parent_hidden, frontier, cand_k, cand_v, k_cache, v_cache, last):
+    """EAGLE-3's layer (as `_eagle3_layer`) for the F frontier nodes, from their input pair [B,F,2H]
+    and their parents' hidden states parent_hidden [B,F,H] (`_expand`): frontier.positions, index
+    [B,F], visible [B,F,C] (each node's ancestors and itself). Their K/V go to the candidate
+    buffers [B,nkv,C,d] at their candidate index; each node attends to the drafter's cache
+    [B,nkv,S,d] up to the row's last step-0 entry `last` [B] and to the visible candidates.
+    → hidden [B,F,H]."""
     d = p.drafter
     layer, cfg = d.layers[0], d.config
-    H = drafted_from.shape[-1]
+    H = parent_hidden.shape[-1]
     nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    # [B,F,2H]: the normed embedding, then the normed parent hidden, gathered on the way into
-    # parent_hidden [B,F,H] (the residual; one launch on a GPU)
-    parent_hidden = drafted_from.new_empty(*tokens.shape, H)
-    both = rms_norm_pair(d.embed_tokens.weight, tokens, layer.input_layernorm.weight, drafted_from,
-                         layer.hidden_norm.weight, layer.hidden_norm.eps, x_rows=parent_row, x_out=parent_hidden)
     # q rotated; k rotated and v written to the candidate buffers at the nodes' candidate indices
     # (one launch on a GPU: kernels/rope_cache.py, its slots being the candidate indices)
-    q = rope_cache(F.linear(both, p.qkv_weight), positions, d.inv_freq, cand_k, cand_v, nh, nkv, slots=frontier)
-    attn = layer.self_attn.o_proj(tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, visible))
-    residual = both[..., H:] if layer.norm_before_residual else parent_hidden
+    q = rope_cache(F.linear(pair, p.qkv_weight), frontier.positions, d.inv_freq, cand_k, cand_v, nh, nkv,
+                   slots=frontier.index)
+    attn = layer.self_attn.o_proj(tree_attention(q, k_cache, v_cache, last, cand_k, cand_v, frontier.visible))
+    residual = pair[..., H:] if layer.norm_before_residual else parent_hidden
     post, h = rms_norm(attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps, residual)
     return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
 

@@ -140,13 +140,12 @@ if triton is not None:
             key = tl.where(key == best[:, None], gone, key)
 
     @triton.jit
-    def _topk_merge_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, out_val_ptr, out_idx_ptr, NSPLIT, V,
-                           K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
-        """One row: the log-sum-exp of its slices, then its K best of the slices' NSPLIT * K
-        candidates (ties: the lowest column), as log-probabilities. A column is one slice's, so
-        real keys are unique; exhausted slices' pads (-inf at column V) rank below every real
-        one, and k <= V picks k real ones."""
-        row = tl.program_id(0).to(tl.int64)
+    def merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, row, NSPLIT, V, K: tl.constexpr, BLOCK_S: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row's merge: the log-sum-exp of its slices, then its K best of the slices' NSPLIT * K
+        candidates (ties: the lowest column) → (log-probabilities, columns) [BLOCK_K], best first
+        (lanes past K: -inf, column V). A column is one slice's, so real keys are unique; exhausted
+        slices' pads (-inf at column V) rank below every real one, and k <= V picks k real ones."""
         s = tl.arange(0, BLOCK_S)
         m = tl.load(max_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=float("-inf"))
         total = tl.load(sum_ptr + row * NSPLIT + s, mask=s < NSPLIT, other=0.0)
@@ -159,16 +158,33 @@ if triton is not None:
         ix = tl.load(idx_ptr + row * n + c, mask=c < n, other=V)
         gone = tl.full([BLOCK_C], -2147483648, tl.int32).to(tl.int64) << 32
         key = tl.where(c < n, _rank_key(v, ix), gone)
+        lanes = tl.arange(0, BLOCK_K)
+        values = tl.full([BLOCK_K], float("-inf"), tl.float32)
+        columns = tl.full([BLOCK_K], V, tl.int64)
         for j in tl.static_range(K):
             best = tl.max(key, 0)
             value, column = _unrank_key(best)
-            tl.store(out_val_ptr + row * K + j, value - lse)
-            tl.store(out_idx_ptr + row * K + j, column)
+            values = tl.where(lanes == j, value - lse, values)
+            columns = tl.where(lanes == j, column, columns)
             key = tl.where(key == best, gone, key)
+        return values, columns
+
+    @triton.jit
+    def _topk_merge_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, out_val_ptr, out_idx_ptr, NSPLIT, V,
+                           K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One row: `merge_row`, stored."""
+        row = tl.program_id(0).to(tl.int64)
+        values, columns = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, row, NSPLIT, V, K, BLOCK_S, BLOCK_C, BLOCK_K)
+        lanes = tl.arange(0, BLOCK_K)
+        tl.store(out_val_ptr + row * K + lanes, values, mask=lanes < K)
+        tl.store(out_idx_ptr + row * K + lanes, columns, mask=lanes < K)
 
 
-def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_chunks(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, k: int,
+                block_v: int = TOPK_BLOCK_V):
+    """The first launch alone: hidden [..., H] → the rows [R,H] it read and each row's slices'
+    (maxima [R,S], sums [R,S], k best logits [R,S,k], their columns [R,S,k]), S = ceil(V / block_v),
+    for a merge (`_topk_merge_kernel`, or kernels/tree_select.py's, which also expands a tree)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = hidden.shape[-1]
@@ -178,7 +194,6 @@ def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, ep
     V = weight.shape[0]
     if not 1 <= k <= min(V, MAX_K):
         raise ValueError(f"norm_lm_head_topk: k={k} must be in 1..{min(V, MAX_K)} (an lm_head of {V} rows)")
-    lead = hidden.shape[:-1]
     x = hidden.reshape(-1, H)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -187,18 +202,29 @@ def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, ep
     R = x.shape[0]
     nsplit = triton.cdiv(V, block_v)
     dev = hidden.device
-    values = torch.empty(R, k, dtype=torch.float32, device=dev)
-    indices = torch.empty(R, k, dtype=torch.long, device=dev)
+    maxima = torch.empty(R, nsplit, dtype=torch.float32, device=dev)
+    sums = torch.empty_like(maxima)
+    best = torch.empty(R, nsplit, k, dtype=torch.float32, device=dev)
+    columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
     if R:
-        maxima = torch.empty(R, nsplit, dtype=torch.float32, device=dev)
-        sums = torch.empty_like(maxima)
-        best = torch.empty(R, nsplit, k, dtype=torch.float32, device=dev)
-        columns = torch.empty(R, nsplit, k, dtype=torch.long, device=dev)
         _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
             K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H)
+    return maxima, sums, best, columns
+
+
+def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
+    maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, weight, k, block_v)
+    R, nsplit = maxima.shape
+    V = weight.shape[0]
+    values = torch.empty(R, k, dtype=torch.float32, device=hidden.device)
+    indices = torch.empty(R, k, dtype=torch.long, device=hidden.device)
+    if R:
         _topk_merge_kernel[(R,)](maxima, sums, best, columns, values, indices, nsplit, V, K=k,
-                                 BLOCK_S=triton.next_power_of_2(nsplit), BLOCK_C=triton.next_power_of_2(nsplit * k))
+                                 BLOCK_S=triton.next_power_of_2(nsplit), BLOCK_C=triton.next_power_of_2(nsplit * k),
+                                 BLOCK_K=triton.next_power_of_2(k))
+    lead = hidden.shape[:-1]
     return values.reshape(*lead, k), indices.reshape(*lead, k)
 
 

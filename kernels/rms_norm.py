@@ -180,10 +180,16 @@ if triton is not None:
             w = tl.load(xw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
             if WRITE_X:
                 tl.store(xo_ptr + row * H + cols, h.to(xo_ptr.dtype.element_ty), mask=inside)
-        hf = h.to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * 2 * H + half * H + cols, pair_half(h, w, H, eps, out_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def pair_half(h, w, H, eps, dtype: tl.constexpr):
+        """One half of `rms_norm_pair`'s row: h [BLOCK] (zeros past H) normalised, times w
+        (float32), rounded to dtype as the reference rounds it (also kernels/tree_select.py's)."""
+        hf = h.to(dtype).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / H + eps)
-        normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + row * 2 * H + half * H + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=inside)
+        normed = (hf * rstd).to(dtype).to(tl.float32)
+        return (normed * w).to(dtype)
 
 
 def rms_norm_pair_triton(table, ids, table_weight, x, x_weight, eps, x_rows=None, x_out=None):

@@ -18,6 +18,12 @@ out for a drafter that drafts depth by depth in a CUDA graph.
     the drafter reads there (`Frontier`).
     finalize: the best `total_tokens` candidates by score (ties to the lower index), in
     candidate order: the Tree (inference/tree.py) the target verifies.
+
+The runtime's drafter (inference/tree_decoding.py) splits expand_level across two launches it
+runs anyway, a launch fewer a depth: `expand_children_triton` (the head's merge writes each
+node's children as candidates) and `frontier_norm_pair_triton` (the next layer's input norms,
+each program ranking the depth's children to find its frontier node). On an H200 that drafted
+a 6-10-60-4 tree 9 µs faster a step (0.300 → 0.291 ms, BENCHMARKS.md session 30).
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from kernels.lm_head_topk import merge_row
+    from kernels.rms_norm import pair_half
 except ImportError:
     triton = None
 
@@ -186,6 +195,92 @@ if triton is not None:
                 tl.store(o_mask_ptr + row * N * N + n[:, None] * N + mm[None, :], sees, mask=both)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_children_kernel(max_ptr, sum_ptr, val_ptr, idx_ptr, draft_ids_ptr, frontier_ptr, fscores_ptr,
+                               tokens_ptr, parents_ptr, scores_ptr, anc_ptr, NSPLIT, V, F, OFF, C,
+                               s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r, K: tl.constexpr, BLOCK_S: tl.constexpr,
+                               BLOCK_CAND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                               AT_ROOT: tl.constexpr):
+        """One frontier node (program b * F + f): the head's merge of its slices (kernels/lm_head_topk.py
+        `merge_row`: its K best children, as log-probabilities), then what `_expand_kernel` writes for
+        them: candidates OFF + f K + j, their tokens, parent, score and ancestor rows. Ranking them
+        into the next frontier needs every node's children: `_frontier_norm_pair_kernel` does it."""
+        r = tl.program_id(0).to(tl.int64)
+        b, f = r // F, r % F
+        lp, column = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, r, NSPLIT, V, K, BLOCK_S, BLOCK_CAND, BLOCK_K)
+        j = tl.arange(0, BLOCK_K)
+        live = j < K
+        lp = tl.where(lp == lp, lp, float("-inf"))  # a NaN (a broken drafter) ranks last, as in `_expand_kernel`
+        if AT_ROOT:
+            score = tl.minimum(lp, 0.0)
+            parent = b * 0 - 1  # (a scalar tensor, as the load below gives)
+        else:
+            score = tl.load(fscores_ptr + b * s_fs_b + f) + tl.minimum(lp, 0.0)
+            parent = tl.load(frontier_ptr + b * s_fr_b + f)
+        token = tl.load(draft_ids_ptr + column, mask=live, other=-1)
+        c = OFF + f * K + j
+        tl.store(tokens_ptr + b * s_c_b + c, token, mask=live)
+        tl.store(parents_ptr + b * s_c_b + c, tl.zeros([BLOCK_K], tl.int64) + parent, mask=live)
+        tl.store(scores_ptr + b * s_c_b + c, score, mask=live)
+        # each child's ancestor row: its parent's (columns before OFF, every child alike) and itself
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + cols, mask=(cols * 0 + parent >= 0) & (cols < OFF),
+                                  other=0)
+            sees = ((from_parent != 0)[None, :] | (cols[None, :] == c[:, None])).to(tl.uint8)
+            tl.store(anc_ptr + b * s_a_b + c[:, None] * s_a_r + cols[None, :], sees,
+                     mask=live[:, None] & (cols < C)[None, :])
+
+    @triton.jit
+    def _frontier_norm_pair_kernel(tokens_ptr, scores_ptr, anc_ptr, last_ptr, o_index_ptr, o_scores_ptr,
+                                   o_tokens_ptr, o_parent_row_ptr, o_visible_ptr, o_positions_ptr,
+                                   table_ptr, tw_ptr, x_ptr, xw_ptr, out_ptr, xo_ptr,
+                                   K, TOPK, N_NEW, OFF, C, LEVEL, H, eps, s_c_b, s_a_b, s_a_r, stride_t, stride_xb,
+                                   stride_xr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
+        """One (slot of the next frontier, half): the slot's node is the new candidate ranked there
+        among the N_NEW = F0 K of this depth (F0 nodes drafted from, x [B,F0,H]; score descending,
+        ties to the lower index: what `_expand_kernel` ranks; every program ranks them all, N_NEW^2
+        compares). Half 0 writes the
+        slot (`Frontier`) and normalises the node's token embedding; half 1 its parent's hidden
+        state (row (node - OFF) // K of x), also copied to xo: kernels/rms_norm.py's
+        `rms_norm_pair` with x_rows, for rows the frontier names as it is chosen."""
+        pid = tl.program_id(0).to(tl.int64)
+        half = tl.program_id(1)
+        b, slot = pid // TOPK, pid % TOPK
+        m = tl.arange(0, BLOCK_M)
+        live = m < N_NEW
+        score = tl.load(scores_ptr + b * s_c_b + OFF + m, mask=live, other=0.0)
+        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
+        rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
+        mine = live & (rank == slot)
+        pick = tl.sum(tl.where(mine, m, 0), 0)  # the candidate OFF + pick (ranks are a permutation: no NaN score)
+        node = OFF + pick
+        parent_row = pick // K
+        cols = tl.arange(0, BLOCK)
+        inside = cols < H
+        if half == 0:
+            token = tl.load(tokens_ptr + b * s_c_b + node)
+            tl.store(o_index_ptr + pid, node)
+            tl.store(o_scores_ptr + pid, tl.sum(tl.where(mine, score, 0.0), 0))
+            tl.store(o_tokens_ptr + pid, token)
+            tl.store(o_parent_row_ptr + pid, parent_row)
+            tl.store(o_positions_ptr + pid, tl.load(last_ptr + b) + LEVEL + 1)
+            for c0 in range(0, C, BLOCK_C):  # what the node sees: its ancestor row
+                vc = c0 + tl.arange(0, BLOCK_C)
+                row = tl.load(anc_ptr + b * s_a_b + node * s_a_r + vc, mask=vc < C, other=0)
+                tl.store(o_visible_ptr + pid * C + vc, row, mask=vc < C)
+            h = tl.load(table_ptr + token * stride_t + cols, mask=inside, other=0.0)
+            w = tl.load(tw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        else:
+            h = tl.load(x_ptr + b * stride_xb + parent_row * stride_xr + cols, mask=inside, other=0.0)
+            w = tl.load(xw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+            tl.store(xo_ptr + pid * H + cols, h.to(xo_ptr.dtype.element_ty), mask=inside)
+        tl.store(out_ptr + pid * 2 * H + half * H + cols, pair_half(h, w, H, eps, out_ptr.dtype.element_ty),
+                 mask=inside)
+
+
 def _check_candidates(cand: Candidates):
     if any(t.stride(-1) != 1 for t in cand) or cand.tokens.stride(0) != cand.parents.stride(0) \
             or cand.tokens.stride(0) != cand.scores.stride(0):
@@ -223,6 +318,80 @@ def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier
                              BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=block_c, N_NEW=n_new,
                              AT_ROOT=at_root)
     return Frontier(index, scores, tokens, parent_row, visible, positions)
+
+
+def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: int, draft_ids, frontier,
+                           frontier_scores, off: int, cand: Candidates, block_v: int | None = None) -> None:
+    """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
+    nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
+    writes each node's k best children as candidates off .. off + F k of `cand` (what
+    `norm_lm_head_topk` then `expand_level` write there). frontier / frontier_scores [B,F]: the
+    nodes' candidate indices and scores (None: the root alone). The next frontier is ranked from
+    these by `frontier_norm_pair_triton`."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    from kernels.lm_head_topk import TOPK_BLOCK_V, topk_chunks
+
+    _check_candidates(cand)
+    B, Fr, _ = hidden.shape
+    C, n_new = cand.tokens.shape[1], Fr * k
+    if off + n_new > C or (Fr != 1 if frontier is None else (frontier.shape != (B, Fr) or frontier_scores is None
+                                                             or frontier_scores.shape != (B, Fr))):
+        raise ValueError(f"expand_children: {Fr} frontier rows x {k} children at candidates {off}.. of {C}, frontier "
+                         f"{None if frontier is None else tuple(frontier.shape)}")
+    maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, lm_head_weight, k,
+                                              TOPK_BLOCK_V if block_v is None else block_v)
+    nsplit = maxima.shape[1]
+    at_root = frontier is None
+    if at_root:
+        frontier = frontier_scores = maxima  # (not read)
+    if B * Fr:
+        _merge_children_kernel[(B * Fr,)](maxima, sums, best, columns, draft_ids.contiguous(), frontier, frontier_scores,
+                                          cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
+                                          nsplit, lm_head_weight.shape[0], Fr, off, C, frontier.stride(0),
+                                          frontier_scores.stride(0), cand.tokens.stride(0), cand.ancestors.stride(0),
+                                          cand.ancestors.stride(1), K=k, BLOCK_S=triton.next_power_of_2(nsplit),
+                                          BLOCK_CAND=triton.next_power_of_2(nsplit * k),
+                                          BLOCK_K=triton.next_power_of_2(k), BLOCK_C=min(256, triton.next_power_of_2(C)),
+                                          AT_ROOT=at_root)
+
+
+def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, level: int, last, table, table_weight,
+                              x, x_weight, eps: float, x_out):
+    """The next frontier and the drafter's input there, in one launch: the best top_k of this
+    depth's candidates off .. off + F0 k (by score, ties to the lower index: `expand_level`'s
+    frontier) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens, table_weight, x,
+    x_weight, eps, x_rows=frontier.parent_row, x_out=x_out)`, x [B,F0,H] the rows drafted from.
+    → (Frontier, the pair [B,top_k,2H])."""
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _check_candidates(cand)
+    B, F0, H = x.shape
+    C, n_new = cand.tokens.shape[1], F0 * k
+    if not 1 <= top_k <= n_new or off + n_new > C or n_new > 1024:
+        raise ValueError(f"frontier_norm_pair: top_k={top_k} of {n_new} children (at most 1,024), candidates "
+                         f"{off}..{off + n_new} of {C}")
+    if table.shape[-1] != H or table_weight.shape != (H,) or x_weight.shape != (H,) or x.stride(-1) != 1 or \
+            x_out.shape != (B, top_k, H) or not x_out.is_contiguous():
+        raise ValueError(f"frontier_norm_pair: table {tuple(table.shape)}, x {tuple(x.shape)}, x_out "
+                         f"{tuple(x_out.shape)}, weights {tuple(table_weight.shape)} / {tuple(x_weight.shape)}")
+    dev, long = x.device, torch.long
+    index, tokens, parent_row, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(4))
+    scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
+    visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
+    both = torch.empty(B, top_k, 2 * H, dtype=x.dtype, device=dev)
+    table = table if table.stride(-1) == 1 else table.contiguous()
+    if B:
+        _frontier_norm_pair_kernel[(B * top_k, 2)](cand.tokens, cand.scores, cand.ancestors.view(torch.uint8),
+                                                   last.contiguous(), index, scores, tokens, parent_row,
+                                                   visible.view(torch.uint8), positions, table, table_weight, x,
+                                                   x_weight, both, x_out, k, top_k, n_new, off, C, level, H, eps,
+                                                   cand.tokens.stride(0), cand.ancestors.stride(0),
+                                                   cand.ancestors.stride(1), table.stride(0), x.stride(0), x.stride(1),
+                                                   BLOCK_M=triton.next_power_of_2(n_new),
+                                                   BLOCK_C=min(256, triton.next_power_of_2(C)),
+                                                   BLOCK=triton.next_power_of_2(H))
+    return Frontier(index, scores, tokens, parent_row, visible, positions), both
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,

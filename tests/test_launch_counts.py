@@ -42,7 +42,9 @@ CEILINGS = {
     # session 23 the verify's argmax merge and emission inside the tree's bookkeeping kernel, and
     # the path's features gathered by the drafter's input norm (30 before), the tree now drafted
     # with the recipe's input norm before fc (configs/eagle3.yaml; its own launch: 57 without)
-    "eagle3-tree": {"verify_phase": 27, "proposer_phase": 58},
+    # session 30 each depth's expansion inside the head's merge and the next layer's input norms
+    # (kernels/tree_select.py: 58 before)
+    "eagle3-tree": {"verify_phase": 27, "proposer_phase": 54},
 }
 
 

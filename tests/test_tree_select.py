@@ -102,3 +102,74 @@ def test_a_nan_child_ranks_last_in_the_kernel():
     front = expand_level_triton(ids, logprobs, torch.arange(3, device=dev), None, None, 0, 0,
                                 torch.zeros(1, dtype=torch.long, device=dev), cand, 2)
     assert front.index.tolist() == [[1, 2]] and front.scores.tolist() == [[-1.0, -2.0]]
+
+
+@pytest.mark.parametrize("B,depth,top_k,children,H,Vd", [(2, 3, 3, 2, 64, 300), (1, 4, 4, None, 70, 129),
+                                                         (3, 2, 5, 3, 64, 40)])
+def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, children, H, Vd):
+    """A depth through `expand_children_triton` and `frontier_norm_pair_triton` (the head's merge
+    writing the candidates, then the frontier ranked beside the layer's input norms) writes the
+    very bits the separate launches write: `norm_lm_head_topk_triton`, `expand_level_triton`,
+    `rms_norm_pair_triton` with the parents gathered. An lm_head of few distinct rows makes many
+    children tie (by score, and by cumulative score across parents)."""
+    from kernels.lm_head_topk import norm_lm_head_topk_triton
+    from kernels.rms_norm import rms_norm_pair_triton
+    from kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(B * 100 + depth)
+    k = top_k if children is None else children
+    C = top_k + (depth - 1) * top_k * k
+    head = (torch.randn(6, H, generator=g) / H ** 0.5)[torch.randint(0, 6, (Vd,), generator=g)].to(dev)
+    norm_w = (torch.rand(H, generator=g) + 0.5).to(dev)
+    table = torch.randn(3 * Vd, H, generator=g).to(dev)
+    tw, xw = (torch.rand(H, generator=g) + 0.5).to(dev), (torch.rand(H, generator=g) + 0.5).to(dev)
+    draft_ids = torch.randperm(3 * Vd, generator=g)[:Vd].to(dev)
+    last = torch.randint(3, 40, (B,), generator=g).to(dev)
+    sides = [Candidates.empty(B, C, dev) for _ in range(2)]
+    frontiers = [(None, None), (None, None)]
+    x, off = torch.randn(B, 1, H, generator=g).to(dev), 0
+    for level in range(depth):
+        kk = top_k if level == 0 else k
+        # the separate launches
+        index, scores = frontiers[0]
+        values, ids = norm_lm_head_topk_triton(x, norm_w, 1e-5, head, kk, block_v=128)
+        want = expand_level_triton(ids, values, draft_ids, index, scores, off, level, last, sides[0], top_k)
+        want_hidden = x.new_empty(B, top_k, H)
+        want_pair = rms_norm_pair_triton(table, want.tokens, tw, x, xw, 1e-5, x_rows=want.parent_row,
+                                         x_out=want_hidden)
+        # the fused ones
+        index, scores = frontiers[1]
+        expand_children_triton(x, norm_w, 1e-5, head, kk, draft_ids, index, scores, off, sides[1], block_v=128)
+        got_hidden = x.new_empty(B, top_k, H)
+        got, got_pair = frontier_norm_pair_triton(sides[1], off, kk, top_k, level, last, table, tw, x, xw, 1e-5,
+                                                  got_hidden)
+        end = off + x.shape[1] * kk
+        for name, w, o in zip(Candidates._fields, sides[0], sides[1]):
+            assert torch.equal(o[:, off:end], w[:, off:end]), (name, level)
+        for name, w, o in zip(want._fields, want, got):
+            assert torch.equal(o, w), (name, level)
+        assert torch.equal(got_pair, want_pair) and torch.equal(got_hidden, want_hidden), level
+        frontiers = [(want.index, want.scores), (got.index, got.scores)]
+        x, off = torch.randn(B, top_k, H, generator=g).to(dev), end
+    assert off == C  # every candidate written
+
+
+def test_a_nan_child_ranks_last_in_the_fused_launches():
+    """As `_expand_kernel`: a NaN log-probability (an lm_head row of NaN) ranks below every child."""
+    from kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
+
+    dev = kernel_device()
+    H = 16
+    head = torch.eye(3, H, device=dev)
+    head[0] = float("nan")
+    x = torch.zeros(1, 1, H, device=dev)
+    x[..., 0], x[..., 1], x[..., 2] = 1.0, 3.0, 2.0  # row 1 then row 2; row 0 NaN
+    cand = Candidates.empty(1, 3, dev)
+    expand_children_triton(x, torch.ones(H, device=dev), 1e-6, head, 3, torch.arange(3, device=dev), None, None, 0,
+                           cand, block_v=128)
+    front, _ = frontier_norm_pair_triton(cand, 0, 3, 2, 0, torch.zeros(1, dtype=torch.long, device=dev),
+                                         torch.randn(3, H, device=dev), torch.ones(H, device=dev), x,
+                                         torch.ones(H, device=dev), 1e-6, x.new_empty(1, 2, H))
+    assert cand.tokens[0].tolist() == [1, 2, 0] and cand.scores[0, 2] == float("-inf")
+    assert front.tokens.tolist() == [[1, 2]]
