@@ -28,7 +28,7 @@ from kernels.argmax import argmax_chunks
 from kernels.emit import EmitState, emit_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
-from kernels.tree_select import Candidates, Frontier, candidate_depths, expand_level_triton, finalize_triton, \
+from kernels.tree_select import Candidates, Frontier, candidate_depths, finalize_triton, \
     root_frontier
 
 
@@ -197,13 +197,6 @@ def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, 
     state = TreeCandidates(cand.tokens, cand.parents, cand.scores, depths, cand.parents[:, :0], cand.scores[:, :0],
                            cand.ancestors)
     return finalize(state, total_tokens, base_positions)
-
-
-def expand_level(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int, last,
-                 cand: Candidates, top_k: int) -> Frontier:
-    """`expand_level_reference`, through one kernel launch on CUDA tensors."""
-    fn = expand_level_triton if use_kernel(child_ids) else expand_level_reference
-    return fn(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off, level, last, cand, top_k)
 
 
 def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,

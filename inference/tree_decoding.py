@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from inference.drafter_proposers import Eagle3Proposer
 from inference.spec_loop import SpecLoop
-from inference.tree import Tree, expand_level, finalize_candidates, move_entries, sampled_tree_choice, tree_accept
+from inference.tree import (Tree, expand_level_reference, finalize_candidates, move_entries, sampled_tree_choice,
+                            tree_accept)
 from inference.verify import sampling_probs
 from kernels import use_kernel
 from kernels.emit import feed
@@ -145,8 +146,8 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
 
     On a GPU three launches (two at the last depth): the head's slices, then their merge writing
     the candidates, then the frontier ranked with the layer's input norms
-    (kernels/tree_select.py), where `norm_lm_head_topk`, `expand_level` and `rms_norm_pair` take
-    five; the same numbers either way."""
+    (kernels/tree_select.py), where `norm_lm_head_topk`, an expansion and `rms_norm_pair` took
+    five; the same numbers either way (elsewhere the torch references)."""
     d = p.drafter
     layer = d.layers[0]
     B, _, H = drafted_from.shape
@@ -161,7 +162,8 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
         frontier, pair = frontier_norm_pair_triton(cand, off, k, top_k, level, last, *norms, parent_hidden)
         return frontier, pair, parent_hidden
     child_logprobs, child_ids = _draft_top_k(d, drafted_from, k)  # [B,F,k]: log-probabilities, draft-vocabulary rows
-    frontier = expand_level(child_ids, child_logprobs, p.draft_ids, index, scores, off, level, last, cand, top_k)
+    frontier = expand_level_reference(child_ids, child_logprobs, p.draft_ids, index, scores, off, level, last, cand,
+                                      top_k)
     if not more:
         return None, None, None
     table, table_weight, x, x_weight, eps = norms

@@ -1,8 +1,8 @@
-"""EAGLE-2 selection on fixed candidate buffers, a launch per depth and two for the rerank
-instead of about twenty-five and fifteen: what inference/tree.py's `expand_depth` and
-`finalize` compute (its `expand_level_reference` and `finalize_reference` compose them on these
-buffers; its `expand_level` and `finalize_candidates` run these kernels on CUDA tensors), laid
-out for a drafter that drafts depth by depth in a CUDA graph.
+"""EAGLE-2 selection on fixed candidate buffers, inside launches a drafter's depth makes anyway,
+and two for the rerank, instead of about twenty-five and fifteen: what inference/tree.py's
+`expand_depth` and `finalize` compute (its `expand_level_reference` and `finalize_reference`
+compose them on these buffers; its `finalize_candidates` runs the rerank's kernels on CUDA
+tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
 
     Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
     scores [B,C] (cumulative draft log-probability), ancestors [B,C,C] bool; candidate c of a
@@ -11,19 +11,19 @@ out for a drafter that drafts depth by depth in a CUDA graph.
     writes its block in full (ancestor rows included), so the buffers need no clearing between
     drafts.
 
-    expand_level: the drafter's children of the F frontier nodes (None: the root alone;
-    child_ids [B,F,k] rows of the draft vocabulary, child_logprobs [B,F,k]) become candidates
-    off .. off + F k; the best
-    top_k of them (stable: ties to the lower index) are the next frontier, returned with what
-    the drafter reads there (`Frontier`).
+    expanding a depth: the drafter's children of the F frontier nodes (the root alone first;
+    k rows of the draft vocabulary each, with their log-probabilities) become candidates
+    off .. off + F k; the best top_k of them (stable: ties to the lower index) are the next
+    frontier, returned with what the drafter reads there (`Frontier`).
     finalize: the best `total_tokens` candidates by score (ties to the lower index), in
     candidate order: the Tree (inference/tree.py) the target verifies.
 
-The runtime's drafter (inference/tree_decoding.py) splits expand_level across two launches it
-runs anyway, a launch fewer a depth: `expand_children_triton` (the head's merge writes each
-node's children as candidates) and `frontier_norm_pair_triton` (the next layer's input norms,
-each program ranking the depth's children to find its frontier node). On an H200 that drafted
-a 6-10-60-4 tree 9 µs faster a step (0.300 → 0.291 ms, BENCHMARKS.md session 30).
+A depth's expansion runs inside two launches the drafter makes anyway (inference/
+tree_decoding.py `_expand`): `expand_children_triton`, the head's merge, writes each node's
+children as candidates, and `frontier_norm_pair_triton`, the next layer's input norms, has each
+program rank the depth's children to find its frontier node. One launch of its own a depth
+(sessions 17-29) drafted a 6-10-60-4 tree 9 µs slower a step on an H200 (0.300 against 0.291
+ms, BENCHMARKS.md session 30).
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Frontier(NamedTuple):
 
 def root_frontier(batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """The frontier before any depth: the root alone, score 0 → (index [B,1], scores [B,1]).
-    (`expand_level` takes None for both instead: the kernel knows the root without them.)"""
+    (`expand_children_triton` takes None for both instead: the kernel knows the root without them.)"""
     return torch.full((batch, 1), -1, dtype=torch.long, device=device), torch.zeros(batch, 1, device=device)
 
 
@@ -79,60 +79,6 @@ def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- kernels
 if triton is not None:
-
-    @triton.jit
-    def _expand_kernel(child_ids_ptr, child_lp_ptr, draft_ids_ptr, frontier_ptr, fscores_ptr, last_ptr,
-                       tokens_ptr, parents_ptr, scores_ptr, anc_ptr,
-                       o_index_ptr, o_scores_ptr, o_tokens_ptr, o_parent_row_ptr, o_visible_ptr,
-                       o_positions_ptr,
-                       K, TOPK, OFF, C, LEVEL, s_ci_b, s_ci_f, s_lp_b, s_lp_f, s_fr_b, s_fs_b, s_c_b, s_a_b, s_a_r,
-                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, N_NEW: tl.constexpr, AT_ROOT: tl.constexpr):
-        """One program per (row, block of BLOCK_C ancestor columns); lanes m: the new candidates
-        (BLOCK_M >= N_NEW = F k). Every program ranks the new candidates (cheap: N_NEW^2 compares);
-        the first of a row stores them and the next frontier, each stores its columns of their
-        ancestor rows (C of them: one program doing them all took 160 µs at C = 510 on an H200).
-        AT_ROOT: the frontier is the root alone (parent -1, score 0; frontier_ptr and fscores_ptr unread)."""
-        row = tl.program_id(0).to(tl.int64)
-        first_block = tl.program_id(1) == 0
-        m = tl.arange(0, BLOCK_M)
-        live = m < N_NEW
-        f, j = m // K, m % K
-        cid = tl.load(child_ids_ptr + row * s_ci_b + f * s_ci_f + j, mask=live, other=0)
-        lp = tl.load(child_lp_ptr + row * s_lp_b + f * s_lp_f + j, mask=live, other=0.0).to(tl.float32)
-        # a NaN log-probability (a broken drafter) ranks last: tl.minimum would make it 0, the best,
-        # and a NaN score would rank beside the best and leave a frontier slot unwritten
-        lp = tl.where(lp == lp, lp, float("-inf"))
-        if AT_ROOT:
-            score = tl.minimum(lp, 0.0)
-            parent = tl.full([BLOCK_M], -1, tl.int64)
-        else:
-            score = tl.load(fscores_ptr + row * s_fs_b + f, mask=live, other=0.0) + tl.minimum(lp, 0.0)
-            parent = tl.load(frontier_ptr + row * s_fr_b + f, mask=live, other=-1)
-        token = tl.load(draft_ids_ptr + cid, mask=live, other=-1)
-        c = OFF + m
-        # the rank of each new candidate in a stable descending sort of their scores
-        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
-        rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
-        chosen = live & (rank < TOPK)
-        out = row * TOPK + rank
-        if first_block:
-            tl.store(tokens_ptr + row * s_c_b + c, token, mask=live)
-            tl.store(parents_ptr + row * s_c_b + c, parent, mask=live)
-            tl.store(scores_ptr + row * s_c_b + c, score, mask=live)
-            tl.store(o_index_ptr + out, c, mask=chosen)
-            tl.store(o_scores_ptr + out, score, mask=chosen)
-            tl.store(o_tokens_ptr + out, token, mask=chosen)
-            tl.store(o_parent_row_ptr + out, f, mask=chosen)
-            tl.store(o_positions_ptr + out, tl.load(last_ptr + row) + LEVEL + 1, mask=chosen)
-        # a new candidate's ancestor row: its parent's (candidates before OFF) and itself; the
-        # parents' rows (< OFF) are never the ones written (>= OFF), so the blocks do not race
-        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        inside = cols < C
-        from_parent = tl.load(anc_ptr + row * s_a_b + parent[:, None] * s_a_r + cols[None, :],
-                              mask=live[:, None] & (parent[:, None] >= 0) & (cols[None, :] < OFF), other=0)
-        sees = ((from_parent != 0) | (cols[None, :] == c[:, None])).to(tl.uint8)
-        tl.store(anc_ptr + row * s_a_b + c[:, None] * s_a_r + cols[None, :], sees, mask=live[:, None] & inside[None, :])
-        tl.store(o_visible_ptr + out[:, None] * C + cols[None, :], sees, mask=chosen[:, None] & inside[None, :])
 
     @triton.jit
     def _rank_kernel(scores_ptr, rank_ptr, C, s_c_b, BLOCK: tl.constexpr):
@@ -204,7 +150,7 @@ if triton is not None:
                                BLOCK_CAND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                                AT_ROOT: tl.constexpr):
         """One frontier node (program b * F + f): the head's merge of its slices (kernels/lm_head_topk.py
-        `merge_row`: its K best children, as log-probabilities), then what `_expand_kernel` writes for
+        `merge_row`: its K best children, as log-probabilities), then what expand_level writes for
         them: candidates OFF + f K + j, their tokens, parent, score and ancestor rows. Ranking them
         into the next frontier needs every node's children: `_frontier_norm_pair_kernel` does it."""
         r = tl.program_id(0).to(tl.int64)
@@ -212,7 +158,9 @@ if triton is not None:
         lp, column = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, r, NSPLIT, V, K, BLOCK_S, BLOCK_CAND, BLOCK_K)
         j = tl.arange(0, BLOCK_K)
         live = j < K
-        lp = tl.where(lp == lp, lp, float("-inf"))  # a NaN (a broken drafter) ranks last, as in `_expand_kernel`
+        # a NaN log-probability (a broken drafter) ranks last: tl.minimum would make it 0, the best,
+        # and a NaN score would rank beside the best and leave a frontier slot unwritten
+        lp = tl.where(lp == lp, lp, float("-inf"))
         if AT_ROOT:
             score = tl.minimum(lp, 0.0)
             parent = b * 0 - 1  # (a scalar tensor, as the load below gives)
@@ -227,8 +175,8 @@ if triton is not None:
         # each child's ancestor row: its parent's (columns before OFF, every child alike) and itself
         for c0 in range(0, C, BLOCK_C):
             cols = c0 + tl.arange(0, BLOCK_C)
-            from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + cols, mask=(cols * 0 + parent >= 0) & (cols < OFF),
-                                  other=0)
+            has_parent = cols * 0 + parent >= 0  # (a block: the interpreter takes no scalar mask here)
+            from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + cols, mask=has_parent & (cols < OFF), other=0)
             sees = ((from_parent != 0)[None, :] | (cols[None, :] == c[:, None])).to(tl.uint8)
             tl.store(anc_ptr + b * s_a_b + c[:, None] * s_a_r + cols[None, :], sees,
                      mask=live[:, None] & (cols < C)[None, :])
@@ -241,9 +189,9 @@ if triton is not None:
                                    stride_xr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
         """One (slot of the next frontier, half): the slot's node is the new candidate ranked there
         among the N_NEW = F0 K of this depth (F0 nodes drafted from, x [B,F0,H]; score descending,
-        ties to the lower index: what `_expand_kernel` ranks; every program ranks them all, N_NEW^2
-        compares). Half 0 writes the
-        slot (`Frontier`) and normalises the node's token embedding; half 1 its parent's hidden
+        ties to the lower index, as expand_level_reference orders them; every program ranks them
+        all, N_NEW^2 compares). Half 0 writes the slot (`Frontier`) and normalises the node's
+        token embedding; half 1 its parent's hidden
         state (row (node - OFF) // K of x), also copied to xo: kernels/rms_norm.py's
         `rms_norm_pair` with x_rows, for rows the frontier names as it is chosen."""
         pid = tl.program_id(0).to(tl.int64)
@@ -287,47 +235,14 @@ def _check_candidates(cand: Candidates):
         raise ValueError("tree candidates: tokens, parents and scores need the same row stride and unit steps")
 
 
-def expand_level_triton(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
-                        last, cand: Candidates, top_k: int) -> Frontier:
-    if triton is None:
-        raise RuntimeError("triton is not installed")
-    _check_candidates(cand)
-    B, Fr, k = child_ids.shape
-    C, n_new = cand.tokens.shape[1], Fr * k
-    if not 1 <= top_k <= n_new or off + n_new > C:
-        raise ValueError(f"expand_level: top_k={top_k} of {n_new} children, candidates {off}..{off + n_new} of {C}")
-    if n_new > 1024:  # the kernel ranks the new candidates pairwise in one block
-        raise ValueError(f"expand_level: {n_new} children in one depth (top_k={top_k}); the kernel takes at most 1,024")
-    child_ids, child_logprobs, last = child_ids.contiguous(), child_logprobs.contiguous(), last.contiguous()
-    at_root = frontier is None
-    if at_root:
-        frontier, frontier_scores = last, last  # (not read)
-    frontier, frontier_scores = frontier.contiguous(), frontier_scores.contiguous()
-    dev, long = child_ids.device, torch.long
-    index, tokens, parent_row, positions = (torch.empty(B, top_k, dtype=long, device=dev) for _ in range(4))
-    scores = torch.empty(B, top_k, dtype=torch.float32, device=dev)
-    visible = torch.empty(B, top_k, C, dtype=torch.bool, device=dev)
-    if B:
-        block_c = min(64, triton.next_power_of_2(C))
-        _expand_kernel[(B, triton.cdiv(C, block_c))](child_ids, child_logprobs, draft_ids.contiguous(), frontier, frontier_scores, last,
-                             cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
-                             index, scores, tokens, parent_row, visible.view(torch.uint8), positions,
-                             k, top_k, off, C, level, child_ids.stride(0), child_ids.stride(1), child_logprobs.stride(0),
-                             child_logprobs.stride(1), frontier.stride(0), frontier_scores.stride(0), cand.tokens.stride(0),
-                             cand.ancestors.stride(0), cand.ancestors.stride(1),
-                             BLOCK_M=triton.next_power_of_2(n_new), BLOCK_C=block_c, N_NEW=n_new,
-                             AT_ROOT=at_root)
-    return Frontier(index, scores, tokens, parent_row, visible, positions)
-
-
 def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: int, draft_ids, frontier,
                            frontier_scores, off: int, cand: Candidates, block_v: int | None = None) -> None:
     """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
     nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
     writes each node's k best children as candidates off .. off + F k of `cand` (what
-    `norm_lm_head_topk` then `expand_level` write there). frontier / frontier_scores [B,F]: the
-    nodes' candidate indices and scores (None: the root alone). The next frontier is ranked from
-    these by `frontier_norm_pair_triton`."""
+    `norm_lm_head_topk` then inference/tree.py's `expand_level_reference` write there).
+    frontier / frontier_scores [B,F]: the nodes' candidate indices and scores (None: the root
+    alone). The next frontier is ranked from these by `frontier_norm_pair_triton`."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     from kernels.lm_head_topk import TOPK_BLOCK_V, topk_chunks
@@ -346,21 +261,23 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
     if at_root:
         frontier = frontier_scores = maxima  # (not read)
     if B * Fr:
-        _merge_children_kernel[(B * Fr,)](maxima, sums, best, columns, draft_ids.contiguous(), frontier, frontier_scores,
+        _merge_children_kernel[(B * Fr,)](maxima, sums, best, columns, draft_ids.contiguous(), frontier,
+                                          frontier_scores,
                                           cand.tokens, cand.parents, cand.scores, cand.ancestors.view(torch.uint8),
                                           nsplit, lm_head_weight.shape[0], Fr, off, C, frontier.stride(0),
                                           frontier_scores.stride(0), cand.tokens.stride(0), cand.ancestors.stride(0),
                                           cand.ancestors.stride(1), K=k, BLOCK_S=triton.next_power_of_2(nsplit),
                                           BLOCK_CAND=triton.next_power_of_2(nsplit * k),
-                                          BLOCK_K=triton.next_power_of_2(k), BLOCK_C=min(256, triton.next_power_of_2(C)),
+                                          BLOCK_K=triton.next_power_of_2(k),
+                                          BLOCK_C=min(256, triton.next_power_of_2(C)),
                                           AT_ROOT=at_root)
 
 
 def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, level: int, last, table, table_weight,
                               x, x_weight, eps: float, x_out):
     """The next frontier and the drafter's input there, in one launch: the best top_k of this
-    depth's candidates off .. off + F0 k (by score, ties to the lower index: `expand_level`'s
-    frontier) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens, table_weight, x,
+    depth's candidates off .. off + F0 k (by score, ties to the lower index: the frontier of
+    `expand_level_reference`) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens, table_weight, x,
     x_weight, eps, x_rows=frontier.parent_row, x_out=x_out)`, x [B,F0,H] the rows drafted from.
     → (Frontier, the pair [B,top_k,2H])."""
     if triton is None:

@@ -1,12 +1,14 @@
-"""kernels/tree_select.py against its references (inference/tree.py's expand_depth and finalize
-on the same candidates), on CPU through TRITON_INTERPRET=1: whole trees drafted depth by depth
-from random log-probabilities with many ties, odd sizes, a frontier wider and narrower than the
-children per node, and trees kept whole or cut to one node."""
+"""kernels/tree_select.py against its references (inference/tree.py's expand_level_reference and
+finalize_reference), on CPU through TRITON_INTERPRET=1: the rerank on whole trees drafted depth
+by depth from random log-probabilities with many ties, odd sizes, a frontier wider and narrower
+than the children per node, and trees kept whole or cut to one node; a depth's expansion inside
+the head's merge and the next layer's input norms, from hidden states through an lm_head of few
+distinct rows (ties again)."""
 import pytest
 import torch
 
 from inference.tree import Tree, expand_level_reference, finalize_reference
-from kernels.tree_select import Candidates, expand_level_triton, finalize_triton
+from kernels.tree_select import Candidates, finalize_triton
 from tests.conftest import kernel_device
 
 
@@ -39,33 +41,28 @@ def _draft(expand, B, depth, top_k, Vd, g, dev, children=None):
 @pytest.mark.parametrize("B,depth,top_k,Vd,children", [(1, 1, 1, 5, None), (2, 4, 4, 40, None), (3, 3, 3, 7, None),
                                                        (2, 2, 5, 9, None), (2, 3, 6, 30, None), (2, 4, 5, 30, 2),
                                                        (2, 3, 3, 20, 5)])
-def test_expand_level_and_finalize_match_their_references(B, depth, top_k, Vd, children):
+def test_finalize_matches_its_reference(B, depth, top_k, Vd, children):
     dev = kernel_device()
     k = top_k if children is None else children
     for seed in range(3):
-        want_cand, want_frontiers, last = _draft(expand_level_reference, B, depth, top_k, Vd,
-                                                 torch.Generator().manual_seed(seed), "cpu", children)
-        got_cand, got_frontiers, _ = _draft(expand_level_triton, B, depth, top_k, Vd,
-                                            torch.Generator().manual_seed(seed), dev, children)
-        for name, w, o in zip(Candidates._fields, want_cand, got_cand):
-            assert torch.equal(o.cpu(), w), (name, seed)
-        for level, (w_front, o_front) in enumerate(zip(want_frontiers, got_frontiers)):
-            for name, w, o in zip(w_front._fields, w_front, o_front):
-                assert torch.equal(o.cpu(), w), (name, level, seed)
+        cand, frontiers, last = _draft(expand_level_reference, B, depth, top_k, Vd, torch.Generator().manual_seed(seed),
+                                       "cpu", children)
+        for level, front in enumerate(frontiers):
             # parent_row names each node's parent in the frontier before (the root at depth 1)
-            parents = want_cand.parents.gather(1, w_front.index)
+            parents = cand.parents.gather(1, front.index)
             if level == 0:
-                assert (parents == -1).all() and (w_front.parent_row == 0).all()
+                assert (parents == -1).all() and (front.parent_row == 0).all()
             else:
-                assert torch.equal(parents, want_frontiers[level - 1].index.gather(1, w_front.parent_row))
-        C = want_cand.tokens.shape[1]
+                assert torch.equal(parents, frontiers[level - 1].index.gather(1, front.parent_row))
+        C = cand.tokens.shape[1]
+        on_dev = Candidates(*(t.to(dev) for t in cand))
         for total in sorted({1, (C + 1) // 2, C}):
-            want = finalize_reference(want_cand, k, top_k, total, last + 1)
-            got = Tree(*finalize_triton(got_cand, k, top_k, total, (last + 1).to(dev)))
+            want = finalize_reference(cand, k, top_k, total, last + 1)
+            got = Tree(*finalize_triton(on_dev, k, top_k, total, (last + 1).to(dev)))
             for name, w, o in zip(want._fields, want, got):
                 assert torch.equal(o.cpu(), w), (name, total, seed)
             # the positions' offset added in the kernel (a drafter passes its last entry, + 1)
-            offset = Tree(*finalize_triton(got_cand, k, top_k, total, last.to(dev), base_offset=1))
+            offset = Tree(*finalize_triton(on_dev, k, top_k, total, last.to(dev), base_offset=1))
             assert torch.equal(offset.positions.cpu(), want.positions)
             # depths follow the layout: the root's top_k children, then top_k x k a depth
             assert torch.equal(want.depths, want.positions - (last + 1)[:, None])
@@ -92,26 +89,15 @@ def test_finalize_refuses_more_nodes_than_candidates():
         finalize_triton(cand, 2, 2, 5, torch.zeros(1, dtype=torch.long))
 
 
-def test_a_nan_child_ranks_last_in_the_kernel():
-    """A NaN log-probability (a broken drafter) must not leave a frontier slot unwritten: the
-    kernel ranks it below every other child, so the frontier stays a permutation of real ones."""
-    dev = kernel_device()
-    cand = Candidates.empty(1, 3, dev)
-    ids = torch.tensor([[[0, 1, 2]]], device=dev)
-    logprobs = torch.tensor([[[float("nan"), -1.0, -2.0]]], device=dev)
-    front = expand_level_triton(ids, logprobs, torch.arange(3, device=dev), None, None, 0, 0,
-                                torch.zeros(1, dtype=torch.long, device=dev), cand, 2)
-    assert front.index.tolist() == [[1, 2]] and front.scores.tolist() == [[-1.0, -2.0]]
-
-
 @pytest.mark.parametrize("B,depth,top_k,children,H,Vd", [(2, 3, 3, 2, 64, 300), (1, 4, 4, None, 70, 129),
                                                          (3, 2, 5, 3, 64, 40)])
 def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, children, H, Vd):
     """A depth through `expand_children_triton` and `frontier_norm_pair_triton` (the head's merge
     writing the candidates, then the frontier ranked beside the layer's input norms) writes the
-    very bits the separate launches write: `norm_lm_head_topk_triton`, `expand_level_triton`,
-    `rms_norm_pair_triton` with the parents gathered. An lm_head of few distinct rows makes many
-    children tie (by score, and by cumulative score across parents)."""
+    very bits of the head alone (`norm_lm_head_topk_triton`: the same slices and merge), its
+    children expanded by `expand_level_reference`, and `rms_norm_pair_triton` with the parents
+    gathered. An lm_head of few distinct rows makes many children tie (by score, and by
+    cumulative score across parents)."""
     from kernels.lm_head_topk import norm_lm_head_topk_triton
     from kernels.rms_norm import rms_norm_pair_triton
     from kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
@@ -126,7 +112,7 @@ def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, c
     tw, xw = (torch.rand(H, generator=g) + 0.5).to(dev), (torch.rand(H, generator=g) + 0.5).to(dev)
     draft_ids = torch.randperm(3 * Vd, generator=g)[:Vd].to(dev)
     last = torch.randint(3, 40, (B,), generator=g).to(dev)
-    sides = [Candidates.empty(B, C, dev) for _ in range(2)]
+    sides = [Candidates.empty(B, C, "cpu"), Candidates.empty(B, C, dev)]
     frontiers = [(None, None), (None, None)]
     x, off = torch.randn(B, 1, H, generator=g).to(dev), 0
     for level in range(depth):
@@ -134,9 +120,10 @@ def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, c
         # the separate launches
         index, scores = frontiers[0]
         values, ids = norm_lm_head_topk_triton(x, norm_w, 1e-5, head, kk, block_v=128)
-        want = expand_level_triton(ids, values, draft_ids, index, scores, off, level, last, sides[0], top_k)
+        want = expand_level_reference(ids.cpu(), values.cpu(), draft_ids.cpu(), index, scores, off, level, last.cpu(),
+                                      sides[0], top_k)
         want_hidden = x.new_empty(B, top_k, H)
-        want_pair = rms_norm_pair_triton(table, want.tokens, tw, x, xw, 1e-5, x_rows=want.parent_row,
+        want_pair = rms_norm_pair_triton(table, want.tokens.to(dev), tw, x, xw, 1e-5, x_rows=want.parent_row.to(dev),
                                          x_out=want_hidden)
         # the fused ones
         index, scores = frontiers[1]
@@ -146,9 +133,9 @@ def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, c
                                                   got_hidden)
         end = off + x.shape[1] * kk
         for name, w, o in zip(Candidates._fields, sides[0], sides[1]):
-            assert torch.equal(o[:, off:end], w[:, off:end]), (name, level)
+            assert torch.equal(o[:, off:end].cpu(), w[:, off:end]), (name, level)
         for name, w, o in zip(want._fields, want, got):
-            assert torch.equal(o, w), (name, level)
+            assert torch.equal(o.cpu(), w), (name, level)
         assert torch.equal(got_pair, want_pair) and torch.equal(got_hidden, want_hidden), level
         frontiers = [(want.index, want.scores), (got.index, got.scores)]
         x, off = torch.randn(B, top_k, H, generator=g).to(dev), end
