@@ -31,16 +31,18 @@ class OracleTree:
         self.generator = torch.Generator().manual_seed(seed)
 
     def begin(self, prompts, aux, first):
-        self.n_out = torch.ones(len(prompts), dtype=torch.long)  # tokens emitted (the prefill's first)
-        self.base = torch.as_tensor([len(p) for p in prompts])  # the root's position
+        dev = self.cont.device  # (the loop's: a CPU, or the GPU the kernels run on)
+        self.n_out = torch.ones(len(prompts), dtype=torch.long, device=dev)  # tokens emitted (the prefill's first)
+        self.base = torch.as_tensor([len(p) for p in prompts], device=dev)  # the root's position
 
     def draft_tree(self):
         B, L = self.cont.shape
-        index = (self.n_out[:, None] + torch.arange(self.k)).clamp_max(L - 1)  # next tokens to predict
+        dev = self.cont.device
+        index = (self.n_out[:, None] + torch.arange(self.k, device=dev)).clamp_max(L - 1)  # next tokens to predict
         right = self.cont.gather(1, index)  # [B,D]
-        wrong = (right[..., None] + 1 + torch.arange(self.width)) % self.vocab  # [B,D,W], never `right`
-        slot = torch.randint(0, self.width, (B, self.k), generator=self.generator)
-        hit = torch.rand(B, self.k, generator=self.generator) >= self.miss
+        wrong = (right[..., None] + 1 + torch.arange(self.width, device=dev)) % self.vocab  # [B,D,W], never `right`
+        slot = torch.randint(0, self.width, (B, self.k), generator=self.generator).to(dev)
+        hit = (torch.rand(B, self.k, generator=self.generator) >= self.miss).to(dev)
         candidates = wrong.scatter(2, slot[..., None], torch.where(hit, right, wrong[..., 0])[..., None])
         return static_tree(self.paths, candidates, self.base)
 
@@ -118,11 +120,10 @@ def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target, monkeyp
     torch path (which zeroes the buffer first: slots no node sees meet weight 0 in its product)
     and through the kernels (the tree kernel reads only the slots some query sees; the
     interpreter on a CPU)."""
-    if kernels == "force":
-        kernel_device()  # skips without a Triton backend
+    dev = kernel_device() if kernels == "force" else "cpu"  # (skips without a Triton backend)
     monkeypatch.setenv("DRAFTSMITH_KERNELS", kernels)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    p = EagleTreeProposer(_random_eagle3(hf), depth=3, top_k=3, total_tokens=10, batch=2, max_len=32)
+    p = EagleTreeProposer(_random_eagle3(hf).to(dev), depth=3, top_k=3, total_tokens=10, batch=2, max_len=32)
     g = torch.Generator().manual_seed(0)
     p.hidden.copy_(torch.randn(p.hidden.shape, generator=g))
     p.last.copy_(torch.tensor([5, 9]))
