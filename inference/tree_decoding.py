@@ -36,7 +36,7 @@ from inference.tree import (Tree, expand_level_reference, finalize_candidates, m
 from inference.verify import sampling_probs
 from kernels import use_kernel
 from kernels.emit import feed
-from kernels.lm_head_topk import norm_lm_head_topk
+from kernels.lm_head_topk import norm_lm_head_topk_reference
 from kernels.rms_norm import rms_norm, rms_norm_pair
 from kernels.rope_cache import rope_cache
 from kernels.silu_mul import swiglu_into
@@ -195,9 +195,10 @@ def _tree_step(p: Eagle3Proposer, pair, parent_hidden, frontier, cand_k, cand_v,
 
 def _draft_top_k(d, hidden, top_k: int):
     """hidden [B,F,H] → (log-probabilities, draft-vocabulary rows) [B,F,top_k] of each node's
-    best children, best first, ties to the lowest row (the final norm, lm_head, log-softmax and
-    top-k in two launches on a GPU: kernels/lm_head_topk.py)."""
-    return norm_lm_head_topk(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
+    best children, best first, ties to the lowest row: the final norm, lm_head, log-softmax and
+    top-k in torch (kernels/lm_head_topk.py's reference; on a GPU `_expand` runs the head's
+    kernels)."""
+    return norm_lm_head_topk_reference(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
 
 
 class TreeLoop(SpecLoop):

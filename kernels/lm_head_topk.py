@@ -12,10 +12,12 @@ log-softmax and torch.topk, whose radix select over a 16,384-wide row took 60-72
 the rows, multiplies them by a BLOCK_V-row slice of the lm_head and keeps, per slice, its
 maximum, its sum of exp(logit - maximum) and its k best logits; the second merges a row's slices:
 the log-sum-exp and the k best of all slices' candidates. The logits never reach memory.
-(The merge done by the tree's expand launch instead, which would save a launch a depth, lost on
-an H200: one program merging a frontier's 8 rows of 512 candidates drafted a depth-4 tree 14 µs
-slower a step with 4 warps, 7 with 8 or 16, than 8 merge programs and the expand. BENCHMARKS.md,
-session 22.)
+(One program merging a frontier's 8 rows of 512 candidates and expanding the tree, a launch fewer
+a depth, drafted a depth-4 tree 7-14 µs slower a step on an H200 than 8 merge programs and the
+expansion: BENCHMARKS.md, session 22. Since session 30 the runtime's tree keeps a merge program a
+row and expands inside it and the next launch: kernels/tree_select.py, whose merge is
+`merge_row`; `norm_lm_head_topk_triton` is the head alone, for its tests and
+scripts/bench_heads.py.)
 
 Numerics of the torch form (the reference): the norm as kernels/rms_norm.py, each logit rounded
 to the lm_head's dtype as a matmul's output is, then log-softmax in float32. Ranking is by the
@@ -28,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import INTERPRETED, use_kernel
+from kernels import INTERPRETED
 from kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V
 from kernels.rms_norm import rms_norm_reference
 
@@ -227,9 +229,3 @@ def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, ep
     lead = hidden.shape[:-1]
     return values.reshape(*lead, k), indices.reshape(*lead, k)
 
-
-def norm_lm_head_topk(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                      k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    fn = norm_lm_head_topk_triton if use_kernel(hidden) else norm_lm_head_topk_reference
-    return fn(hidden, norm_weight, eps, weight, k)
