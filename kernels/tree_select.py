@@ -150,9 +150,10 @@ if triton is not None:
                                BLOCK_CAND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                                AT_ROOT: tl.constexpr):
         """One frontier node (program b * F + f): the head's merge of its slices (kernels/lm_head_topk.py
-        `merge_row`: its K best children, as log-probabilities), then what expand_level writes for
-        them: candidates OFF + f K + j, their tokens, parent, score and ancestor rows. Ranking them
-        into the next frontier needs every node's children: `_frontier_norm_pair_kernel` does it."""
+        `merge_row`: its K best children, as log-probabilities), then what inference/tree.py's
+        expand_level_reference writes for them: candidates OFF + f K + j, their tokens, parent,
+        score and ancestor rows. Ranking them into the next frontier needs every node's children:
+        `_frontier_norm_pair_kernel` does it."""
         r = tl.program_id(0).to(tl.int64)
         b, f = r // F, r % F
         lp, column = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, r, NSPLIT, V, K, BLOCK_S, BLOCK_CAND, BLOCK_K)
@@ -191,9 +192,9 @@ if triton is not None:
         among the N_NEW = F0 K of this depth (F0 nodes drafted from, x [B,F0,H]; score descending,
         ties to the lower index, as expand_level_reference orders them; every program ranks them
         all, N_NEW^2 compares). Half 0 writes the slot (`Frontier`) and normalises the node's
-        token embedding; half 1 its parent's hidden
-        state (row (node - OFF) // K of x), also copied to xo: kernels/rms_norm.py's
-        `rms_norm_pair` with x_rows, for rows the frontier names as it is chosen."""
+        token embedding; half 1 its parent's hidden state (row (node - OFF) // K of x), also
+        copied to xo: kernels/rms_norm.py's `rms_norm_pair` with x_rows, for rows the frontier
+        names as it is chosen."""
         pid = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)
         b, slot = pid // TOPK, pid % TOPK
