@@ -1,5 +1,6 @@
 """The measurement scripts the device sessions run: scripts/compare_exports.py (issue 22's
-plain-against-FSDP check) and scripts/trace_kernels.py (a profiler trace kernel by kernel)."""
+plain-against-FSDP check), scripts/trace_kernels.py (a profiler trace kernel by kernel) and the
+others below (bench_gemm.py's Triton tiles, acceptance by offset, the tree sweep, train_ab.sh)."""
 import gzip
 import json
 
@@ -110,3 +111,22 @@ def test_train_ab_times_each_checkout_on_the_loops_own_clock(chat_file, tmp_path
     assert len(lines) == 1, out.stdout + out.stderr + (tmp_path / "logs" / "ab-b.log").read_text()[-2000:]
     assert " 3 steps, " in lines[0] and "steps/s over the loop" in lines[0], lines[0]
     assert (tmp_path / "ab-b" / "predicted.json").exists()
+
+
+def test_bench_gemm_triton_tiles_compute_the_linear():
+    """scripts/bench_gemm.py's Triton kernel (timed against cuBLAS on a GPU) computes F.linear at
+    row counts below, at and above tl.dot's 16 and shapes that are no multiple of its tiles; the
+    interpreter on a CPU."""
+    import torch.nn.functional as F
+
+    from scripts.bench_gemm import skinny
+    from tests.conftest import kernel_device
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(0)
+    for M, N, K in ((1, 40, 70), (7, 96, 64), (17, 33, 130)):
+        x, w = torch.randn(M, K, generator=g).to(dev), torch.randn(N, K, generator=g).to(dev)
+        out = torch.empty(M, N, device=dev)
+        skinny(x, w, out, 16, 64, 4, 2)
+        tol = 1e-4 if dev == "cpu" else 2e-2  # (a GPU's float32 tl.dot multiplies in TF32)
+        torch.testing.assert_close(out, F.linear(x, w), rtol=tol, atol=tol)
