@@ -146,7 +146,7 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
 
     On a GPU three launches (two at the last depth): the head's slices, then their merge writing
     the candidates, then the frontier ranked with the layer's input norms
-    (kernels/tree_select.py), where `norm_lm_head_topk`, an expansion and `rms_norm_pair` took
+    (kernels/tree_select.py), where `norm_lm_head_topk_triton`, an expansion and `rms_norm_pair` took
     five; the same numbers either way (elsewhere the torch references)."""
     d = p.drafter
     layer = d.layers[0]

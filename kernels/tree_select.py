@@ -35,7 +35,7 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.lm_head_topk import merge_row
+    from kernels.lm_head_topk import TOPK_BLOCK_V, merge_row, topk_chunks
     from kernels.rms_norm import pair_half
 except ImportError:
     triton = None
@@ -241,13 +241,11 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
     """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
     nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
     writes each node's k best children as candidates off .. off + F k of `cand` (what
-    `norm_lm_head_topk` then inference/tree.py's `expand_level_reference` write there).
+    `norm_lm_head_topk_triton` then inference/tree.py's `expand_level_reference` write there).
     frontier / frontier_scores [B,F]: the nodes' candidate indices and scores (None: the root
     alone). The next frontier is ranked from these by `frontier_norm_pair_triton`."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    from kernels.lm_head_topk import TOPK_BLOCK_V, topk_chunks
-
     _check_candidates(cand)
     B, Fr, _ = hidden.shape
     C, n_new = cand.tokens.shape[1], Fr * k
@@ -278,8 +276,9 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
                               x, x_weight, eps: float, x_out):
     """The next frontier and the drafter's input there, in one launch: the best top_k of this
     depth's candidates off .. off + F0 k (by score, ties to the lower index: the frontier of
-    `expand_level_reference`) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens, table_weight, x,
-    x_weight, eps, x_rows=frontier.parent_row, x_out=x_out)`, x [B,F0,H] the rows drafted from.
+    `expand_level_reference`) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens,
+    table_weight, x, x_weight, eps, x_rows=frontier.parent_row, x_out=x_out)`, x [B,F0,H] the
+    rows drafted from.
     → (Frontier, the pair [B,top_k,2H])."""
     if triton is None:
         raise RuntimeError("triton is not installed")

@@ -3,7 +3,7 @@ sizes, at the verify step's shapes for SmolLM2-135M (a chain verifies 5-7 rows, 
 61), each timed as the runtime calls it: back to back inside one CUDA graph, one weight per layer
 read in turn from 200 MB of copies (a forward streams its layers' weights from memory).
 
-    python scripts/bench_gemm.py [--rows 1,7,62] [--out DIR]
+    python scripts/bench_gemm.py [--rows 7,61,64] [--out DIR]
 
 Prints µs per call for cuBLAS and for the best Triton tiles of each (shape, rows), and whether
 the Triton result matches cuBLAS's within bf16 rounding.
