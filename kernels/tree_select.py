@@ -230,6 +230,12 @@ if triton is not None:
                  mask=inside)
 
 
+# Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
+# them at a tree step's shapes on a GPU.
+WARPS = {"merge_children": 4, "frontier": 4, "rank": 4, "finalize": 4}
+RANK_BLOCK = 64  # candidates a rank program ranks (each against every candidate of its row)
+
+
 def _check_candidates(cand: Candidates):
     if any(t.stride(-1) != 1 for t in cand) or cand.tokens.stride(0) != cand.parents.stride(0) \
             or cand.tokens.stride(0) != cand.scores.stride(0):
@@ -269,7 +275,7 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
                                           BLOCK_CAND=triton.next_power_of_2(nsplit * k),
                                           BLOCK_K=triton.next_power_of_2(k),
                                           BLOCK_C=min(256, triton.next_power_of_2(C)),
-                                          AT_ROOT=at_root)
+                                          AT_ROOT=at_root, num_warps=WARPS["merge_children"])
 
 
 def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, level: int, last, table, table_weight,
@@ -307,7 +313,7 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
                                                    cand.ancestors.stride(1), table.stride(0), x.stride(0), x.stride(1),
                                                    BLOCK_M=triton.next_power_of_2(n_new),
                                                    BLOCK_C=min(256, triton.next_power_of_2(C)),
-                                                   BLOCK=triton.next_power_of_2(H))
+                                                   BLOCK=triton.next_power_of_2(H), num_warps=WARPS["frontier"])
     return Frontier(index, scores, tokens, parent_row, visible, positions), both
 
 
@@ -336,11 +342,12 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         if mask.shape != (B, N, N) or mask.dtype != torch.bool or not mask.is_contiguous():
             raise ValueError(f"finalize: out mask {tuple(mask.shape)} {mask.dtype}, need [{B},{N},{N}] bool, contiguous")
     if B:
-        block = min(64, triton.next_power_of_2(C))
-        _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block)
+        block = min(RANK_BLOCK, triton.next_power_of_2(C))
+        _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block,
+                                                 num_warps=WARPS["rank"])
         _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
                                positions, C, N, top_k, top_k * k, base_offset, cand.tokens.stride(0),
                                cand.ancestors.stride(0),
-                               cand.ancestors.stride(1), BLOCK=block)
+                               cand.ancestors.stride(1), BLOCK=block, num_warps=WARPS["finalize"])
     return tokens, parents, depths, mask, positions
