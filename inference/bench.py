@@ -121,7 +121,7 @@ def _best_tree_line(best: dict) -> str:
 
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
-              trees: list[tuple[int, int, int]] = (), tree_score_temperatures: list[float] = ()) -> dict:
+              trees: list[tuple[int, int, int]] = ()) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -222,10 +222,6 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config,
                                          children=children[0] if children else None)
             rows[_tree_row(tree)] = lambda p=proposer: runtime(p)
-            for t in tree_score_temperatures:  # beside it: the same tree selected at other temperatures
-                other = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config,
-                                          children=children[0] if children else None, score_temperature=t)
-                rows[f"{_tree_row(tree)}, score T={t:g}"] = lambda p=other: runtime(p)
     if batch_size > 1:
         rows[f"runtime plain, batch {batch_size}"] = lambda: runtime(None, batch_size)
         for module in modules:
@@ -357,9 +353,6 @@ def main(argv=None) -> int:
                     help="also draft EAGLE-2 trees with each EAGLE-3 drafter (greedy): depth, nodes kept per depth (and "
                          "the root's children), nodes verified per step, and optionally the children each kept node "
                          "below the root is expanded into (TOPK by default); repeat for a sweep")
-    ap.add_argument("--tree-score-temperature", type=float, nargs="+", default=[], metavar="T",
-                    help="also draft each tree selecting at these score temperatures (a row each, beside the "
-                         "default's: inference/tree_decoding.py SCORE_TEMPERATURE)")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
@@ -372,10 +365,6 @@ def main(argv=None) -> int:
         if args.batch_size > args.num_prompts:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
         trees = [parse_tree_spec(spec) for spec in args.tree]
-        if any(not 0.05 <= t <= 20 for t in args.tree_score_temperature):
-            raise CliError(f"--tree-score-temperature: each must be in 0.05..20, got {args.tree_score_temperature}")
-        if args.tree_score_temperature and not trees:
-            raise CliError("--tree-score-temperature: needs --tree")
         device = resolve_device(args.device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
@@ -393,7 +382,7 @@ def main(argv=None) -> int:
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
-                  trees=trees, tree_score_temperatures=args.tree_score_temperature)
+                  trees=trees)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -26,8 +26,6 @@ chains; each depth's selection inside its head's merge and the next step's paire
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -46,44 +44,17 @@ from kernels.tree_attention import tree_attention
 from kernels.tree_select import Candidates, expand_children_triton, frontier_norm_pair_triton
 
 
-def _score_temperature() -> float:
-    value = os.environ.get("DRAFTSMITH_TREE_SCORE_TEMPERATURE", "0.8")
-    try:
-        temperature = float(value)
-    except ValueError:
-        temperature = float("nan")
-    if not 0.05 <= temperature <= 20:  # (NaN fails too) a bad setting stops the process in one line
-        raise SystemExit(f"error: DRAFTSMITH_TREE_SCORE_TEMPERATURE={value!r} is not a number in 0.05..20")
-    return temperature
-
-
-# The temperature of the draft log-probabilities a tree's selection sums along each path:
-# log-softmax(logits / T). The children drafted are the same top-k at any T; what moves is which
-# nodes rank among the kept frontier and the verified total. Greedy verification accepts a node
-# when its token is the target's argmax, an event more predictable than a draw from the softmax
-# the drafter learned (soft KL to the target's distribution), so a sharper softmax ranks nodes
-# nearer their odds of acceptance. Predicted tau of the 6-10-60-4 tree with the recipe's drafter
-# on the bench's 20 MT-bench answers (scripts/sweep_trees.py, float32, BENCHMARKS.md session 31):
-# T = 0.6: 3.664, 0.7: 3.705, 0.8: 3.714, 0.9: 3.702, 1.0: 3.679, 1.25: 3.612. (On the H200 in bf16
-# the trees at 0.8 and 0.9 measured 3.705 and 3.721 against 3.826 at 1.0: session 31.)
-# DRAFTSMITH_TREE_SCORE_TEMPERATURE sets it for a process (the runtime and the held-out walk alike).
-SCORE_TEMPERATURE = _score_temperature()
-
-
 class EagleTreeProposer(Eagle3Proposer):
     """EAGLE-2 dynamic trees from an EAGLE-3 drafter: `depth` levels, the `top_k` best frontier
     nodes expanded into `children` children each (`top_k` unless given; the root into `top_k`),
-    the best `total_tokens` candidates kept (by cumulative draft log-probability at
-    `score_temperature`, SCORE_TEMPERATURE unless given; parents always before children)."""
+    the best `total_tokens` candidates kept (by cumulative draft log-probability; parents always
+    before children)."""
 
     tree = True
 
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
-                 children: int | None = None, score_temperature: float | None = None):
+                 children: int | None = None):
         super().__init__(drafter, depth, batch, max_len, target_config)
-        self.score_temperature = SCORE_TEMPERATURE if score_temperature is None else score_temperature
-        if not self.score_temperature > 0:
-            raise ValueError(f"score_temperature={score_temperature} must be > 0")
         if not self.fused:
             raise ValueError("draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1: chains)")
         children = top_k if children is None else children
@@ -115,7 +86,7 @@ class EagleTreeProposer(Eagle3Proposer):
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
                                 self.total_tokens, out=self.tree_out,
                                 cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
-                                children=self.children, temperature=self.score_temperature)
+                                children=self.children)
 
 
 def tree_candidate_count(depth: int, top_k: int, children: int | None = None) -> int:
@@ -126,8 +97,7 @@ def tree_candidate_count(depth: int, top_k: int, children: int | None = None) ->
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None,
-                     temperature: float | None = None):
+                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
@@ -136,10 +106,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
     V (new ones when None). children: what each frontier node below the root is expanded into
-    (top_k when None: EAGLE-2's square tree). temperature: the selection's (SCORE_TEMPERATURE when
-    None)."""
+    (top_k when None: EAGLE-2's square tree)."""
     d = p.drafter
-    temperature = SCORE_TEMPERATURE if temperature is None else temperature
     B = hidden.shape[0]
     cfg = d.config
     children = top_k if children is None else children
@@ -157,7 +125,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     for level in range(depth):
         more = level + 1 < depth  # the drafter runs on the new frontier (its nodes are at depth level + 1)
         frontier, pair, parent_hidden = _expand(p, drafted_from, k, index, scores, drafted, level, last, cand, top_k,
-                                                more, temperature)
+                                                more)
         drafted += drafted_from.shape[1] * k
         if more:
             h = _tree_step(p, pair, parent_hidden, frontier, cand_k, cand_v, k_cache, v_cache, last)
@@ -168,7 +136,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
 
 
 def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,
-            top_k: int, more: bool, temperature: float = 1.0):
+            top_k: int, more: bool):
     """One depth of EAGLE-2 selection: the drafter's head over drafted_from [B,F,H] (the outputs at
     the frontier index / scores [B,F], None: the root), each node's best k children written as
     candidates off .. off + F k of `cand`; when the drafter runs on a deeper level (`more`), the
@@ -188,12 +156,12 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
              layer.hidden_norm.eps)
     if use_kernel(drafted_from):
         expand_children_triton(drafted_from, d.norm.weight, d.norm.eps, d.lm_head.weight, k, p.draft_ids, index, scores,
-                               off, cand, temperature=temperature)
+                               off, cand)
         if not more:
             return None, None, None
         frontier, pair = frontier_norm_pair_triton(cand, off, k, top_k, level, last, *norms, parent_hidden)
         return frontier, pair, parent_hidden
-    child_logprobs, child_ids = _draft_top_k(d, drafted_from, k, temperature)  # [B,F,k]: log-probabilities, rows
+    child_logprobs, child_ids = _draft_top_k(d, drafted_from, k)  # [B,F,k]: log-probabilities, draft-vocabulary rows
     frontier = expand_level_reference(child_ids, child_logprobs, p.draft_ids, index, scores, off, level, last, cand,
                                       top_k)
     if not more:
@@ -225,12 +193,12 @@ def _tree_step(p: Eagle3Proposer, pair, parent_hidden, frontier, cand_k, cand_v,
     return swiglu_into(h, post, p.gate_up_weight, layer.mlp.down_proj)  # h + MLP(post)
 
 
-def _draft_top_k(d, hidden, top_k: int, temperature: float = 1.0):
+def _draft_top_k(d, hidden, top_k: int):
     """hidden [B,F,H] → (log-probabilities, draft-vocabulary rows) [B,F,top_k] of each node's
-    best children, best first, ties to the lowest row: the final norm, lm_head, log-softmax (of
-    logits / temperature) and top-k in torch (kernels/lm_head_topk.py's reference; on a GPU
-    `_expand` runs the head's kernels)."""
-    return norm_lm_head_topk_reference(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k, temperature)
+    best children, best first, ties to the lowest row: the final norm, lm_head, log-softmax and
+    top-k in torch (kernels/lm_head_topk.py's reference; on a GPU `_expand` runs the head's
+    kernels)."""
+    return norm_lm_head_topk_reference(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
 
 
 class TreeLoop(SpecLoop):

@@ -3,8 +3,6 @@
     hidden [..., H], norm_weight [H], weight [V,H] (lm_head, no bias), k <= V
     → values [..., k] float32, the k largest log-probabilities of each row, best first;
       indices [..., k] int64, their lm_head rows (ties: the lowest row first)
-    (temperature T: the log-probabilities of softmax(logits / T), which keeps the same k best
-    rows: a tree's selection scores, inference/tree_decoding.py SCORE_TEMPERATURE)
 
 Why a kernel: an EAGLE-2 tree drafts one level per drafter step and needs each frontier node's
 best k children with their log-probabilities. In torch that is a norm, a matmul, a float copy, a
@@ -52,18 +50,13 @@ TOPK_BLOCK_V = 8192 if INTERPRETED else BLOCK_V
 TOPK_WARPS = 4  # warps per slices program (scripts/bench_tree_select.py times it)
 
 
-def log_softmax_topk_reference(logits: torch.Tensor, k: int, temperature: float = 1.0) -> tuple[torch.Tensor,
-                                                                                                 torch.Tensor]:
+def log_softmax_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V] → (values [..., k] float32 log-probabilities, indices [..., k] int64): the
     k best by logit, ties to the lowest index. torch.topk leaves the order of ties open, so it
     ranks one int64 key per logit that has no ties: the float's bits, mapped to an order-keeping
     integer, above the index counted down (a stable sort of the row ranks the same, 30-100 times
-    slower on a CPU). temperature: the log-probabilities of softmax(logits / temperature), the
-    float32 logits multiplied by 1 / temperature as the kernel does (the same k best, unless
-    that product rounds two logits into a tie)."""
+    slower on a CPU)."""
     x = logits.float()
-    if temperature != 1.0:
-        x = x * (1.0 / temperature)
     x = x.masked_fill(x.isnan(), float("-inf")) + 0.0  # NaN ranks last; -0.0 becomes 0.0 (they tie)
     bits = x.view(torch.int32)
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # signed order = the floats' order
@@ -74,9 +67,9 @@ def log_softmax_topk_reference(logits: torch.Tensor, k: int, temperature: float 
 
 
 def norm_lm_head_topk_reference(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                                k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                                k: int) -> tuple[torch.Tensor, torch.Tensor]:
     normed, _ = rms_norm_reference(hidden, norm_weight, eps)
-    return log_softmax_topk_reference(F.linear(normed, weight), k, temperature)
+    return log_softmax_topk_reference(F.linear(normed, weight), k)
 
 
 if triton is not None:
@@ -100,7 +93,7 @@ if triton is not None:
 
     @triton.jit
     def _norm_gemv_topk_chunks_kernel(x_ptr, nw_ptr, w_ptr, max_ptr, sum_ptr, val_ptr, idx_ptr, R, V, H, eps,
-                                      stride_x, stride_w, NSPLIT, inv_temperature, K: tl.constexpr, IEEE: tl.constexpr,
+                                      stride_x, stride_w, NSPLIT, K: tl.constexpr, IEEE: tl.constexpr,
                                       BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr):
         """One (slice of BLOCK_V lm_head rows, block of BLOCK_R hidden rows): for each hidden row,
         the slice's largest logit, its sum of exp(logit - largest), and its K best logits with
@@ -130,7 +123,6 @@ if triton is not None:
             else:
                 acc = tl.dot(xn, tl.trans(w), acc)
         logits = acc.to(w_ptr.dtype.element_ty).to(tl.float32)  # each logit rounded as a matmul's output
-        logits = logits * inv_temperature  # softmax(logits / T): 1.0 leaves every bit as it is
         logits = tl.where((logits != logits) | ~col_in[None, :], float("-inf"), logits)  # NaN: no probability
         logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 ties with 0.0 (its bits would rank it below)
         m = tl.max(logits, 1)  # [BLOCK_R]
@@ -192,13 +184,10 @@ if triton is not None:
 
 
 def topk_chunks(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, k: int,
-                block_v: int = TOPK_BLOCK_V, temperature: float = 1.0):
+                block_v: int = TOPK_BLOCK_V):
     """The first launch alone: hidden [..., H] → the rows [R,H] it read and each row's slices'
     (maxima [R,S], sums [R,S], k best logits [R,S,k], their columns [R,S,k]), S = ceil(V / block_v),
-    for a merge (`_topk_merge_kernel`, or kernels/tree_select.py's, which also expands a tree);
-    the logits divided by `temperature` (multiplied by its inverse) before all of it."""
-    if not temperature > 0:
-        raise ValueError(f"norm_lm_head_topk: temperature={temperature} must be > 0")
+    for a merge (`_topk_merge_kernel`, or kernels/tree_select.py's, which also expands a tree)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     H = hidden.shape[-1]
@@ -223,15 +212,14 @@ def topk_chunks(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, wei
     if R:
         _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
-            1.0 / temperature, K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H,
+            K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H,
             num_warps=TOPK_WARPS)
     return maxima, sums, best, columns
 
 
 def norm_lm_head_topk_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                             k: int, block_v: int = TOPK_BLOCK_V, temperature: float = 1.0) -> tuple[torch.Tensor,
-                                                                                                     torch.Tensor]:
-    maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, weight, k, block_v, temperature)
+                             k: int, block_v: int = TOPK_BLOCK_V) -> tuple[torch.Tensor, torch.Tensor]:
+    maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, weight, k, block_v)
     R, nsplit = maxima.shape
     V = weight.shape[0]
     values = torch.empty(R, k, dtype=torch.float32, device=hidden.device)

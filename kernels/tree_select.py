@@ -243,15 +243,13 @@ def _check_candidates(cand: Candidates):
 
 
 def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: int, draft_ids, frontier,
-                           frontier_scores, off: int, cand: Candidates, block_v: int | None = None,
-                           temperature: float = 1.0) -> None:
+                           frontier_scores, off: int, cand: Candidates, block_v: int | None = None) -> None:
     """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
     nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
     writes each node's k best children as candidates off .. off + F k of `cand` (what
     `norm_lm_head_topk_triton` then inference/tree.py's `expand_level_reference` write there).
     frontier / frontier_scores [B,F]: the nodes' candidate indices and scores (None: the root
-    alone). The next frontier is ranked from these by `frontier_norm_pair_triton`. temperature:
-    the children's log-probabilities are softmax(logits / temperature)'s (the same children)."""
+    alone). The next frontier is ranked from these by `frontier_norm_pair_triton`."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -262,7 +260,7 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
         raise ValueError(f"expand_children: {Fr} frontier rows x {k} children at candidates {off}.. of {C}, frontier "
                          f"{None if frontier is None else tuple(frontier.shape)}")
     maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, lm_head_weight, k,
-                                              TOPK_BLOCK_V if block_v is None else block_v, temperature)
+                                              TOPK_BLOCK_V if block_v is None else block_v)
     nsplit = maxima.shape[1]
     at_root = frontier is None
     if at_root:

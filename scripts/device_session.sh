@@ -310,8 +310,7 @@ bench)
   fi
   # every trained export side by side with plain, n-gram and suffix (BENCH_K draft lengths), and
   # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts;
-  # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none), each also selected at the score
-  # temperatures in TREE_SCORE_T (rows beside the default's)
+  # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
   # a training still running (its final walk) is stopped; a run with no export yet is exported
   # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
   [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
@@ -331,7 +330,7 @@ bench)
   trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,8,40 5,10,50 6,10,60 6,10,80 7,10,70 8,10,80" || echo "4,4,24")}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
     --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
-    ${TREE_SCORE_T:+--tree-score-temperature $TREE_SCORE_T} --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
+    --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;

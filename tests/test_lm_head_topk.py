@@ -90,25 +90,3 @@ def test_k_out_of_range_is_refused(dev):
     for k in (0, 11):
         with pytest.raises(ValueError, match=f"k={k}"):
             norm_lm_head_topk_triton(torch.randn(1, 8, device=dev), torch.ones(8, device=dev), 1e-6, weight, k)
-
-
-@pytest.mark.parametrize("temperature", [0.8, 1.7])
-def test_a_temperature_keeps_the_children_and_sharpens_their_log_probabilities(dev, temperature):
-    """A tree's selection scores (inference/tree_decoding.py SCORE_TEMPERATURE): the kernel at
-    temperature T equals its reference at T bit for bit in float32; the k best rows are those
-    of T = 1, their values log-softmax(logits / T)."""
-    g = torch.Generator().manual_seed(31)
-    H, V, k = 96, 700, 6
-    hidden = (torch.randn(3, H, generator=g) * 3).to(dev)
-    norm_weight = (torch.rand(H, generator=g) + 0.5).to(dev)
-    weight = (torch.randn(V, H, generator=g) / H ** 0.5).to(dev)
-    values, indices = norm_lm_head_topk_triton(hidden, norm_weight, 1e-5, weight, k, block_v=128, temperature=temperature)
-    want_values, want_indices = norm_lm_head_topk_reference(hidden, norm_weight, 1e-5, weight, k, temperature)
-    assert torch.equal(indices, want_indices)
-    torch.testing.assert_close(values, want_values, rtol=1e-5, atol=1e-5)
-    assert torch.equal(indices, norm_lm_head_topk_reference(hidden, norm_weight, 1e-5, weight, k)[1])
-    logits = F.linear(rms_norm_reference(hidden, norm_weight, 1e-5)[0], weight).float()
-    torch.testing.assert_close(values, torch.log_softmax(logits / temperature, -1).gather(-1, indices), rtol=1e-5,
-                               atol=1e-5)
-    with pytest.raises(ValueError, match="temperature"):
-        norm_lm_head_topk_triton(hidden, norm_weight, 1e-5, weight, k, temperature=0.0)
