@@ -146,12 +146,14 @@ class SpecLoop:
         How many steps a group launches: a step emits at most k + 1 tokens per row, so a row with
         r tokens left needs at least ceil(r / (k + 1)) more steps; launching no more than that
         never runs a step after every row has reached its budget. On a GPU the host learns r
-        without leaving the GPU idle: before a group's last step the loop copies r to the host
-        (pinned memory, an event), waits for that copy while the last step runs, and takes
-        r - (k + 1) (a floor of what is left after the last step) for the next group, which it
-        launches behind the last step. Only when that floor reaches 0 does it read the exact
-        value with the GPU drained (the last checks of an answer). A row that ends at an
-        end-of-sequence token in a group's last step costs the steps of the next group."""
+        without leaving the GPU idle: right after a group's last verification (which emits) the
+        loop copies r to the host (pinned memory, an event) and queues the last step's proposer
+        phase behind the copy; the host waits for the copy while that phase runs and launches the
+        next group behind it, or stops at r = 0. A row that ends at an end-of-sequence token
+        early in a group costs the group's steps after it: at most check_every - 1 (before
+        session 31 the copy was taken before the group's last step and an answer ending at EOS
+        cost 2.5 steps on average with groups of 4; the budget's last steps were read with the GPU
+        drained)."""
         timing = {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
         cuda = self.tokens.device.type == "cuda"
         drafted = False
@@ -170,7 +172,7 @@ class SpecLoop:
         phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
         per_step = self.k + 1  # the most tokens a step emits per row
         unread = None  # (events, steps) of the group launched last, timed after the next launch
-        floor = 0  # tokens some unfinished row is sure to need after the steps launched (0: read the exact value)
+        left = None  # the most tokens an unfinished row may still emit after the steps launched (None: read it)
         groups = 0
 
         def read(group):
@@ -181,19 +183,14 @@ class SpecLoop:
                 timing["draft"] += e[1].elapsed_time(e[2]) / 1e3
 
         while timing["launched"] < max_steps:
-            if floor > 0:
-                left = floor
-            else:  # the most tokens an unfinished row may still emit (0: all done), with the GPU drained
+            if left is None:  # (the first group, and every group on a CPU) read with the GPU drained
                 left = int(self._left())
                 timing["syncs"] += 1
-                if left <= 0:
-                    break
+            if left <= 0:  # every row is done
+                break
             steps = max(1, min(check_every, -(-left // per_step), max_steps - timing["launched"]))
             group = events[groups % 2] if cuda else None
             for i in range(steps):
-                if cuda and i == steps - 1:  # what the rows still need before the last step, on its way to the host
-                    left_host.copy_(self._left(), non_blocking=True)
-                    left_copied.record()
                 for j, (index, phase, name) in enumerate(phases):
                     if cuda:
                         group[i][j].record()
@@ -203,17 +200,21 @@ class SpecLoop:
                     timing["launch"] += elapsed
                     if not cuda:
                         timing[name] += elapsed
+                    if cuda and j == 0 and i == steps - 1:  # what the rows still need after the group, to the host
+                        left_host.copy_(self._left(), non_blocking=True)
+                        left_copied.record()
                 if cuda:
                     group[i][2].record()
             timing["launched"] += steps
             groups += 1
+            left = None
             if cuda:
                 if unread is not None:  # the previous group's times, read while this one runs
                     read(unread)
                 unread = (group, steps)
-                left_copied.synchronize()  # the GPU is running the group's last step meanwhile
+                left_copied.synchronize()  # the GPU is running the last step's proposer phase meanwhile
                 timing["syncs"] += 1
-                floor = int(left_host) - per_step
+                left = int(left_host)
         if unread is not None:
             read(unread)
         timing["syncs"] += 1  # the read of the outputs
@@ -230,7 +231,7 @@ class SpecLoop:
             fn()
 
 
-SPEC_CHECK_EVERY = 4  # on a GPU: speculative steps between reads of the done flags
+SPEC_CHECK_EVERY = 2  # on a GPU: speculative steps between reads of the done flags
 # Draft trees run eagerly until their captured step has been checked on a GPU:
 # tests/test_tree_decoding.py's gpu case turns this on and compares against the eager tree loop;
 # DRAFTSMITH_TREES_GRAPHED=1 turns it on for a run (a bench on a GPU where that case passed).
