@@ -190,6 +190,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             total.host_syncs += stats.host_syncs
             total.setup_seconds += stats.setup_seconds
             total.launch_seconds += stats.launch_seconds
+            total.launched_steps += stats.launched_steps
             total.device_loop, total.verify_tokens = stats.device_loop, stats.verify_tokens
         return outs, total
 
@@ -267,7 +268,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         if stats is not None:
             split = stats.summary()
             r["split"] = {key: split[key] for key in ("steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
-                                                       "host_launch_ms_per_step", "setup_seconds",
+                                                       "host_launch_ms_per_step", "setup_seconds", "launched_steps",
                                                        "host_syncs_per_token", "device_loop")}
             line += (f"  draft {split['draft_ms_per_step']:.3f} / verify {split['verify_ms_per_step']:.3f} / other "
                      f"{split['other_ms_per_step']:.3f} ms per step, {split['host_syncs_per_token']:.3f} syncs per token")

@@ -43,6 +43,7 @@ class GenerationStats:
     # it exceeds the device's, the GPU waits on the host)
     setup_seconds: float = 0.0
     launch_seconds: float = 0.0
+    launched_steps: int = 0  # steps the device loop ran, warm-up and steps past every row's end included
 
     def summary(self) -> dict:
         other = self.total_seconds - self.draft_seconds - self.verify_seconds
@@ -54,7 +55,7 @@ class GenerationStats:
                "draft_ms_per_step": per_step(self.draft_seconds), "verify_ms_per_step": per_step(self.verify_seconds),
                "other_ms_per_step": per_step(other),
                "host_launch_ms_per_step": per_step(self.launch_seconds), "setup_seconds": round(self.setup_seconds, 4),
-               "host_syncs": self.host_syncs,
+               "host_syncs": self.host_syncs, "launched_steps": self.launched_steps,
                "host_syncs_per_token": round(self.host_syncs / self.new_tokens, 4) if self.new_tokens else None,
                "device_loop": self.device_loop}
         if self.k:

@@ -278,6 +278,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     stats.steps = int(loop.row_steps.max())
     stats.draft_seconds, stats.verify_seconds = timing["draft"], timing["verify"]
     stats.launch_seconds = timing["launch"]
+    stats.launched_steps = timing["launched"]
     stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the sync that ends the setup
     stats.verify_tokens = getattr(proposer, "verify_tokens", None)
