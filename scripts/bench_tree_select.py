@@ -7,9 +7,11 @@ Each tree's selection runs as a drafter's step makes it, from random hidden stat
 recipe's shapes: H 576, a 16,384-row draft head, a 49,152-row embedding table): per depth the
 head's slices and merge (`expand_children_triton`), then the next frontier with its input norms
 (`frontier_norm_pair_triton`), and the rerank (`finalize_triton`). Every setting of one knob (the
-others as they stand) is checked against the standing settings' candidates and tree (the same
-tensors) before it is timed: µs per whole selection, replayed from a CUDA graph
-(triton.testing.do_bench_cudagraph). Prints the best value of each knob.
+others as they stand) is checked against the standing settings' candidates and tree before it is
+timed: µs per whole selection, replayed from a CUDA graph (triton.testing.do_bench_cudagraph). A
+setting whose float sums come out in another order gives other bits (log-probabilities a rounding
+apart, which may reorder ties): it is reported as "differs" and not timed. Prints each knob's
+timings beside the standing settings'.
 """
 from __future__ import annotations
 
@@ -69,7 +71,18 @@ def main(argv=None):
     ap.add_argument("--tree", action="append", default=[], metavar="DEPTH,TOPK,NODES,CHILDREN")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    trees = [tuple(int(v) for v in t.split(",")) for t in (args.tree or ["6,10,60,4", "6,10,60,8"])]
+    trees = []
+    for spec in args.tree or ["6,10,60,4", "6,10,60,8"]:
+        try:
+            tree = tuple(int(v) for v in spec.split(","))
+        except ValueError:
+            tree = ()
+        if len(tree) != 4 or min(tree) < 1 or tree[2] > tree_candidate_count(tree[0], tree[1], tree[3]):
+            raise SystemExit(f"error: --tree {spec}: DEPTH,TOPK,NODES,CHILDREN, four positive integers, NODES at most "
+                             "the candidates such a tree drafts")
+        trees.append(tree)
+    if not torch.cuda.is_available():
+        raise SystemExit("error: bench_tree_select times CUDA graphs: it needs a GPU")
     dev, bf = "cuda", torch.bfloat16
     torch.manual_seed(0)
     H, V, Vt = 576, 16384, 49152
@@ -94,7 +107,7 @@ def main(argv=None):
                 got = run()
                 same = all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and \
                     all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
-                timed[value] = round(1e3 * do_bench_cudagraph(run), 2) if same else "wrong"
+                timed[value] = round(1e3 * do_bench_cudagraph(run), 2) if same else "differs"
             set_knob(knob, standing[knob])
             label = f"{knob[0]}{'/' + knob[1] if knob[1] else ''}"
             line[label] = timed

@@ -3,10 +3,12 @@ pick: a random target shaped like SmolLM2-135M (bf16), a cache holding a prompt'
 context, the forward captured in a CUDA graph as the loops replay it. A chain verifies k + 1
 tokens, a draft tree its root and N nodes under the tree mask.
 
-    python scripts/bench_verify.py [--tokens 1,5,7,41,61] [--context 300] [--blas default,cublaslt,tunable]
-                                   [--out DIR]
+    PYTHONPATH=. python scripts/bench_verify.py [--tokens 1,5,7,41,61] [--context 300]
+                                                [--blas default,cublaslt,tunable] [--out DIR]
 
-Prints µs per forward for every (backend, tokens), and each row's cost over the first column's.
+Up to 8 tokens are fed as a chain (consecutive positions), more as a tree (the root and a random
+tree of the rest under its mask). Prints µs per forward for every (backend, tokens), and each
+count's cost over the first count's.
 Backends: "default" (cuBLAS as PyTorch picks it), "cublaslt" (torch.backends.cuda.
 preferred_blas_library), "tunable" (torch.cuda.tunable: every GEMM shape timed over cuBLASLt's
 candidate kernels before the capture, the fastest kept).
@@ -61,6 +63,16 @@ def main(argv=None):
     ap.add_argument("--blas", default="default,cublaslt,tunable")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    try:
+        counts = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        raise SystemExit(f"error: --tokens {args.tokens!r}: comma-separated token counts, e.g. 1,5,7,41,61") from None
+    if min(counts) < 1 or max(counts) > 64 or not 1 <= args.context <= 900:
+        raise SystemExit("error: --tokens takes 1..64 each and --context 1..900 (a 1,024-slot cache)")
+    backends = args.blas.split(",")
+    unknown = [b for b in backends if b not in ("default", "cublaslt", "tunable")]
+    if unknown:
+        raise SystemExit(f"error: --blas {unknown[0]!r} is not one of default, cublaslt, tunable")
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_verify times CUDA graphs: it needs a GPU")
     from inference.model import RuntimeModel
@@ -69,14 +81,13 @@ def main(argv=None):
     folder = Path(tempfile.mkdtemp())
     smollm2_shaped(folder)
     rt = RuntimeModel.from_pretrained(folder, dtype=torch.bfloat16, device="cuda")
-    counts = [int(t) for t in args.tokens.split(",")]
     cache = rt.new_cache(1, 1024)
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (1, args.context), device="cuda")
     rt(prompt, torch.arange(args.context, device="cuda")[None], cache)  # the context's K/V in the cache
     results = {}
-    for blas in args.blas.split(","):
+    for blas in backends:
         if blas == "cublaslt":
             torch.backends.cuda.preferred_blas_library("cublaslt")
         elif blas == "tunable":
@@ -84,8 +95,6 @@ def main(argv=None):
             torch.cuda.tunable.enable(True)
             torch.cuda.tunable.tuning_enable(True)
             torch.cuda.tunable.set_filename(str(Path(tempfile.mkdtemp()) / "tunableop.csv"))
-        elif blas != "default":
-            raise SystemExit(f"error: --blas {blas!r} is not one of default, cublaslt, tunable")
         row = {}
         for n in counts:
             ids = torch.randint(100, 40000, (1, n), device="cuda")
