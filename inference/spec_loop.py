@@ -145,11 +145,13 @@ class SpecLoop:
 
         How many steps a group launches: a step emits at most k + 1 tokens per row, so a row with
         r tokens left needs at least ceil(r / (k + 1)) more steps; launching no more than that
-        never runs a step after every row has reached its budget. On a GPU the host learns r
+        never runs a step after every row has reached its budget (the first call of a shape also
+        runs the capture's two warm-up steps, whatever the budget). On a GPU the host learns r
         without leaving the GPU idle: right after a group's last verification (which emits) the
         loop copies r to the host (pinned memory, an event) and queues the last step's proposer
         phase behind the copy; the host waits for the copy while that phase runs and launches the
-        next group behind it, or stops at r = 0. A row that ends at an end-of-sequence token
+        next group behind it, or stops at r = 0 (the GPU waits only when the host takes longer than
+        that drafting). The copy and the few launches computing r count as verify time. A row that ends at an end-of-sequence token
         early in a group costs the group's steps after it: at most check_every - 1 (before
         session 31 the copy was taken before the group's last step and an answer ending at EOS
         cost 2.5 steps on average with groups of 4; the budget's last steps were read with the GPU

@@ -227,6 +227,33 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
     assert stats.device_loop and all(0 <= t < rt.config.vocab_size for o in outs for t in o)
 
 
+@pytest.mark.gpu
+@needs_cuda
+def test_the_graphed_loop_runs_no_step_past_the_budget_and_at_most_one_past_eos(tiny_target):
+    """On a GPU the host checks the rows after every group of SPEC_CHECK_EVERY (2) steps, right after
+    the group's last verification: a row that reaches its budget runs no step more, and one that
+    ends at an end-of-sequence token at most one (`launched_steps` against `steps`; the second call
+    replays the graphs, without the capture's two warm-up steps)."""
+    from inference.spec_loop import SPEC_CHECK_EVERY
+
+    hf, rt, prompts, max_new, _, n, _ = gpu_case(tiny_target, max_new=40, k=4)
+    prompt = prompts[3]  # a repeating prompt: the n-gram drafts get accepted
+    free, _ = generate(rt, [prompt], max_new, eos_ids=(), max_len=n)
+    proposer = GpuNgramProposer(4, 1, n, max_n=3, device="cuda")
+    for _ in range(2):
+        out, stats = generate(rt, [prompt], max_new, proposer=proposer, eos_ids=(), max_len=n)
+    assert out == free and len(out[0]) == max_new
+    assert stats.launched_steps == stats.steps, (stats.launched_steps, stats.steps)
+    # an end-of-sequence token the answer reaches mid-way (its first appearance) ends it there
+    at = next((i for i in range(8, max_new) if free[0][i] not in free[0][:i]), None)
+    assert at is not None, free
+    eos = (free[0][at],)
+    for _ in range(2):
+        out, stats = generate(rt, [prompt], max_new, proposer=proposer, eos_ids=eos, max_len=n)
+    assert out == [free[0][: at + 1]]
+    assert stats.steps <= stats.launched_steps <= stats.steps + SPEC_CHECK_EVERY - 1, (stats.launched_steps, stats.steps)
+
+
 def kernel_case(tiny_target, k: int):
     """The kernels-against-torch cases' setup (skipped without CUDA or TRITON_INTERPRET=1): the
     tiny target in float32 on the kernels' device, two ragged prompts, their cache size for k
