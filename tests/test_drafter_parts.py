@@ -1,8 +1,11 @@
 """scripts/drafter_parts.py: an export carried as small parts without the target's tensors
 comes back byte for byte, and a wrong target or a damaged part is refused."""
+import contextlib
+import io
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,21 +36,33 @@ def _mtp_export(tmp_path) -> Path:
     return out
 
 
-def _run(*args):
+def _script(*args):
+    """The script as a command, in a fresh process (what a user runs)."""
     return subprocess.run([sys.executable, "scripts/drafter_parts.py", *args], cwd=ROOT, capture_output=True, text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
+
+
+def _run(*args):
+    """The script's main in this process, its exit code and printed lines as `_script` gives them (a
+    process of its own spends seconds importing torch: the other tests call main)."""
+    from scripts.drafter_parts import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_pack_then_unpack_gives_the_export_back_byte_for_byte(tmp_path):
     export = _mtp_export(tmp_path)
     parts, back = tmp_path / "parts", tmp_path / "back"
-    res = _run("pack", str(export), str(parts), "--target", "tiny-random-llama", "--part-mib", "0.05")
+    res = _script("pack", str(export), str(parts), "--target", "tiny-random-llama", "--part-mib", "0.05")
     assert res.returncode == 0, res.stderr
     assert "taken from tiny-random-llama" in res.stdout and not res.stdout.startswith("wrote parts: 0")
     sizes = [p.stat().st_size for p in parts.glob("part-*.safetensors")]
     assert len(sizes) > 1 and max(sizes) <= 0.05 * 2**20 + 4096  # cut to the size asked (rows of a big tensor too)
     assert sum(sizes) < (export / "model.safetensors").stat().st_size  # the target's copies stayed behind
-    res = _run("unpack", str(parts), str(back), "--target", "tiny-random-llama")
+    res = _script("unpack", str(parts), str(back), "--target", "tiny-random-llama")
     assert res.returncode == 0, res.stderr
     assert sorted(p.name for p in back.iterdir()) == sorted(p.name for p in export.iterdir())
     for f in export.iterdir():
