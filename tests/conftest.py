@@ -236,3 +236,23 @@ def device_reads(fn):
     with Reads():
         out = fn()
     return out, reads
+
+
+def run_module(module: str, *args: str):
+    """`python -m MODULE ARGS` in this process: MODULE's main(argv), with the exit code and what it
+    printed as subprocess.run(..., capture_output=True, text=True) gives them (returncode, stdout,
+    stderr). A process of its own spends seconds importing torch; each CLI's test file still runs
+    it as a command once."""
+    import contextlib
+    import importlib
+    import io
+    from types import SimpleNamespace
+
+    main = importlib.import_module(module).main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code if isinstance(e.code, int) else 1
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

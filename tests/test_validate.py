@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from inference.validate import diagnose, tau_at
-from tests.conftest import tiny_overrides
+from tests.conftest import run_module, tiny_overrides
 from train.config import load_config
 from train.run import run
 
@@ -62,8 +62,8 @@ def test_validate_writes_the_three_reports_on_mt_bench(tiny_export, tmp_path):
     meta["predicted_acceptance"].update(a=[0.9, 0.9, 0.9], histogram=None)
     (promised / "draftsmith.json").write_text(json.dumps(meta))
     cmd[cmd.index(str(tiny_export))] = str(promised)
-    res = subprocess.run(cmd[:-2] + ["--tolerance", "0.1", "--max-turns", "1", "--out", str(tmp_path / "strict")],
-                         capture_output=True, text=True, timeout=900)
+    res = run_module("inference.validate", *cmd[3:-2], "--tolerance", "0.1", "--max-turns", "1", "--out",
+                     str(tmp_path / "strict"))
     assert res.returncode == 1 and "FAIL" in res.stdout and "Data gap" in res.stdout, res.stdout + res.stderr[-1000:]
 
 
@@ -78,11 +78,9 @@ def test_max_minutes_reports_the_questions_served(tiny_export, tmp_path):
 
 
 def test_bad_input_is_one_line(tiny_export, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tmp_path), "--dataset", "mt-bench"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_module("inference.validate", "--drafter", str(tmp_path), "--dataset", "mt-bench")
     assert res.returncode == 2 and "not an export folder" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench",
-                          "-k", "9"], capture_output=True, text=True, timeout=300)
+    res = run_module("inference.validate", "--drafter", str(tiny_export), "--dataset", "mt-bench", "-k", "9")
     assert res.returncode == 2 and "at most 3" in res.stderr
 
 
@@ -162,15 +160,13 @@ def test_validate_and_generate_serve_a_medusa_export(tmp_path):
     run(load_config("configs/medusa1.yaml", tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2,
                                                                                             "trainer.precision": "32-true"})))
     export = tmp_path / "run" / "export"
-    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(export), "--dataset", "mt-bench",
-                          "--num-prompts", "2", "--max-turns", "1", "--max-new-tokens", "10", "--tolerance", "100",
-                          "--out", str(tmp_path / "report")], capture_output=True, text=True, timeout=900)
+    res = run_module("inference.validate", "--drafter", str(export), "--dataset", "mt-bench", "--num-prompts", "2",
+                     "--max-turns", "1", "--max-new-tokens", "10", "--tolerance", "100", "--out", str(tmp_path / "report"))
     assert res.returncode == 0, res.stderr[-2000:]
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["measured"]["num_chains"] > 0 and report["k"] == 3
-    res = subprocess.run([sys.executable, "-m", "inference.generate", "--target", "tiny-random-llama", "--prompt", "hi",
-                          "--proposer", "drafter", "--drafter", str(export), "-k", "3", "--max-new-tokens", "8", "--stats"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_module("inference.generate", "--target", "tiny-random-llama", "--prompt", "hi", "--proposer", "drafter",
+                     "--drafter", str(export), "-k", "3", "--max-new-tokens", "8", "--stats")
     assert res.returncode == 0, res.stderr[-2000:]
     assert '"acceptance"' in res.stderr
 
@@ -185,9 +181,9 @@ def test_an_export_made_elsewhere_is_validated_against_the_replay(tiny_export, t
     (foreign / "draftsmith.json").unlink()
     base = [sys.executable, "-m", "inference.validate", "--drafter", str(foreign), "--dataset", "mt-bench",
             "--num-prompts", "2", "--max-new-tokens", "10", "--max-turns", "1"]
-    res = subprocess.run(base + ["--out", str(tmp_path / "a")], capture_output=True, text=True, timeout=900)
+    res = run_module(*base[2:], "--out", str(tmp_path / "a"))
     assert res.returncode == 2 and "pass -k" in res.stderr and "Traceback" not in res.stderr
-    res = subprocess.run(base + ["-k", "3", "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=900)
+    res = run_module(*base[2:], "-k", "3", "--out", str(tmp_path / "b"))
     assert res.returncode == 0, res.stdout + res.stderr[-2000:]
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     # the served config names the verifier (a zoo target without an upstream hub id by its local folder)
@@ -346,9 +342,8 @@ def test_promise_set_holds_serving_to_that_sets_promise_and_serves_only_question
                                                                  {"role": "assistant", "content": "a"}]}) + "\n")
     assert first_questions(str(odd)) == {c[0]["content"] for c in walked}
 
-    res = subprocess.run([sys.executable, "-m", "inference.validate", "--drafter", str(export), "--dataset", "humaneval",
-                          "--promise-set", "elsewhere.jsonl", "--out", str(tmp_path / "x"), "--device", "cpu"],
-                         capture_output=True, text=True)
+    res = run_module("inference.validate", "--drafter", str(export), "--dataset", "humaneval", "--promise-set",
+                     "elsewhere.jsonl", "--out", str(tmp_path / "x"), "--device", "cpu")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1].startswith("error: --promise-set elsewhere.jsonl: the export promises on ")
     assert str(he_set) in res.stderr and not (tmp_path / "x" / "report.json").exists()
