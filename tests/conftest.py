@@ -246,13 +246,19 @@ def run_module(module: str, *args: str):
     import contextlib
     import importlib
     import io
+    import logging
     from types import SimpleNamespace
 
     main = importlib.import_module(module).main
+    root, handlers = logging.getLogger(), list(logging.getLogger().handlers)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = main(list(args))
         except SystemExit as e:  # argparse's usage errors
             code = e.code if isinstance(e.code, int) else 1
+        finally:  # a main that set up logging onto the captured stream leaves no handler behind
+            for handler in root.handlers[:]:
+                if handler not in handlers:
+                    root.removeHandler(handler)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())

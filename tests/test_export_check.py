@@ -1,14 +1,12 @@
 """export.check: every method's export passes; each kind of corruption fails, named."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 from safetensors.torch import load_file, save_file
 
 from export.check import run_checks
-from tests.conftest import make_conversations, tiny_overrides
+from tests.conftest import make_conversations, run_module, tiny_overrides
 from train.config import load_config
 from train.run import run
 
@@ -48,7 +46,8 @@ def _copy(exports, tmp_path, method="eagle3"):
 
 
 def _failing(folder):
-    res = subprocess.run([sys.executable, "-m", "export.check", str(folder)], capture_output=True, text=True, timeout=300)
+    """export.check's verdict on a folder that must fail (main in this process: tests.conftest.run_module)."""
+    res = run_module("export.check", str(folder))
     assert res.returncode == 1, res.stdout + res.stderr
     return res.stdout
 
