@@ -1,14 +1,12 @@
 """DFlash: block masks (bidirectional inside, never other blocks, no peeking past the block),
 the frozen target, predicted acceptance, the recipe and its layout."""
 import json
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
 
 from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from tests.conftest import overfit_one_batch, tiny_overrides
+from tests.conftest import overfit_one_batch, run_module, tiny_overrides
 
 
 def tiny_dflash(B=4, seed=0):
@@ -90,10 +88,9 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
     from export.load import load_export
 
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/dflash.yaml",
-                          *tiny_overrides(chat_file, out, **{"trainer.max_steps": 2, "drafter.draft_vocab_size": 49152}),
-                          "trainer.precision=32-true", "drafter.dflash_layers=2", "drafter.dflash_block_size=4"],
-                         capture_output=True, text=True, timeout=600)
+    res = run_module("train.__main__", "--config", "configs/dflash.yaml",
+                     *tiny_overrides(chat_file, out, **{"trainer.max_steps": 2, "drafter.draft_vocab_size": 49152}),
+                     "trainer.precision=32-true", "drafter.dflash_layers=2", "drafter.dflash_block_size=4")
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
@@ -108,8 +105,8 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
 
     # vLLM's speculators layout of the same run (a full vocabulary here: no head, no maps stored)
     spec = tmp_path / "spec"
-    res = subprocess.run([sys.executable, "-m", "export", "--checkpoint", str(out), "--format", "speculators",
-                          "--out", str(spec), "--dtype", "float32"], capture_output=True, text=True, timeout=600)
+    res = run_module("export.__main__", "--checkpoint", str(out), "--format", "speculators",
+                     "--out", str(spec), "--dtype", "float32")
     assert res.returncode == 0, res.stderr[-3000:]
     config = json.loads((spec / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash" and config["block_size"] == 4
@@ -134,8 +131,8 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
 
 
 def test_eval_k_beyond_the_block_is_a_config_error(chat_file, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/dflash.yaml", *tiny_overrides(chat_file, tmp_path),
-                          "drafter.dflash_block_size=4", "eval.k=4"], capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", "--config", "configs/dflash.yaml", *tiny_overrides(chat_file, tmp_path),
+                     "drafter.dflash_block_size=4", "eval.k=4")
     assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
 
 

@@ -1,7 +1,5 @@
 """EAGLE-1: layout, feature regression, the runtime drafting what training predicts, recipe."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +11,7 @@ from inference.model import RuntimeModel
 from inference.proposers import Eagle3Proposer
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 from models.target import Target
-from tests.conftest import overfit_one_batch, tiny_overrides
+from tests.conftest import overfit_one_batch, run_module, tiny_overrides
 from tests.test_eagle3_runtime import Recording
 from train.losses import feature_smooth_l1, hard_ce
 
@@ -86,9 +84,8 @@ def test_eagle1_recipe_cli_and_export_layout_round_trip(chat_file, tmp_path):
     from export.eagle1 import export_eagle1, load_eagle1
 
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/eagle1.yaml", *tiny_overrides(chat_file, out),
-                          "trainer.max_steps=1", "trainer.precision=32-true", "drafter.draft_vocab_size=49152"],
-                         capture_output=True, text=True, timeout=600)
+    res = run_module("train.__main__", "--config", "configs/eagle1.yaml", *tiny_overrides(chat_file, out),
+                     "trainer.max_steps=1", "trainer.precision=32-true", "drafter.draft_vocab_size=49152")
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"
     assert json.loads((export / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
@@ -121,6 +118,5 @@ def test_feature_regression_trains_through_the_module(tiny_target):
 
 
 def test_feature_weight_on_another_method_is_a_config_error(chat_file, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train", *tiny_overrides(chat_file, tmp_path), "objective.feature_weight=1.0"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", *tiny_overrides(chat_file, tmp_path), "objective.feature_weight=1.0")
     assert res.returncode == 2 and "objective.feature_weight" in res.stderr and "Traceback" not in res.stderr

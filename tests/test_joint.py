@@ -2,13 +2,11 @@
 before and after, checkpoints carry it and resume, and the exports carry it."""
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import make_conversations, tiny_overrides
+from tests.conftest import make_conversations, run_module, tiny_overrides
 from train.joint import keep_close_kl, lm_loss
 
 
@@ -92,8 +90,7 @@ def test_joint_resume_continues_from_the_trained_target(chat_file, tmp_path):
 
 
 def test_joint_mode_for_a_method_without_it_is_a_config_error(chat_file, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train", *tiny_overrides(chat_file, tmp_path), "objective.joint=true"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", *tiny_overrides(chat_file, tmp_path), "objective.joint=true")
     assert res.returncode == 2 and "objective.joint" in res.stderr
 
 
@@ -130,9 +127,8 @@ def test_the_target_gets_gradient_in_joint_mode_and_none_when_frozen(tiny_target
 def test_joint_recipes_run_one_step_through_the_cli(chat_file, tmp_path, recipe):
     out = tmp_path / "run"
     extra = ["drafter.draft_vocab_size=49152"] if "mtp" in recipe else []
-    res = subprocess.run([sys.executable, "-m", "train", "--config", recipe, *tiny_overrides(chat_file, out),
-                          "trainer.max_steps=1", "trainer.precision=32-true", *extra],
-                         capture_output=True, text=True, timeout=600)
+    res = run_module("train.__main__", "--config", recipe, *tiny_overrides(chat_file, out),
+                     "trainer.max_steps=1", "trainer.precision=32-true", *extra)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "perplexity" in res.stdout
     from export.load import load_export

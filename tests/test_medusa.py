@@ -1,13 +1,11 @@
 """Medusa: shapes, alignment, the frozen target, the CLI recipe and its export round trip."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from models.medusa import MedusaConfig, MedusaDrafter
-from tests.conftest import overfit_one_batch, tiny_overrides
+from tests.conftest import overfit_one_batch, run_module, tiny_overrides
 
 
 def tiny_medusa(heads=3, layers=1, V=300, Vd=64, H=32, seed=0):
@@ -55,9 +53,8 @@ def test_medusa_recipe_cli_one_step_and_export_round_trip(chat_file, tmp_path):
     from export.medusa import load_medusa
 
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
-                          *tiny_overrides(chat_file, out), "trainer.max_steps=1", "trainer.precision=32-true"],
-                         capture_output=True, text=True, timeout=600)
+    res = run_module("train.__main__", "--config", "configs/medusa1.yaml",
+                     *tiny_overrides(chat_file, out), "trainer.max_steps=1", "trainer.precision=32-true")
     assert res.returncode == 0, res.stderr[-3000:]
     config = json.loads((out / "export" / "config.json").read_text())
     assert config["architectures"] == ["MedusaModel"] and config["medusa_fc_bias"] is True
@@ -97,8 +94,8 @@ def test_medusa_module_step_trains_heads_and_leaves_the_frozen_target_alone(tiny
 
 
 def test_eval_k_beyond_the_heads_is_a_config_error(chat_file, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/medusa1.yaml",
-                          *tiny_overrides(chat_file, tmp_path), "eval.k=6"], capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", "--config", "configs/medusa1.yaml",
+                     *tiny_overrides(chat_file, tmp_path), "eval.k=6")
     assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
 
 

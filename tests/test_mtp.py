@@ -1,14 +1,12 @@
 """MTP: what each module may see, greedy chains that never peek, the recipe and its layout."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from models.mtp import MTPConfig, MTPDrafter
-from tests.conftest import overfit_one_batch, tiny_overrides
+from tests.conftest import overfit_one_batch, run_module, tiny_overrides
 
 
 def tiny_mtp(D=3, V=300, seed=0):
@@ -74,9 +72,8 @@ def test_mtp_recipe_cli_and_deepseek_layout_round_trip(chat_file, tmp_path):
     from export.load import load_export
 
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/mtp.yaml", *tiny_overrides(chat_file, out),
-                          "trainer.max_steps=1", "trainer.precision=32-true", "drafter.draft_vocab_size=49152"],
-                         capture_output=True, text=True, timeout=600)
+    res = run_module("train.__main__", "--config", "configs/mtp.yaml", *tiny_overrides(chat_file, out),
+                     "trainer.max_steps=1", "trainer.precision=32-true", "drafter.draft_vocab_size=49152")
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
@@ -99,8 +96,8 @@ def test_mtp_recipe_cli_and_deepseek_layout_round_trip(chat_file, tmp_path):
 
 
 def test_eval_k_beyond_the_modules_is_a_config_error(chat_file, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "train", "--config", "configs/mtp.yaml", *tiny_overrides(chat_file, tmp_path),
-                          "eval.k=4"], capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", "--config", "configs/mtp.yaml", *tiny_overrides(chat_file, tmp_path),
+                     "eval.k=4")
     assert res.returncode == 2 and "eval.k" in res.stderr and "MTP modules" in res.stderr
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import interrupt_training_at, tiny_overrides
+from tests.conftest import interrupt_training_at, run_module, tiny_overrides
 from train.config import load_config
 from train.run import run
 
@@ -167,8 +167,7 @@ def test_a_run_split_in_two_equals_one_run(chat_file, tmp_path):
 
 def test_prepare_only_tokenizes_and_trains_nothing(chat_file, tmp_path):
     out = tmp_path / "prep"
-    res = subprocess.run([sys.executable, "-m", "train", *tiny_overrides(chat_file, out), "--prepare-only"],
-                         capture_output=True, text=True, timeout=300)
+    res = run_module("train.__main__", *tiny_overrides(chat_file, out), "--prepare-only")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "prepared:" in res.stdout
     assert not (out / "checkpoints").exists() and not (out / "export").exists()
