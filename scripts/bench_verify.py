@@ -120,7 +120,8 @@ def main(argv=None):
         torch.backends.cuda.preferred_blas_library("cublas")
         results[blas] = row
         first = row[counts[0]]
-        print(f"{blas:10s} " + "  ".join(f"{n} tokens {t:8.1f} µs (+{t - first:5.1f})" for n, t in row.items()), flush=True)
+        cells = (f"{n} tokens {t:8.1f} µs (+{t - first:5.1f})" for n, t in row.items())
+        print(f"{blas:10s} " + "  ".join(cells), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_verify.json").write_text(json.dumps({"device": torch.cuda.get_device_name(),
