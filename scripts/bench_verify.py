@@ -34,28 +34,6 @@ def tree_mask(n: int, generator: torch.Generator) -> torch.Tensor:
     return mask[None]
 
 
-def time_graph(fn, reps: int = 100) -> float:
-    """µs per replay of fn captured in a CUDA graph (median of reps)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="1,5,7,41,61")
@@ -76,6 +54,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_verify times CUDA graphs: it needs a GPU")
     from inference.model import RuntimeModel
+    from scripts.bench_gemm import graph_time  # µs per call, captured in a CUDA graph
     from scripts.profile_spec import smollm2_shaped
 
     folder = Path(tempfile.mkdtemp())
@@ -113,7 +92,7 @@ def main(argv=None):
             if blas == "tunable":
                 forward()  # every GEMM shape tuned here, outside the capture
                 torch.cuda.synchronize()
-            row[n] = time_graph(forward)
+            row[n] = graph_time(forward, calls=1, reps=100)
         if blas == "tunable":
             torch.cuda.tunable.tuning_enable(False)
             torch.cuda.tunable.enable(False)
