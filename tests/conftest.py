@@ -241,8 +241,9 @@ def device_reads(fn):
 def run_module(module: str, *args: str):
     """`python -m MODULE ARGS` in this process: MODULE's main(argv), with the exit code and what it
     printed as subprocess.run(..., capture_output=True, text=True) gives them (returncode, stdout,
-    stderr). A process of its own spends seconds importing torch; each CLI's test file still runs
-    it as a command once."""
+    stderr). A process of its own spends seconds importing torch; every CLI still runs as a real
+    command in some test (train, export, export.check, generate, validate, regenerate,
+    scripts/drafter_parts.py)."""
     import contextlib
     import importlib
     import io

@@ -1,15 +1,14 @@
 """scripts/drafter_parts.py: an export carried as small parts without the target's tensors
 comes back byte for byte, and a wrong target or a damaged part is refused."""
-import contextlib
-import io
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
+
+from tests.conftest import run_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,14 +42,8 @@ def _script(*args):
 
 
 def _run(*args):
-    """The script's main in this process, its exit code and printed lines as `_script` gives them (a
-    process of its own spends seconds importing torch: the other tests call main)."""
-    from scripts.drafter_parts import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(args))
-    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+    """The script's main in this process (tests.conftest.run_module): seconds of imports saved a call."""
+    return run_module("scripts.drafter_parts", *args)
 
 
 def test_pack_then_unpack_gives_the_export_back_byte_for_byte(tmp_path):
