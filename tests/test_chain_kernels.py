@@ -14,11 +14,12 @@ def dev():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("R,H,V", [(1, 576, 1000), (3, 70, 333), (17, 64, 129), (2, 576, 16384)])
+@pytest.mark.parametrize("R,H,V", [(1, 576, 1000), (3, 70, 333), (17, 64, 129), (2, 576, 2100)])
 @pytest.mark.parametrize("mapped", [False, True])
 def test_norm_lm_head_argmax_matches_reference(dev, dtype, R, H, V, mapped):
     """Rows on both sides of a 16-row block, a hidden size that is no multiple of the tile, a
-    vocabulary that is no multiple of the slice; the output a strided column (a chain's)."""
+    vocabulary that is no multiple of the slice (2,100: 17 of the GPU's slices to merge; the real
+    16,384 took 8-16 s a case in the interpreter); the output a strided column (a chain's)."""
     from kernels.lm_head_argmax import BLOCK_V, norm_lm_head_argmax_reference, norm_lm_head_argmax_triton
     from kernels.rms_norm import rms_norm_reference
 

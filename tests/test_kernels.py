@@ -78,8 +78,9 @@ def test_convergence_with_and_without_the_kernel():
 
 @needs_triton_backend
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+# (2, 23, 9, 3, 64, 90): 69 score rows a KV head, two tiles of 64 (45 queries took 12 s a dtype in the interpreter)
 @pytest.mark.parametrize("B,n,nh,nkv,d,S", [(1, 1, 9, 3, 64, 300), (33, 1, 2, 2, 16, 37), (3, 3, 4, 2, 80, 130),
-                                             (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70), (2, 45, 9, 3, 64, 90),
+                                             (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70), (2, 23, 9, 3, 64, 90),
                                              (1, 3, 2, 1, 4, 40)])
 def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d, S):
     from kernels.decode_attention import decode_attention_reference, decode_attention_triton
