@@ -117,8 +117,14 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # 16-bit products was the fastest or within 0.4 µs of it at every shape, e.g. a verify over 40
 # nodes 7.05 against 7.97 for 64 rows in TF32, over 60 nodes 7.40 against 10.22, a drafter level
 # 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
+# Products in TF32 since session 32, though 0.3-0.6 µs a call slower: 16-bit products round each
+# probability to the cache's dtype (7 mantissa bits in bf16, against TF32's 10 and the chain's own
+# verify path, kernels/decode_attention.py), and on the bench (session 29's drafter, bf16, H200)
+# six tree shapes drafted tau 1.9 % higher on average in TF32 (-0.3 % to +4.8 %; 3.920 against
+# 3.826 for 6-10-60-4, 2,894.8 against 2,848.5 tok/s side by side): the verify step costs ~11 µs
+# more, the tree's tok/s rose ~1 % (BENCHMARKS.md, session 32).
 MAX_BLOCK_Q = 16
-PRODUCTS_16BIT = True
+PRODUCTS_16BIT = False
 # Timed in session 20 (scripts/bench_attention.py, H200, weighted as a step calls them): 128 keys
 # a tile (679.9 µs against 692.6 for 64; a verify over 40 nodes 6.47 against 7.18) with 4 warps
 # (8 and 2 lost). Two variants lost at every shape and were removed: the merge done by the last
