@@ -120,7 +120,7 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # Products in TF32 since session 32, though 0.3-0.6 µs a call slower: 16-bit products round each
 # probability to the cache's dtype (7 mantissa bits in bf16, against TF32's 10 and the chain's own
 # verify path, kernels/decode_attention.py), and on the bench (session 29's drafter, bf16, H200)
-# six tree shapes drafted tau 1.9 % higher on average in TF32 (-0.3 % to +4.8 %; 3.920 against
+# six tree shapes drafted tau 1.9 % higher on average in TF32 (-1.1 % to +4.8 %; 3.920 against
 # 3.826 for 6-10-60-4, 2,894.8 against 2,848.5 tok/s side by side): the verify step costs ~11 µs
 # more, the tree's tok/s rose ~1 % (BENCHMARKS.md, session 32).
 MAX_BLOCK_Q = 16

@@ -137,7 +137,8 @@ def zoo_plain_greedy(tokenizer):
     """The zoo target's (smollm2-135m-instruct, float32) plain greedy decoding of the 20 real
     prompts (tests/test_speculative.py `_real_prompts`), 16 new tokens in ragged batches of 5,
     ending at the tokenizer's EOS: (prompts, outputs), computed once for the lossless tests on real
-    prompts that compare against this same reference (the tree's and EAGLE-3's)."""
+    prompts that compare against this same reference (the tree's, EAGLE-3's, the ragged batches' and
+    every proposer's: tests/test_speculative.py, on some of the prompts)."""
     import torch
 
     from inference.engine import generate
