@@ -83,14 +83,14 @@ def main():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
     defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
-    # session 19 timed score rows x 16-bit products (16-bit won per call; session 32 made TF32 the
-    # default for the tree's tau, BENCHMARKS.md: the control is the defaults in 16-bit); session 20
-    # the split's size, its key tiles and the warps (128 keys and 4 warps won), a merge by the last
-    # program and one launch without splits (both lost, removed from the kernel); session 21 the query heads a merge program takes (16 won); session
-    # 22 shorter key tiles (32) with finer splits, two warps, and 32 score rows again; session 23
-    # the finest splits with 8-slot merge chunks (the defaults still won at the bench's geometry);
-    # session 24 the one-pass form again (no split, no merge) at the bench's geometry: lost, removed;
-    # session 25 the verify step through decode_attention's chunks (won: the verify's only form since)
+    # session 19 timed score rows x 16-bit products (16-bit won per call; session 32 made TF32 the default for the
+    # tree's tau, BENCHMARKS.md: the control is the defaults in 16-bit); session 20 the split's size, its key tiles
+    # and the warps (128 keys and 4 warps won), a merge by the last program and one launch without splits (both
+    # lost, removed from the kernel); session 21 the query heads a merge program takes (16 won); session 22 shorter
+    # key tiles (32) with finer splits, two warps, and 32 score rows again; session 23 the finest splits with 8-slot
+    # merge chunks (the defaults still won at the bench's geometry); session 24 the one-pass form again (no split,
+    # no merge) at the bench's geometry: lost, removed; session 25 the verify step through decode_attention's chunks
+    # (won: the verify's only form since)
     variants = [dict(defaults)] + [
         dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
