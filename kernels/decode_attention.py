@@ -158,17 +158,22 @@ if triton is not None:
     def _combine_kernel(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, n, N, NH, stride_ot,
                         D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                         BLOCK_H: tl.constexpr, SPLIT_CHUNK: tl.constexpr, TREE: tl.constexpr):
-        """One (query token, query head), or with TREE one (query token, block of BLOCK_H query
-        heads): merge the chunks' statistics into the attention output.
-        A chain's token merges its chunks up to its position in one [BLOCK_SPLITS, BLOCK_D] tile.
+        """One (query token, query head), or with TREE or BLOCK_H > 1 one (query token, block of
+        BLOCK_H query heads): merge the chunks' statistics into the attention output.
+        A chain's token merges its chunks up to its position: one head in one [BLOCK_SPLITS,
+        BLOCK_D] tile (the GPU's form), or BLOCK_H heads as a tree's token does (the interpreter's
+        form: a program per head made half the kernel-loop tests' time in CI).
         A tree's token merges the chunks up to base + N (all written; a chunk it sees nothing of
         has m = -inf, weight 0, and chunk 0 always holds a visible key), SPLIT_CHUNK at a time:
         all of a token's heads over 32 or 64 chunks in one tile would spill."""
         token = tl.program_id(0).to(tl.int64)
-        if TREE:
+        if TREE or BLOCK_H > 1:
             heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
             head_ok = heads < NH
-            splits = tl.cdiv(tl.load(pos_ptr + token // n) + N + 1, CHUNK)
+            if TREE:
+                splits = tl.cdiv(tl.load(pos_ptr + token // n) + N + 1, CHUNK)
+            else:  # (every split up to the token's position holds a visible key)
+                splits = tl.cdiv(tl.load(pos_ptr + token) + 1, CHUNK)
             start = (token * NH + heads) * BLOCK_SPLITS  # [BLOCK_H]
             dims = tl.arange(0, BLOCK_D)
             top = tl.full([BLOCK_H], -1.0e30, tl.float32)
@@ -197,8 +202,14 @@ if triton is not None:
             tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
+# Query heads a chain's merge program takes: one on a GPU (timed, sessions 12-13), all of them in
+# Triton's CPU interpreter, whose cost is per program (CI runs whole loops through it), unless a
+# caller asks for its own (the kernel's tests do)
+CHAIN_COMBINE_HEADS = 16 if INTERPRETED else 1
+
+
 def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_mask=None, max_block_q: int = 64,
-                            low_products: bool = False, combine_heads: int = 1, merge_chunk: int = 64,
+                            low_products: bool = False, combine_heads: int | None = None, merge_chunk: int = 64,
                             max_chunks: int = 64):
     """Split over the cache length (flash-decoding): at batch 1 a decode step has only nh
     (token, head) pairs, too few programs to keep the GPU's memory system busy, so each pair's
@@ -207,9 +218,10 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
     tree_mask [B,n-1,N] (a tree's verify step, kernels/tree_attention.py): positions is then
     base [B], the root's slot; query 0 is the root and query t > 0 node t-1, whose K/V RoPE
     wrote at slot base + t. max_block_q (score rows a program takes), low_products (16-bit
-    products on 16-bit caches), combine_heads (query heads a merge program takes) and merge_chunk
-    (chunks it sums at once) are the tree path's tuning, max_chunks (the most chunks the cache is
-    cut into) both paths'; a chain's decode and verify steps keep the defaults."""
+    products on 16-bit caches) and merge_chunk (chunks a merge program sums at once) are the tree
+    path's tuning; combine_heads (query heads a merge program takes: the tree path's tuning, 1 for
+    a tree by default, CHAIN_COMBINE_HEADS for a chain) and max_chunks (the most chunks the cache
+    is cut into) both paths'; a chain's decode and verify steps keep the defaults."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, n, d = q.shape
@@ -254,7 +266,9 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
         mask.stride(0), mask.stride(1) if tree else 0,
         D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q, IEEE=ieee, TREE=tree,
         LOW=low_products and not ieee and not INTERPRETED)
-    block_h = min(combine_heads, triton.next_power_of_2(nh)) if tree else 1
+    if combine_heads is None:
+        combine_heads = 1 if tree else CHAIN_COMBINE_HEADS
+    block_h = min(combine_heads, triton.next_power_of_2(nh))
     _combine_kernel[(B * n, triton.cdiv(nh, block_h))](positions, m, l, acc, out, n, N, nh, out.stride(1),
                                                        D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits,
                                                        BLOCK_H=block_h, SPLIT_CHUNK=min(block_splits, merge_chunk),

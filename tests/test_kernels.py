@@ -107,6 +107,28 @@ def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d,
 
 
 @needs_triton_backend
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("B,n,nh,nkv,d,S", [(2, 3, 9, 3, 64, 300), (3, 2, 4, 2, 16, 50)])
+def test_both_merge_forms_of_a_chain_match_reference(dtype, tol, B, n, nh, nkv, d, S):
+    """A chain's merge takes one query head a program on a GPU and all of a token's heads in the
+    interpreter (kernels/decode_attention.py CHAIN_COMBINE_HEADS); the test above runs the
+    device's default, this one both forms: each matches the reference, and in float32 each other."""
+    from kernels.decode_attention import decode_attention_reference, decode_attention_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(B * n + d)
+    q = torch.randn(B, nh, n, d, device=device).to(dtype)
+    k_cache, v_cache = (torch.randn(B, nkv, S, d, device=device).to(dtype) for _ in range(2))
+    positions = torch.randint(0, S - n + 1, (B, 1), device=device) + torch.arange(n, device=device)
+    ref = decode_attention_reference(q, k_cache, v_cache, positions)
+    one, all_heads = (decode_attention_triton(q, k_cache, v_cache, positions, combine_heads=h) for h in (1, 16))
+    for got in (one, all_heads):
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(one, all_heads, rtol=1e-6, atol=1e-6)
+
+
+@needs_triton_backend
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,k,V", [(1, 1, 7), (33, 4, 1000), (3, 7, 4099), (5, 0, 50)])
 def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
