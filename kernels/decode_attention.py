@@ -162,7 +162,7 @@ if triton is not None:
         BLOCK_H query heads): merge the chunks' statistics into the attention output.
         A chain's token merges its chunks up to its position: one head in one [BLOCK_SPLITS,
         BLOCK_D] tile (the GPU's form), or BLOCK_H heads as a tree's token does (the interpreter's
-        form: a program per head made half the kernel-loop tests' time in CI).
+        form: a program per head was about a third of the kernel-loop tests' time in CI).
         A tree's token merges the chunks up to base + N (all written; a chunk it sees nothing of
         has m = -inf, weight 0, and chunk 0 always holds a visible key), SPLIT_CHUNK at a time:
         all of a token's heads over 32 or 64 chunks in one tile would spill."""
@@ -202,9 +202,10 @@ if triton is not None:
             tl.store(out_ptr + token * stride_ot + head * D + dims, out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
 
-# Query heads a chain's merge program takes: one on a GPU (timed, sessions 12-13), all of them in
-# Triton's CPU interpreter, whose cost is per program (CI runs whole loops through it), unless a
-# caller asks for its own (the kernel's tests do)
+# Query heads a chain's merge program takes: one on a GPU (the form every chain figure in
+# BENCHMARKS.md ran; more a program were timed for trees only, session 21), all of them in Triton's
+# CPU interpreter, whose cost is per program (CI runs whole loops through it), unless a caller asks
+# for its own (the kernel's tests do)
 CHAIN_COMBINE_HEADS = 16 if INTERPRETED else 1
 
 
