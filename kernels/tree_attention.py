@@ -121,8 +121,8 @@ MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores i
 # probability to the cache's dtype (7 mantissa bits in bf16, against TF32's 10 and the chain's own
 # verify path, kernels/decode_attention.py), and on the bench (session 29's drafter, bf16, H200)
 # six tree shapes drafted tau 1.9 % higher on average in TF32 (-1.1 % to +4.8 %; 3.920 against
-# 3.826 for 6-10-60-4, 2,894.8 against 2,848.5 tok/s side by side): the verify step costs ~11 µs
-# more, the tree's tok/s rose ~1 % (BENCHMARKS.md, session 32).
+# 3.826 for 6-10-60-4, 2,894.8 against 2,848.5 tok/s side by side): the verify step costs 4-12 µs
+# more, the tree's tok/s rose ~1 % on average (BENCHMARKS.md, session 32).
 MAX_BLOCK_Q = 16
 PRODUCTS_16BIT = False
 # Timed in session 20 (scripts/bench_attention.py, H200, weighted as a step calls them): 128 keys
