@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kernels import use_kernel
 from kernels.argmax import argmax_chunks
-from kernels.emit import EmitState, emit_reference
+from kernels.emit import EmitState, emit_reference, feed_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
 from kernels.tree_select import Candidates, Frontier, candidate_depths, finalize_triton, \
@@ -200,18 +200,23 @@ def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, 
 
 
 def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
-                        out: Tree | None = None, base_offset: int = 0) -> Tree:
-    """`finalize_reference` (node positions base_positions + base_offset + depth), through two
-    kernel launches on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
-    graphs keeps one Tree that every graph writes)."""
+                        out: Tree | None = None, base_offset: int = 0, feed=None) -> Tree:
+    """`finalize_reference` (node positions base_positions + base_offset + depth), through one
+    kernel launch on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
+    graphs keeps one Tree that every graph writes). feed: (tokens [B,S], length [B], fed [B,N+1],
+    fed_positions [B,N+1]), a loop's state and the verify step's input, written as
+    kernels/emit.py's `feed` writes it (inside the same launch on CUDA tensors)."""
     if use_kernel(cand.tokens):  # (the offset added in the kernel: no launch of its own)
-        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset))
+        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset, feed))
     tree = finalize_reference(cand, k, top_k, total_tokens, base_positions + base_offset)
-    if out is None:
-        return tree
-    for buffer, value in zip(out, tree):
-        buffer.copy_(value)
-    return out
+    if out is not None:
+        for buffer, value in zip(out, tree):
+            buffer.copy_(value)
+        tree = out
+    if feed is not None:
+        loop_tokens, loop_length, fed, fed_positions = feed
+        feed_reference(loop_tokens, loop_length, tree.tokens, fed, fed_positions, tree.positions)
+    return tree
 
 
 # ---------------------------------------------------------------------------- static trees

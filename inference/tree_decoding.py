@@ -51,6 +51,7 @@ class EagleTreeProposer(Eagle3Proposer):
     before children)."""
 
     tree = True
+    feeds_verify = True  # draft_tree(feed=...) also writes the verify step's input (TreeLoop)
 
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
                  children: int | None = None):
@@ -81,12 +82,14 @@ class EagleTreeProposer(Eagle3Proposer):
         self.cand_kv = self.k_cache.new_zeros(2, B, nkv, candidates, head_dim)
 
     @torch.no_grad()
-    def draft_tree(self):
-        """The tree below each row's root (inference/tree.py: Tree, positions base + depth)."""
+    def draft_tree(self, feed=None):
+        """The tree below each row's root (inference/tree.py: Tree, positions base + depth).
+        feed: (tokens, length, fed, fed_positions), a loop's state and its verify step's input,
+        written beside the tree (inference/tree.py `finalize_candidates`)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
                                 self.total_tokens, out=self.tree_out,
                                 cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
-                                children=self.children)
+                                children=self.children, feed=feed)
 
 
 def tree_candidate_count(depth: int, top_k: int, children: int | None = None) -> int:
@@ -97,7 +100,8 @@ def tree_candidate_count(depth: int, top_k: int, children: int | None = None) ->
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None):
+                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None,
+                     feed=None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
@@ -106,7 +110,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
     V (new ones when None). children: what each frontier node below the root is expanded into
-    (top_k when None: EAGLE-2's square tree)."""
+    (top_k when None: EAGLE-2's square tree). feed: a loop's verify input, written by the rerank
+    (`finalize_candidates`)."""
     d = p.drafter
     B = hidden.shape[0]
     cfg = d.config
@@ -132,7 +137,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             drafted_from = h.to(hidden.dtype)
             index, scores, k = frontier.index, frontier.scores, children
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1)  # positions last + 1 + depth
+    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1,  # positions last + 1 + depth
+                               feed=feed)
 
 
 def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,
@@ -212,17 +218,25 @@ class TreeLoop(SpecLoop):
         # the verify step's input: the root, then the tree's nodes ([B,N+1], N = total_tokens)
         self.fed_ids = self.fed_ids.new_zeros(batch, proposer.verify_tokens + 1)
         self.fed_positions = torch.zeros_like(self.fed_ids)
+        # a drafter's rerank writes the verify step's input as it writes the tree (a launch fewer)
+        self.fed_by_draft = getattr(proposer, "feeds_verify", False)
 
     def draft_phase(self):
         """The tree, in the proposer's buffers: the first draft and the proposer's step are two
-        graphs, and both write the one Tree that the verify graph reads."""
-        self.tree = self.proposer.draft_tree()
+        graphs, and both write the one Tree that the verify graph reads (and its input, where the
+        proposer feeds it)."""
+        if self.fed_by_draft:
+            self.tree = self.proposer.draft_tree(feed=(self.tokens, self.length, self.fed_ids, self.fed_positions))
+        else:
+            self.tree = self.proposer.draft_tree()
 
     def verify_phase(self):
         tree, cache, fed, positions = self.tree, self.cache, self.fed_ids, self.fed_positions
         # each row's last token (the root) and the tree's tokens (empty slots fed as 0), at the
-        # root's position and the nodes' (one launch on a GPU: kernels/emit.py's feed)
-        feed(self.tokens, self.length, tree.tokens, fed, positions, tree.positions)
+        # root's position and the nodes' (one launch on a GPU: kernels/emit.py's feed), unless the
+        # draft wrote them
+        if not self.fed_by_draft:
+            feed(self.tokens, self.length, tree.tokens, fed, positions, tree.positions)
         base, root = positions[:, 0], fed[:, 0]  # [B]: the root's position and slot, its token
         # the root and node i are written at slots base and base + 1 + i; every query sees the
         # cache up to the root, node i also its ancestors and itself (the model builds the rest)

@@ -32,7 +32,6 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.argmax import merge_chunks
     from kernels.emit import emit_row
 except ImportError:
     triton = None
@@ -54,47 +53,50 @@ class TreeAccept(NamedTuple):
 if triton is not None:
 
     @triton.jit
-    def _chunk_choices(best_ptr, cidx_ptr, rows, ok, NSPLIT, BLOCK_S: tl.constexpr):
-        """The argmax of each of `rows` [BLOCK_N] (where `ok`; -1 elsewhere) from its chunks' (maximum,
-        first column) [rows, NSPLIT] (kernels/argmax.py `argmax_chunks`): the first chunk holding the
-        maximum, so the lowest column wins a tie, as `merge_chunks` does for one row."""
-        s = tl.arange(0, BLOCK_S)
-        s_ok = s < NSPLIT
-        best = tl.load(best_ptr + rows[:, None] * NSPLIT + s[None, :], mask=ok[:, None] & s_ok[None, :],
-                       other=float("-inf"))
-        m = tl.max(best, 1)
-        first = tl.min(tl.where(s_ok[None, :] & (best == m[:, None]), s[None, :], BLOCK_S), 1)
-        return tl.load(cidx_ptr + rows * NSPLIT + first, mask=ok, other=-1)
-
-    @triton.jit
     def _tree_accept_kernel(tokens_ptr, parents_ptr, mask_ptr, choice_ptr, base_ptr, root_ptr, active_ptr,
                             path_ptr, length_ptr, bonus_ptr, path_tokens_ptr, fed_ptr, index_ptr, src_ptr, dst_ptr,
                             N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o, stride_base,
                             stride_root, cidx_ptr, NSPLIT, eos_ptr, budget_ptr, out_tokens_ptr, state_length_ptr,
                             n_out_ptr, done_ptr, histogram_ptr, row_steps_ptr, active_out_ptr, E, stride_ot, stride_h,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FROM_CHUNKS: tl.constexpr,
-                            BLOCK_S: tl.constexpr, EMIT: tl.constexpr, HAS_ACTIVE_OUT: tl.constexpr):
-        """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes d: depths (BLOCK_D >= D + 1).
-        FROM_CHUNKS: the target's choices are the argmax of its logits, given as their chunks'
-        (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the columns),
-        merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted into the
-        loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
-        (Loading every choice first and picking the path's tokens and choices from registers
-        instead of loading them once known timed no faster on an H200, with another change beside
-        it that lost: session 23.)"""
+                            BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
+                            FROM_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, EMIT: tl.constexpr,
+                            HAS_ACTIVE_OUT: tl.constexpr):
+        """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes o: the verify's N + 1
+        outputs (the root's, then node i's at 1 + i; BLOCK_O >= N + 1); lanes d: depths (BLOCK_D >=
+        D + 1). FROM_CHUNKS: the target's choices are the argmax of its logits, given as their
+        chunks' (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the
+        columns), merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted
+        into the loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
+        Every load is issued first, none waiting on another: all N + 1 choices are merged from
+        their chunks, and a node's choice after its parent, the path's tokens and the bonus are
+        picked from registers. (Until session 33 they were loaded as each became known: four
+        round trips to memory one after another, 8.2 µs a call on an H200.)"""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         in_tree = i < N
+        o = tl.arange(0, BLOCK_O)
+        in_out = o < N + 1
         token = tl.load(tokens_ptr + row * stride_t + i, mask=in_tree, other=-1)
         parent = tl.load(parents_ptr + row * stride_p + i, mask=in_tree, other=-1)
-        # node i matches when its token is the target's choice after its parent
-        if FROM_CHUNKS:
-            after_parent = _chunk_choices(choice_ptr, cidx_ptr, row * (N + 1) + parent + 1, in_tree, NSPLIT, BLOCK_S)
-        else:
-            after_parent = tl.load(choice_ptr + row * stride_c + parent + 1, mask=in_tree, other=-1)
-        match = (token == after_parent) & (token >= 0) & in_tree
         both = in_tree[:, None] & in_tree[None, :]
         sees = tl.load(mask_ptr + row * stride_mb + i[:, None] * stride_mi + i[None, :], mask=both, other=0) != 0
+        base = tl.load(base_ptr + row * stride_base)
+        root = tl.load(root_ptr + row * stride_root)
+        active = tl.load(active_ptr + row) != 0
+        if FROM_CHUNKS:  # [BLOCK_O, BLOCK_S]: each output's chunks; the first holding the maximum wins a tie
+            s = tl.arange(0, BLOCK_S)
+            s_ok = s < NSPLIT
+            at = (row * (N + 1) + o)[:, None] * NSPLIT + s[None, :]
+            best = tl.load(choice_ptr + at, mask=in_out[:, None] & s_ok[None, :], other=float("-inf"))
+            column = tl.load(cidx_ptr + at, mask=in_out[:, None] & s_ok[None, :], other=0)
+            m = tl.max(best, 1)
+            first = tl.min(tl.where(s_ok[None, :] & (best == m[:, None]), s[None, :], BLOCK_S), 1)
+            choice = tl.sum(tl.where(s[None, :] == first[:, None], column, 0), 1)  # [BLOCK_O]
+        else:
+            choice = tl.load(choice_ptr + row * stride_c + o, mask=in_out, other=-1)
+        # node i matches when its token is the target's choice after its parent (output parent + 1)
+        after_parent = tl.sum(tl.where(o[None, :] == parent[:, None] + 1, choice[None, :], 0), 1)  # [BLOCK_N]
+        match = (token == after_parent) & (token >= 0) & in_tree
         # accepted: the node and every ancestor match; its depth: how many it sees
         broken = tl.max((sees & (match[None, :] == 0)).to(tl.int32), 1)  # [BLOCK_N] over i
         depth = tl.sum(sees.to(tl.int32), 1)
@@ -104,17 +106,14 @@ if triton is not None:
         on_path = tl.sum(tl.where(i[:, None] == leaf, sees.to(tl.int32), 0), 0) > 0  # [BLOCK_N] over j
         on_path = on_path & (length > 0)
         d = tl.arange(0, BLOCK_D)
-        at = on_path[None, :] & (depth[None, :] == d[:, None] + 1)  # [BLOCK_D, BLOCK_N]: the path's node at depth d + 1
-        has = tl.sum(at.to(tl.int32), 1) > 0
-        node = tl.where(has, tl.sum(tl.where(at, i[None, :], 0), 1), -1)  # [BLOCK_D]
+        at_depth = on_path[None, :] & (depth[None, :] == d[:, None] + 1)  # [BLOCK_D, BLOCK_N]: the path's node at depth d + 1
+        has = tl.sum(at_depth.to(tl.int32), 1) > 0
+        node = tl.where(has, tl.sum(tl.where(at_depth, i[None, :], 0), 1), -1)  # [BLOCK_D]
         in_path = d < D
-        path_token = tl.load(tokens_ptr + row * stride_t + node, mask=has & in_path, other=-1)
+        path_token = tl.sum(tl.where(at_depth, token[None, :], 0), 1)
         path_token = tl.where(has, path_token, -1)
         after_leaf = tl.where(length > 0, leaf + 1, 0)
-        if FROM_CHUNKS:
-            bonus = merge_chunks(choice_ptr, cidx_ptr, row * (N + 1) + after_leaf, NSPLIT, BLOCK_S)
-        else:
-            bonus = tl.load(choice_ptr + row * stride_c + after_leaf)
+        bonus = tl.sum(tl.where(o == after_leaf, choice, 0), 0)
         out = row * stride_o
         tl.store(path_ptr + out + d, node, mask=in_path)
         tl.store(path_tokens_ptr + out + d, path_token, mask=in_path)
@@ -123,16 +122,14 @@ if triton is not None:
         # the proposer's next input: the root, then the path's tokens (lane d: the node at depth d)
         out_fed = row * (stride_o + 1)
         on_fed = (d >= 1) & (d <= length)
-        fed_node = tl.sum(tl.where(on_path[None, :] & (depth[None, :] == d[:, None]), i[None, :], 0), 1)
-        fed_token = tl.load(tokens_ptr + row * stride_t + fed_node, mask=on_fed, other=0)
-        root = tl.load(root_ptr + row * stride_root)
+        at_fed = on_path[None, :] & (depth[None, :] == d[:, None])  # [BLOCK_D, BLOCK_N]
+        fed_node = tl.sum(tl.where(at_fed, i[None, :], 0), 1)
+        fed_token = tl.where(on_fed, tl.sum(tl.where(at_fed, token[None, :], 0), 1), 0)
         tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
         local = tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1))  # in the row's N + 1 outputs
         tl.store(index_ptr + out_fed + d, row * (N + 1) + local, mask=d <= D)
         # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
         # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
-        base = tl.load(base_ptr + row * stride_base)
-        active = tl.load(active_ptr + row) != 0
         n_valid = tl.where(active, length, 0)
         valid = (d < n_valid) & has
         still = tl.minimum(tl.maximum(base + 1, 0), S - 1)
@@ -240,7 +237,8 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
                                   path_tokens, fed, index, src, dst, N, D, slots, tree_tokens.stride(0),
                                   parents.stride(0), mask.stride(0), mask.stride(1), choice.stride(0), D,
                                   base.stride(0), root.stride(0), columns, nsplit, *emit_args,
-                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_D=triton.next_power_of_2(D + 1),
+                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_O=triton.next_power_of_2(N + 1),
+                                  BLOCK_D=triton.next_power_of_2(D + 1),
                                   FROM_CHUNKS=chunks is not None, BLOCK_S=triton.next_power_of_2(nsplit),
                                   EMIT=emit_into is not None, HAS_ACTIVE_OUT=emit_into is not None
                                   and emit_into.active_out is not None)

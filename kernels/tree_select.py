@@ -1,7 +1,7 @@
 """EAGLE-2 selection on fixed candidate buffers, inside launches a drafter's depth makes anyway,
-and two for the rerank, instead of about twenty-five and fifteen: what inference/tree.py's
+and one for the rerank, instead of about twenty-five and fifteen: what inference/tree.py's
 `expand_depth` and `finalize` compute (its `expand_level_reference` and `finalize_reference`
-compose them on these buffers; its `finalize_candidates` runs the rerank's kernels on CUDA
+compose them on these buffers; its `finalize_candidates` runs the rerank's kernel on CUDA
 tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
 
     Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
@@ -81,64 +81,61 @@ def candidate_depths(count: int, k: int, top_k: int, device) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _rank_kernel(scores_ptr, rank_ptr, C, s_c_b, BLOCK: tl.constexpr):
-        """One program per (row, block of candidates): each candidate's rank by (score descending,
-        index ascending), against every candidate of the row (one program doing a whole row's
-        C^2 compares took 72 µs at C = 510 on an H200; inside the finalize program for 128
-        candidates or fewer, a launch fewer, it timed the same as this launch: session 22)."""
+    def _rerank_kernel(scores_ptr, tokens_ptr, parents_ptr, anc_ptr, base_ptr, o_tokens_ptr, o_parents_ptr,
+                       o_depths_ptr, o_mask_ptr, o_positions_ptr, C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b,
+                       s_a_r, loop_tokens_ptr, loop_length_ptr, fed_ptr, fed_positions_ptr, s_lt_b, s_f_b, s_fp_b,
+                       BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, FEED: tl.constexpr):
+        """One (row, block of BLOCK_I candidates i): the kept candidates among them written as tree
+        nodes. Every program ranks all C candidates of its row (score descending, ties to the lower
+        index; C^2 compares, BLOCK_J columns at a time), so each knows every candidate's node (the
+        kept ones before it, counted in registers) with no scratch, barrier or second launch; all of
+        its loads are issued first, none waiting on another. (Until session 33 a rank launch, then
+        one finalize program a row that wrote nodes to scratch and read them back after a barrier:
+        3.6 and 5.1 µs a 6-10-60-4 tree step on an H200, BENCHMARKS.md session 30.)
+        FEED: also the verify step's input, as kernels/emit.py's `feed` writes it (its own launch
+        before): the row's last token (loop_tokens at loop_length - 1) and that position, then the
+        nodes' tokens and positions."""
         row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, BLOCK)
-        i = tl.program_id(1) * BLOCK + lanes
-        si = tl.load(scores_ptr + row * s_c_b + i, mask=i < C, other=0.0)
-        rank = tl.zeros([BLOCK], tl.int32)
-        for j0 in range(0, C, BLOCK):
-            j = j0 + lanes
-            sj = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
-            ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (j[None, :] < i[:, None]))
-            rank += tl.sum((ahead & (j[None, :] < C)).to(tl.int32), 1)
-        tl.store(rank_ptr + row * C + i, rank, mask=i < C)
-
-    @triton.jit
-    def _finalize_kernel(tokens_ptr, parents_ptr, anc_ptr, base_ptr, rank_ptr, node_ptr, kept_ptr,
-                         o_tokens_ptr, o_parents_ptr, o_depths_ptr, o_mask_ptr, o_positions_ptr,
-                         C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b, s_a_r, BLOCK: tl.constexpr):
-        """One program per row, in two passes over blocks of candidates, the second reading what
-        the first wrote (node_ptr, kept_ptr: [B,C] scratch), after `_rank_kernel` (rank_ptr)."""
-        row = tl.program_id(0).to(tl.int64)
-        lanes = tl.arange(0, BLOCK)
-        # 1. the kept candidates' nodes (how many kept come before: a running prefix count),
-        # their tokens, depths, positions
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] this program's candidates
+        c = tl.arange(0, BLOCK_C)  # [BLOCK_C] every candidate of the row
+        i_in, c_in = i < C, c < C
+        score = tl.load(scores_ptr + row * s_c_b + c, mask=c_in, other=0.0)
+        token = tl.load(tokens_ptr + row * s_c_b + i, mask=i_in, other=0)
+        parent = tl.load(parents_ptr + row * s_c_b + i, mask=i_in, other=-1)
+        sees = tl.load(anc_ptr + row * s_a_b + i[:, None] * s_a_r + c[None, :], mask=i_in[:, None] & c_in[None, :],
+                       other=0)  # [BLOCK_I, BLOCK_C]: each i's ancestor row
         base = tl.load(base_ptr + row) + BASE_OFFSET
-        before = 0
-        for i0 in range(0, C, BLOCK):
-            i = i0 + lanes
-            kept = (tl.load(rank_ptr + row * C + i, mask=i < C, other=N) < N) & (i < C)
-            kept_count = kept.to(tl.int32)
-            node = before + tl.cumsum(kept_count, 0) - kept_count
-            before += tl.sum(kept_count, 0)
-            depth = tl.where(i < FIRST, 1, 2 + (i - FIRST) // PER_DEPTH)
-            tl.store(node_ptr + row * C + i, node, mask=kept)
-            tl.store(kept_ptr + row * C + node, i, mask=kept)
-            tl.store(o_tokens_ptr + row * N + node, tl.load(tokens_ptr + row * s_c_b + i, mask=kept, other=0), mask=kept)
-            tl.store(o_depths_ptr + row * N + node, depth, mask=kept)
-            tl.store(o_positions_ptr + row * N + node, base + depth, mask=kept)
-        tl.debug_barrier()
-        # 2. parents as node indices, and the mask among the kept (every kept node's ancestors are kept)
-        for n0 in range(0, N, BLOCK):
-            n = n0 + lanes
-            # (clamped: every kept slot is written when the ranks are a permutation, as they are for
-            # scores without NaN; a read out of the row is never worth the risk)
-            cand = tl.minimum(tl.maximum(tl.load(kept_ptr + row * C + n, mask=n < N, other=0), 0), C - 1)
-            parent = tl.load(parents_ptr + row * s_c_b + cand, mask=n < N, other=-1)
-            parent = tl.where(parent < C, parent, -1)
-            parent_node = tl.load(node_ptr + row * C + parent, mask=(n < N) & (parent >= 0), other=-1)
-            tl.store(o_parents_ptr + row * N + n, tl.where(parent >= 0, parent_node, -1), mask=n < N)
-            for m0 in range(0, N, BLOCK):
-                mm = m0 + lanes
-                cand_m = tl.minimum(tl.maximum(tl.load(kept_ptr + row * C + mm, mask=mm < N, other=0), 0), C - 1)
-                both = (n[:, None] < N) & (mm[None, :] < N)
-                sees = tl.load(anc_ptr + row * s_a_b + cand[:, None] * s_a_r + cand_m[None, :], mask=both, other=0)
-                tl.store(o_mask_ptr + row * N * N + n[:, None] * N + mm[None, :], sees, mask=both)
+        rank = tl.zeros([BLOCK_C], tl.int32)
+        for j0 in range(0, C, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            s_j = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
+            ahead = (s_j[None, :] > score[:, None]) | ((s_j[None, :] == score[:, None]) & (j[None, :] < c[:, None]))
+            rank += tl.sum((ahead & (j < C)[None, :]).to(tl.int32), 1)
+        kept = c_in & (rank < N)  # N of them when the ranks are a permutation (no NaN score)
+        kept_count = kept.to(tl.int32)
+        node = tl.cumsum(kept_count, 0) - kept_count  # [BLOCK_C]: a kept candidate's node, in candidate order
+        is_i = c[None, :] == i[:, None]  # [BLOCK_I, BLOCK_C]: picks candidate i's entries from the row's
+        kept_i = tl.sum((is_i & kept[None, :]).to(tl.int32), 1) > 0
+        node_i = tl.sum(tl.where(is_i, node[None, :], 0), 1)
+        # a kept candidate's parent is kept (its score is at least the child's, its index lower)
+        parent_node = tl.sum(tl.where(c[None, :] == parent[:, None], node[None, :], 0), 1)
+        parent_node = tl.where((parent >= 0) & (parent < C), parent_node, -1)
+        depth = tl.where(i < FIRST, 1, 2 + (i - FIRST) // PER_DEPTH)
+        out = row * N + node_i
+        tl.store(o_tokens_ptr + out, token, mask=kept_i)
+        tl.store(o_parents_ptr + out, parent_node, mask=kept_i)
+        tl.store(o_depths_ptr + out, depth, mask=kept_i)
+        tl.store(o_positions_ptr + out, base + depth, mask=kept_i)
+        # node_i's mask row: the kept columns of its ancestor row, at their nodes (every one of the N written)
+        tl.store(o_mask_ptr + row * N * N + node_i[:, None] * N + node[None, :], sees,
+                 mask=kept_i[:, None] & kept[None, :])
+        if FEED:  # [B,N+1]: the root at column 0, node n at column 1 + n
+            tl.store(fed_ptr + row * s_f_b + 1 + node_i, tl.maximum(token, 0), mask=kept_i)
+            tl.store(fed_positions_ptr + row * s_fp_b + 1 + node_i, base + depth, mask=kept_i)
+            if tl.program_id(1) == 0:
+                root_at = tl.load(loop_length_ptr + row) - 1
+                tl.store(fed_ptr + row * s_f_b, tl.load(loop_tokens_ptr + row * s_lt_b + root_at))
+                tl.store(fed_positions_ptr + row * s_fp_b, root_at)
 
 
 if triton is not None:
@@ -201,6 +198,9 @@ if triton is not None:
         m = tl.arange(0, BLOCK_M)
         live = m < N_NEW
         score = tl.load(scores_ptr + b * s_c_b + OFF + m, mask=live, other=0.0)
+        # every child's token with the scores (picked below from registers: the embedding row's
+        # load then waits on one round trip to memory, not two)
+        child_token = tl.load(tokens_ptr + b * s_c_b + OFF + m, mask=live, other=0)
         ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
         rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
         mine = live & (rank == slot)
@@ -210,7 +210,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         inside = cols < H
         if half == 0:
-            token = tl.load(tokens_ptr + b * s_c_b + node)
+            token = tl.sum(tl.where(mine, child_token, 0), 0)
             tl.store(o_index_ptr + pid, node)
             tl.store(o_scores_ptr + pid, tl.sum(tl.where(mine, score, 0.0), 0))
             tl.store(o_tokens_ptr + pid, token)
@@ -232,8 +232,9 @@ if triton is not None:
 
 # Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
 # them at a tree step's shapes on a GPU.
-WARPS = {"merge_children": 4, "frontier": 4, "rank": 4, "finalize": 4}
-RANK_BLOCK = 64  # candidates a rank program ranks (each against every candidate of its row)
+WARPS = {"merge_children": 4, "frontier": 4, "rerank": 4}
+RERANK_ROWS = 32  # candidates a rerank program writes (each program ranks all of its row's); fewer for wide rows
+RERANK_COLUMNS = 32  # candidates ranked against at a time (BLOCK_J)
 
 
 def _check_candidates(cand: Candidates):
@@ -318,10 +319,12 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
-                    base_offset: int = 0):
+                    base_offset: int = 0, feed=None):
     """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree, node
     positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
-    and the mask [B,N,N] bool) when given."""
+    and the mask [B,N,N] bool) when given. feed: (tokens [B,S], length [B], fed [B,N+1],
+    fed_positions [B,N+1]), a loop's state and its verify step's input, which the launch also
+    writes (kernels/emit.py `feed(tokens, length, tree tokens, fed, fed_positions, tree positions)`)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -330,7 +333,6 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
     if not 0 < N <= C:
         raise ValueError(f"total_tokens={N} needs 1..{C} (the candidates drafted)")
     dev = cand.tokens.device
-    scratch = [torch.empty(B, C, dtype=torch.int32, device=dev) for _ in range(3)]
     if out is None:
         tokens, parents, depths, positions = (torch.empty(B, N, dtype=torch.long, device=dev) for _ in range(4))
         mask = torch.empty(B, N, N, dtype=torch.bool, device=dev)
@@ -341,13 +343,27 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
                 raise ValueError(f"finalize: out {name} {tuple(t.shape)} {t.dtype}, need [{B},{N}] int64, contiguous")
         if mask.shape != (B, N, N) or mask.dtype != torch.bool or not mask.is_contiguous():
             raise ValueError(f"finalize: out mask {tuple(mask.shape)} {mask.dtype}, need [{B},{N},{N}] bool, contiguous")
+    if feed is not None:
+        loop_tokens, loop_length, fed, fed_positions = feed
+        if fed.shape != (B, N + 1) or fed_positions.shape != (B, N + 1) or loop_tokens.shape[0] != B or \
+                loop_length.shape != (B,) or any(t.dtype != torch.long for t in feed) or not loop_length.is_contiguous() \
+                or any(t.stride(-1) != 1 for t in (loop_tokens, fed, fed_positions)):
+            raise ValueError(f"finalize: feed tokens {tuple(loop_tokens.shape)}, length {tuple(loop_length.shape)}, fed "
+                             f"{tuple(fed.shape)} / {tuple(fed_positions.shape)}: need int64 [{B},S], [{B}], "
+                             f"[{B},{N + 1}] x 2 with unit steps")
+    else:
+        loop_tokens = loop_length = fed = fed_positions = tokens  # (not read)
     if B:
-        block = min(RANK_BLOCK, triton.next_power_of_2(C))
-        _rank_kernel[(B, triton.cdiv(C, block))](cand.scores, scratch[0], C, cand.scores.stride(0), BLOCK=block,
-                                                 num_warps=WARPS["rank"])
-        _finalize_kernel[(B,)](cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
-                               base_positions.contiguous(), *scratch, tokens, parents, depths, mask.view(torch.uint8),
-                               positions, C, N, top_k, top_k * k, base_offset, cand.tokens.stride(0),
-                               cand.ancestors.stride(0),
-                               cand.ancestors.stride(1), BLOCK=block, num_warps=WARPS["finalize"])
+        block_c = triton.next_power_of_2(C)
+        block_i = max(1, min(RERANK_ROWS, 8192 // block_c, block_c))  # a [BLOCK_I, BLOCK_C] tile of at most 8,192
+        _rerank_kernel[(B, triton.cdiv(C, block_i))](cand.scores, cand.tokens, cand.parents,
+                                                     cand.ancestors.view(torch.uint8), base_positions.contiguous(),
+                                                     tokens, parents, depths, mask.view(torch.uint8), positions, C, N,
+                                                     top_k, top_k * k, base_offset, cand.tokens.stride(0),
+                                                     cand.ancestors.stride(0), cand.ancestors.stride(1),
+                                                     loop_tokens, loop_length, fed, fed_positions,
+                                                     loop_tokens.stride(0), fed.stride(0), fed_positions.stride(0),
+                                                     BLOCK_C=block_c, BLOCK_I=block_i,
+                                                     BLOCK_J=min(RERANK_COLUMNS, block_c), FEED=feed is not None,
+                                                     num_warps=WARPS["rerank"])
     return tokens, parents, depths, mask, positions

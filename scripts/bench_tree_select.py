@@ -27,23 +27,23 @@ import kernels.tree_select as select
 from inference.tree_decoding import tree_candidate_count
 from kernels.tree_select import Candidates, expand_children_triton, finalize_triton, frontier_norm_pair_triton
 
-KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rank"): (2, 4, 8),
-         ("warps", "finalize"): (2, 4, 8), ("rank_block", None): (32, 64, 128), ("topk_warps", None): (2, 4, 8)}
+KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rerank"): (2, 4, 8),
+         ("rerank_rows", None): (16, 32, 64), ("topk_warps", None): (2, 4, 8)}
 
 
 def set_knob(knob, value):
     kind, name = knob
     if kind == "warps":
         select.WARPS[name] = value
-    elif kind == "rank_block":
-        select.RANK_BLOCK = value
+    elif kind == "rerank_rows":
+        select.RERANK_ROWS = value
     else:
         head.TOPK_WARPS = value
 
 
 def get_knob(knob):
     kind, name = knob
-    return select.WARPS[name] if kind == "warps" else select.RANK_BLOCK if kind == "rank_block" else head.TOPK_WARPS
+    return select.WARPS[name] if kind == "warps" else select.RERANK_ROWS if kind == "rerank_rows" else head.TOPK_WARPS
 
 
 def selection(depth, top_k, total, children, weights, hiddens):

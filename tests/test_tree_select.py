@@ -69,18 +69,48 @@ def test_finalize_matches_its_reference(B, depth, top_k, Vd, children):
             assert (want.depths == 1 + (want.parents >= 0).long() * want.depths.gather(1, want.parents.clamp_min(0))).all()
 
 
-def test_finalize_over_many_candidates_crosses_its_blocks():
-    """More candidates than one block of lanes (64): ranks, node numbers and the mask are
-    counted across blocks."""
+@pytest.mark.parametrize("depth,top_k,children,count", [(3, 6, None, 78), (5, 8, 8, 264)])
+def test_finalize_over_many_candidates_crosses_its_blocks(depth, top_k, children, count):
+    """More candidates than one program writes (32, and 16 past 256 candidates) and than one
+    block of columns ranked at a time (32): ranks, node numbers and the mask are counted across
+    programs and blocks."""
     dev = kernel_device()
     g = torch.Generator().manual_seed(5)
-    cand, _, last = _draft(expand_level_reference, 2, 3, 6, 30, g, "cpu")  # 6 + 2 x 36 = 78 candidates
-    assert cand.tokens.shape[1] == 78
-    for total in (40, 71, 78):
-        want = finalize_reference(cand, 6, 6, total, last + 1)
-        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev)))
+    k = top_k if children is None else children
+    cand, _, last = _draft(expand_level_reference, 2, depth, top_k, 30, g, "cpu", children)
+    assert cand.tokens.shape[1] == count
+    for total in (40, count - 7, count):
+        want = finalize_reference(cand, k, top_k, total, last + 1)
+        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), k, top_k, total, (last + 1).to(dev)))
         for name, w, o in zip(want._fields, want, got):
             assert torch.equal(o.cpu(), w), (name, total)
+
+
+@pytest.mark.parametrize("B,depth,top_k,children,total", [(2, 4, 4, 2, 19), (3, 3, 6, None, 78)])
+def test_finalize_writes_the_verify_input_as_feed_does(B, depth, top_k, children, total):
+    """The rerank's launch also writes the verify step's input (a loop's root token and position,
+    then the nodes'): what kernels/emit.py's `feed` writes from the reference tree, every column
+    (the buffers start as junk)."""
+    from kernels.emit import feed_reference
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(3)
+    k = top_k if children is None else children
+    cand, _, last = _draft(expand_level_reference, B, depth, top_k, 30, g, "cpu", children)
+    tree = finalize_reference(cand, k, top_k, total, last + 1)
+    loop_tokens = torch.randint(0, 100, (B, 64), generator=g)
+    length = last + 2  # the root (the row's last token) sits at position last + 1
+    want_fed, want_positions = torch.full((B, total + 1), -7), torch.full((B, total + 1), -7)
+    feed_reference(loop_tokens, length, tree.tokens, want_fed, want_positions, tree.positions)
+    fed, positions = torch.full((B, total + 1), -7, device=dev), torch.full((B, total + 1), -7, device=dev)
+    got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), k, top_k, total, last.to(dev), base_offset=1,
+                                feed=(loop_tokens.to(dev), length.to(dev), fed, positions)))
+    assert torch.equal(got.tokens.cpu(), tree.tokens)
+    assert torch.equal(fed.cpu(), want_fed) and torch.equal(positions.cpu(), want_positions)
+    assert torch.equal(want_fed[:, 0], loop_tokens.gather(1, (length - 1)[:, None])[:, 0])
+    with pytest.raises(ValueError, match="feed"):
+        finalize_triton(Candidates(*(t.to(dev) for t in cand)), k, top_k, total, last.to(dev),
+                        feed=(loop_tokens.to(dev), length.to(dev), fed[:, 1:], positions))
 
 
 def test_finalize_refuses_more_nodes_than_candidates():
