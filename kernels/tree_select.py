@@ -233,8 +233,14 @@ if triton is not None:
 # Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
 # them at a tree step's shapes on a GPU.
 WARPS = {"merge_children": 4, "frontier": 4, "rerank": 4}
-RERANK_ROWS = 32  # candidates a rerank program writes (each program ranks all of its row's); fewer for wide rows
-RERANK_COLUMNS = 32  # candidates ranked against at a time (BLOCK_J)
+# Candidates a rerank program writes (each ranks all of its row's), and ranked against at a time,
+# fewer past 256 candidates: every [BLOCK_I or BLOCK_J, BLOCK_C] tile holds at most RERANK_TILE.
+# Chosen without a GPU by what ptxas reports for sm_90 (scripts/kernel_registers.py): 16 and 16
+# take 173 registers a thread at 256 candidates, no spills (32 and 32: 255 and spills; 4,096 a
+# tile keeps every width to 2,048 candidates spill-free). Not timed yet.
+RERANK_ROWS = 16
+RERANK_COLUMNS = 16
+RERANK_TILE = 4096
 
 
 def _check_candidates(cand: Candidates):
@@ -355,7 +361,8 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         loop_tokens = loop_length = fed = fed_positions = tokens  # (not read)
     if B:
         block_c = triton.next_power_of_2(C)
-        block_i = max(1, min(RERANK_ROWS, 8192 // block_c, block_c))  # a [BLOCK_I, BLOCK_C] tile of at most 8,192
+        block_i = max(1, min(RERANK_ROWS, RERANK_TILE // block_c))
+        block_j = max(1, min(RERANK_COLUMNS, RERANK_TILE // block_c))
         _rerank_kernel[(B, triton.cdiv(C, block_i))](cand.scores, cand.tokens, cand.parents,
                                                      cand.ancestors.view(torch.uint8), base_positions.contiguous(),
                                                      tokens, parents, depths, mask.view(torch.uint8), positions, C, N,
@@ -364,6 +371,6 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
                                                      loop_tokens, loop_length, fed, fed_positions,
                                                      loop_tokens.stride(0), fed.stride(0), fed_positions.stride(0),
                                                      BLOCK_C=block_c, BLOCK_I=block_i,
-                                                     BLOCK_J=min(RERANK_COLUMNS, block_c), FEED=feed is not None,
+                                                     BLOCK_J=block_j, FEED=feed is not None,
                                                      num_warps=WARPS["rerank"])
     return tokens, parents, depths, mask, positions

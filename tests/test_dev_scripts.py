@@ -1,8 +1,13 @@
 """The measurement scripts the device sessions run: scripts/compare_exports.py (issue 22's
 plain-against-FSDP check), scripts/trace_kernels.py (a profiler trace kernel by kernel) and the
-others below (bench_gemm.py's Triton tiles, acceptance by offset, the tree sweep, train_ab.sh)."""
+others below (bench_gemm.py's Triton tiles, acceptance by offset, the tree sweep, train_ab.sh,
+kernel_registers.py's compile for an H200 without one)."""
 import gzip
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -130,3 +135,17 @@ def test_bench_gemm_triton_tiles_compute_the_linear():
         skinny(x, w, out, 16, 64, 4, 2)
         tol = 1e-4 if dev == "cpu" else 2e-2  # (a GPU's float32 tl.dot multiplies in TF32)
         torch.testing.assert_close(out, F.linear(x, w), rtol=tol, atol=tol)
+
+
+def test_kernel_registers_compiles_the_tree_kernels_for_an_h200_without_spills():
+    """scripts/kernel_registers.py compiles for sm_90 with Triton's own ptxas (no GPU needed):
+    the tree step's bookkeeping and rerank kernels at the runtime's settings fit their registers."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    res = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--kernel", "tree_accept", "--kernel", "rerank",
+                          "--standing", "--json"], cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [r["kernel"] for r in rows] == ["tree_accept", "rerank"]
+    for r in rows:
+        assert 0 < r["registers"] <= 255 and r["stack"] == 0, r

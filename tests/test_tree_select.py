@@ -71,9 +71,8 @@ def test_finalize_matches_its_reference(B, depth, top_k, Vd, children):
 
 @pytest.mark.parametrize("depth,top_k,children,count", [(3, 6, None, 78), (5, 8, 8, 264)])
 def test_finalize_over_many_candidates_crosses_its_blocks(depth, top_k, children, count):
-    """More candidates than one program writes (32, and 16 past 256 candidates) and than one
-    block of columns ranked at a time (32): ranks, node numbers and the mask are counted across
-    programs and blocks."""
+    """More candidates than one program writes and ranks against at a time (16 each, 8 past 256
+    candidates): ranks, node numbers and the mask are counted across programs and blocks."""
     dev = kernel_device()
     g = torch.Generator().manual_seed(5)
     k = top_k if children is None else children
