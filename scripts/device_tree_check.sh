@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 20's whole measurement in one device call (draft trees against chains on the H200), on a
+# machine where `bash scripts/device_session.sh part1` (carry .whl .dev1) has just run: carry .whl
+# and .dev7 (session 29's EAGLE-3 export and the target's second half), and .ab (`mkdir -p .ab/old
+# && git archive COMMIT | tar -x -C .ab/old`, without its tests and docs: 64 MiB in all) for the
+# side-by-side step times. About 450 s:
+#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's)
+# 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
+#    (-m gpu); a failure stops the call there (no bench of broken kernels);
+# 2. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
+#    checkout against this one and the older again (scripts/ab_profile.sh: ms a step, draft / verify);
+# 3. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py).
+# Writes $OUT/tree-check.log, $OUT/ab/NAME/profile_spec.json and $OUT/bench.json.
+set -uo pipefail
+bash scripts/device_session.sh unpack
+source scripts/device_setup.sh
+set +e
+export DRAFTSMITH_TREES_GRAPHED=1
+log=$OUT/tree-check.log
+date -u +'start %H:%M:%S' | tee $log
+python3 -m pytest -q -p no:cacheprovider tests/test_tree_select.py tests/test_tree_accept.py tests/test_tree_attention.py \
+  tests/test_lm_head_topk.py > /tmp/tree-kernels.log 2>&1
+kernels=$?
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tree_decoding.py tests/test_spec_loop.py > /tmp/tree-gpu.log 2>&1
+loops=$?
+tail -n 3 /tmp/tree-kernels.log /tmp/tree-gpu.log | tee -a $log
+if [ $kernels != 0 ] || [ $loops != 0 ]; then
+  grep -a "FAILED\|Error" /tmp/tree-kernels.log /tmp/tree-gpu.log | head -20 | tee -a $log
+  echo "tests failed: no A/B, no bench" | tee -a $log
+  exit 1
+fi
+if [ -d .ab/old ]; then
+  date -u +'A/B %H:%M:%S' | tee -a $log
+  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= old2=@.ab/old 2>&1 | tee -a $log
+fi
+date -u +'bench %H:%M:%S' | tee -a $log
+python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 6 --drafter /tmp/run-eagle3/export --batch-size 1 \
+  --hf-prompts 1 $(for t in ${TREES:-6,10,60,4}; do echo --tree $t; done) --out /tmp/bench-check 2>&1 \
+  | grep -a -v -i "warn\|Loading weights" | tail -30 | tee -a $log
+cp /tmp/bench-check/bench.json $OUT/ 2> /dev/null
+date -u +'end %H:%M:%S' | tee -a $log
