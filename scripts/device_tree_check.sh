@@ -4,7 +4,7 @@
 # and .dev7 (session 29's EAGLE-3 export and the target's second half), and .ab (`mkdir -p .ab/old
 # && git archive COMMIT | tar -x -C .ab/old`, without its tests and docs: 64 MiB in all) for the
 # side-by-side step times. About 450 s:
-#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's)
+#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA
 # 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
 # 2. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
@@ -31,7 +31,12 @@ if [ $kernels != 0 ] || [ $loops != 0 ]; then
 fi
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
-  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= old2=@.ab/old 2>&1 | tee -a $log
+  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each), e.g.
+  # AB_EXTRA='bv64=import kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
+  extra=()
+  [ -n "${AB_EXTRA:-}" ] && mapfile -t extra <<< "$AB_EXTRA"
+  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= "${extra[@]}" old2=@.ab/old 2>&1 \
+    | tee -a $log
 fi
 date -u +'bench %H:%M:%S' | tee -a $log
 python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 6 --drafter /tmp/run-eagle3/export --batch-size 1 \
