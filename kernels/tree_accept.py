@@ -91,9 +91,11 @@ if triton is not None:
             column = tl.load(cidx_ptr + at, mask=in_out[:, None] & s_ok[None, :], other=0)
             m = tl.max(best, 1)
             first = tl.min(tl.where(s_ok[None, :] & (best == m[:, None]), s[None, :], BLOCK_S), 1)
-            choice = tl.sum(tl.where(s[None, :] == first[:, None], column, 0), 1)  # [BLOCK_O]
+            choice = tl.sum(tl.where(s[None, :] == first[:, None], column.to(tl.int32), 0), 1)  # [BLOCK_O]
         else:
-            choice = tl.load(choice_ptr + row * stride_c + o, mask=in_out, other=-1)
+            choice = tl.load(choice_ptr + row * stride_c + o, mask=in_out, other=-1).to(tl.int32)
+        # (token ids in 32 bits: the [BLOCK_N, BLOCK_O] picks below in int64 spilled registers on
+        # sm_90 at 64 nodes, where BLOCK_O is twice BLOCK_N)
         # node i matches when its token is the target's choice after its parent (output parent + 1)
         after_parent = tl.sum(tl.where(o[None, :] == parent[:, None] + 1, choice[None, :], 0), 1)  # [BLOCK_N]
         match = (token == after_parent) & (token >= 0) & in_tree

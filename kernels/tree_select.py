@@ -105,15 +105,21 @@ if triton is not None:
         sees = tl.load(anc_ptr + row * s_a_b + i[:, None] * s_a_r + c[None, :], mask=i_in[:, None] & c_in[None, :],
                        other=0)  # [BLOCK_I, BLOCK_C]: each i's ancestor row
         base = tl.load(base_ptr + row) + BASE_OFFSET
-        rank = tl.zeros([BLOCK_C], tl.int32)
+        # [BLOCK_C, BLOCK_J] counts summed once after the loop (a sum a block made each block's
+        # [BLOCK_C] result change layout through shared memory, with barriers, every block)
+        ahead_count = tl.zeros([BLOCK_C, BLOCK_J], tl.int32)
         for j0 in range(0, C, BLOCK_J):
             j = j0 + tl.arange(0, BLOCK_J)
             s_j = tl.load(scores_ptr + row * s_c_b + j, mask=j < C, other=0.0)
             ahead = (s_j[None, :] > score[:, None]) | ((s_j[None, :] == score[:, None]) & (j[None, :] < c[:, None]))
-            rank += tl.sum((ahead & (j < C)[None, :]).to(tl.int32), 1)
+            ahead_count += (ahead & (j < C)[None, :]).to(tl.int32)
+        rank = tl.sum(ahead_count, 1)
         kept = c_in & (rank < N)  # N of them when the ranks are a permutation (no NaN score)
         kept_count = kept.to(tl.int32)
         node = tl.cumsum(kept_count, 0) - kept_count  # [BLOCK_C]: a kept candidate's node, in candidate order
+        # (a NaN score ranks behind nothing and keeps more than N: nodes past N are never written,
+        # so no store leaves the row's outputs; no drafter gives one, its merge maps NaN to -inf)
+        kept = kept & (node < N)
         is_i = c[None, :] == i[:, None]  # [BLOCK_I, BLOCK_C]: picks candidate i's entries from the row's
         kept_i = tl.sum((is_i & kept[None, :]).to(tl.int32), 1) > 0
         node_i = tl.sum(tl.where(is_i, node[None, :], 0), 1)
@@ -232,15 +238,16 @@ if triton is not None:
 
 # Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
 # them at a tree step's shapes on a GPU.
-WARPS = {"merge_children": 4, "frontier": 4, "rerank": 4}
+WARPS = {"merge_children": 4, "frontier": 4, "rerank": 8}
 # Candidates a rerank program writes (each ranks all of its row's), and ranked against at a time,
 # fewer past 256 candidates: every [BLOCK_I or BLOCK_J, BLOCK_C] tile holds at most RERANK_TILE.
-# Chosen without a GPU by what ptxas reports for sm_90 (scripts/kernel_registers.py): 16 and 16
-# take 173 registers a thread at 256 candidates, no spills (32 and 32: 255 and spills; 4,096 a
-# tile keeps every width to 2,048 candidates spill-free). Not timed yet.
+# Chosen in session 33 without a GPU, by the SASS ptxas makes for sm_90 (scripts/kernel_registers.py):
+# the C^2 compares are most of the kernel's instructions, so 8 warps share them (214 registers a
+# thread at 256 candidates; 16 columns and 4 warps 230; 32 and 4 spill), and no width to 2,048
+# candidates spills. Not timed yet: scripts/bench_tree_select.py times the knobs on a GPU.
 RERANK_ROWS = 16
-RERANK_COLUMNS = 16
-RERANK_TILE = 4096
+RERANK_COLUMNS = 32
+RERANK_TILE = 8192
 
 
 def _check_candidates(cand: Candidates):

@@ -27,8 +27,8 @@ import kernels.tree_select as select
 from inference.tree_decoding import tree_candidate_count
 from kernels.tree_select import Candidates, expand_children_triton, finalize_triton, frontier_norm_pair_triton
 
-KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rerank"): (2, 4, 8),
-         ("rerank_rows", None): (16, 32, 64), ("topk_warps", None): (2, 4, 8)}
+KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rerank"): (4, 8, 16),
+         ("rerank_rows", None): (8, 16, 32), ("rerank_columns", None): (8, 16, 32), ("topk_warps", None): (2, 4, 8)}
 
 
 def set_knob(knob, value):
@@ -37,13 +37,19 @@ def set_knob(knob, value):
         select.WARPS[name] = value
     elif kind == "rerank_rows":
         select.RERANK_ROWS = value
+    elif kind == "rerank_columns":
+        select.RERANK_COLUMNS = value
     else:
         head.TOPK_WARPS = value
 
 
 def get_knob(knob):
     kind, name = knob
-    return select.WARPS[name] if kind == "warps" else select.RERANK_ROWS if kind == "rerank_rows" else head.TOPK_WARPS
+    if kind == "warps":
+        return select.WARPS[name]
+    if kind in ("rerank_rows", "rerank_columns"):
+        return select.RERANK_ROWS if kind == "rerank_rows" else select.RERANK_COLUMNS
+    return head.TOPK_WARPS
 
 
 def selection(depth, top_k, total, children, weights, hiddens):

@@ -46,14 +46,18 @@ def _kernels():
     import kernels.tree_select as select
 
     # the first setting of each: the runtime's own (its module's constants), then alternatives
-    rows = min(select.RERANK_ROWS, select.RERANK_TILE // 256)
+    def standing(c):  # the rerank's tiles at c candidates (a power of two), as finalize_triton picks them
+        return (c, max(1, min(select.RERANK_ROWS, select.RERANK_TILE // c)),
+                max(1, min(select.RERANK_COLUMNS, select.RERANK_TILE // c)), select.WARPS["rerank"])
+
     rerank = [(f"{c} candidates, {i} rows / {j} columns a tile, {w} warps",
                dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True), w)
-              for c, i, j, w in ((256, rows, min(select.RERANK_COLUMNS, select.RERANK_TILE // 256),
-                                  select.WARPS["rerank"]), (256, 16, 16, 8), (256, 32, 32, 4), (256, 32, 32, 8),
-                                 (512, 8, 8, 4), (1024, 4, 4, 4))]
-    accept = [(f"{w} warps", dict(BLOCK_N=64, BLOCK_O=64, BLOCK_D=8, FROM_CHUNKS=True, BLOCK_S=32, EMIT=True,
-                                  HAS_ACTIVE_OUT=True), w) for w in (4, 8)]
+              for c, i, j, w in (standing(256), (256, 16, 16, 4), (256, 16, 32, 4), (256, 32, 32, 8), standing(512),
+                                 standing(1024), standing(2048))]
+    # 60 nodes: 64 lanes for the nodes and for their 61 outputs; 64 nodes: 128 for the 65 outputs
+    accept = [(f"{n} nodes, {w} warps", dict(BLOCK_N=64, BLOCK_O=64 if n < 64 else 128, BLOCK_D=8, FROM_CHUNKS=True,
+                                             BLOCK_S=32, EMIT=True, HAS_ACTIVE_OUT=True), w)
+              for n, w in ((60, 4), (60, 8), (64, 4))]
     frontier = [(f"{select.WARPS['frontier']} warps", dict(BLOCK_M=64, BLOCK_C=256, BLOCK=1024), select.WARPS["frontier"])]
     return {"rerank": (_rerank_kernel, rerank_types, rerank),
             "tree_accept": (_tree_accept_kernel, accept_types, accept),

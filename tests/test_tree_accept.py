@@ -10,7 +10,8 @@ from tests.conftest import kernel_device
 from tests.test_tree import random_parents
 
 
-@pytest.mark.parametrize("B,N,D", [(1, 1, 1), (3, 5, 5), (2, 24, 4), (4, 37, 6), (2, 13, 13)])
+# (2, 63, 6) and (1, 64, 6): the verify's outputs (N + 1) fill 64 lanes, and need 128
+@pytest.mark.parametrize("B,N,D", [(1, 1, 1), (3, 5, 5), (2, 24, 4), (4, 37, 6), (2, 13, 13), (2, 63, 6), (1, 64, 6)])
 def test_tree_accept_matches_reference(B, N, D):
     dev = kernel_device()
     g = torch.Generator().manual_seed(B * 100 + N)
@@ -81,7 +82,7 @@ def test_move_entries_kernel_matches_reference(dtype, lead, B, nkv, N, D, d):
     assert not torch.equal(want_k, k)  # the case moved something
 
 
-@pytest.mark.parametrize("B,N,D", [(1, 5, 4), (3, 24, 4), (2, 40, 5)])
+@pytest.mark.parametrize("B,N,D", [(1, 5, 4), (3, 24, 4), (2, 40, 5), (2, 64, 6)])
 def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, N, D):
     """The verify step's greedy tail in one launch: the target's choices given as its logits'
     argmax chunks (kernels/argmax.py, merged inside the kernel) and the step emitted by the same
@@ -94,7 +95,7 @@ def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, 
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(7 * N + B)
-    V, S, eos, budget = 5000, 64, 4, 40
+    V, S, eos, budget = 5000, max(64, N + 16), 4, 40
     accepted_somewhere = 0
     for case in range(4):
         parents = random_parents(B, N, g)

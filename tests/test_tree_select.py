@@ -112,6 +112,30 @@ def test_finalize_writes_the_verify_input_as_feed_does(B, depth, top_k, children
                         feed=(loop_tokens.to(dev), length.to(dev), fed[:, 1:], positions))
 
 
+def test_a_nan_score_writes_nothing_outside_the_rows_outputs():
+    """A NaN score ranks behind nothing, so more than N candidates would count as kept (no drafter
+    gives one: its merge maps NaN to -inf). The rerank still writes only inside each row's N
+    nodes and N + 1 fed columns: guards around every output stay as they were."""
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(11)
+    cand, _, last = _draft(expand_level_reference, 2, 3, 3, 20, g, "cpu")
+    cand.scores[1, 3] = float("nan")
+    B, C = cand.tokens.shape
+    N = 4
+    guard = -7
+    longs = [torch.full((B + 1, N), guard, device=dev) for _ in range(4)]  # a row of guard past the last
+    mask = torch.zeros(B + 1, N, N, dtype=torch.bool, device=dev)
+    mask[B] = True
+    fed, fed_positions = (torch.full((B + 1, N + 1), guard, device=dev) for _ in range(2))
+    loop_tokens = torch.randint(0, 9, (B, 32), generator=g).to(dev)
+    out = (longs[0][:B], longs[1][:B], longs[2][:B], mask[:B], longs[3][:B])
+    finalize_triton(Candidates(*(t.to(dev) for t in cand)), 3, 3, N, last.to(dev), out=out,
+                    feed=(loop_tokens, (last + 2).to(dev), fed[:B], fed_positions[:B]))
+    for t in (*longs, fed, fed_positions):
+        assert (t[B] == guard).all()
+    assert mask[B].all()
+
+
 def test_finalize_refuses_more_nodes_than_candidates():
     cand = Candidates.empty(1, 4, "cpu")
     with pytest.raises(ValueError, match="total_tokens=5"):
