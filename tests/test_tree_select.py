@@ -69,18 +69,22 @@ def test_finalize_matches_its_reference(B, depth, top_k, Vd, children):
             assert (want.depths == 1 + (want.parents >= 0).long() * want.depths.gather(1, want.parents.clamp_min(0))).all()
 
 
-@pytest.mark.parametrize("depth,top_k,children,count", [(3, 6, None, 78), (5, 8, 8, 264)])
-def test_finalize_over_many_candidates_crosses_its_blocks(depth, top_k, children, count):
-    """More candidates than one program writes and ranks against at a time (16 each, 8 past 256
-    candidates): ranks, node numbers and the mask are counted across programs and blocks."""
+@pytest.mark.parametrize("tile", [None, 1024])
+def test_finalize_over_many_candidates_crosses_its_blocks(tile, monkeypatch):
+    """More candidates than one program writes and ranks against at a time (16 and 32; 8 and 8
+    where a tile holds 1,024, as for a row of 1,024 candidates by default): ranks, node numbers
+    and the mask are counted across programs and blocks."""
+    import kernels.tree_select as select
+
+    if tile is not None:
+        monkeypatch.setattr(select, "RERANK_TILE", tile)
     dev = kernel_device()
     g = torch.Generator().manual_seed(5)
-    k = top_k if children is None else children
-    cand, _, last = _draft(expand_level_reference, 2, depth, top_k, 30, g, "cpu", children)
-    assert cand.tokens.shape[1] == count
-    for total in (40, count - 7, count):
-        want = finalize_reference(cand, k, top_k, total, last + 1)
-        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), k, top_k, total, (last + 1).to(dev)))
+    cand, _, last = _draft(expand_level_reference, 2, 3, 6, 30, g, "cpu")  # 6 + 2 x 36 = 78 candidates
+    assert cand.tokens.shape[1] == 78
+    for total in (40, 71, 78):
+        want = finalize_reference(cand, 6, 6, total, last + 1)
+        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev)))
         for name, w, o in zip(want._fields, want, got):
             assert torch.equal(o.cpu(), w), (name, total)
 
