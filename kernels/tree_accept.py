@@ -67,9 +67,9 @@ if triton is not None:
         chunks' (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the
         columns), merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted
         into the loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
-        Every load is issued first, none waiting on another: all N + 1 choices are merged from
-        their chunks, and a node's choice after its parent, the path's tokens and the bonus are
-        picked from registers. (Until session 33 they were loaded as each became known: four
+        The row's data is loaded first, no load waiting on another's value: all N + 1 choices are
+        merged from their chunks, and a node's choice after its parent, the path's tokens and the
+        bonus are picked from registers. (Until session 33 they were loaded as each became known: four
         round trips to memory one after another, 8.2 µs a call on an H200.)"""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)

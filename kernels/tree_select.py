@@ -88,10 +88,10 @@ if triton is not None:
         """One (row, block of BLOCK_I candidates i): the kept candidates among them written as tree
         nodes. Every program ranks all C candidates of its row (score descending, ties to the lower
         index; C^2 compares, BLOCK_J columns at a time), so each knows every candidate's node (the
-        kept ones before it, counted in registers) with no scratch, barrier or second launch; all of
-        its loads are issued first, none waiting on another. (Until session 33 a rank launch, then
-        one finalize program a row that wrote nodes to scratch and read them back after a barrier:
-        3.6 and 5.1 µs a 6-10-60-4 tree step on an H200, BENCHMARKS.md session 30.)
+        kept ones before it, counted in registers) with no scratch, barrier or second launch; the
+        row's data is loaded first, no load waiting on another's value. (Until session 33 a rank
+        launch, then one finalize program a row that wrote nodes to scratch and read them back
+        after a barrier: 3.6 and 5.1 µs a 6-10-60-4 tree step on an H200, BENCHMARKS.md session 30.)
         FEED: also the verify step's input, as kernels/emit.py's `feed` writes it (its own launch
         before): the row's last token (loop_tokens at loop_length - 1) and that position, then the
         nodes' tokens and positions."""
@@ -117,8 +117,9 @@ if triton is not None:
         kept = c_in & (rank < N)  # N of them when the ranks are a permutation (no NaN score)
         kept_count = kept.to(tl.int32)
         node = tl.cumsum(kept_count, 0) - kept_count  # [BLOCK_C]: a kept candidate's node, in candidate order
-        # (a NaN score ranks behind nothing and keeps more than N: nodes past N are never written,
-        # so no store leaves the row's outputs; no drafter gives one, its merge maps NaN to -inf)
+        # (a NaN score has nothing ahead of it and is ahead of nothing, so more than N would be kept:
+        # nodes past N are dropped and no store leaves the row's outputs; no drafter gives one, its
+        # merge maps NaN to -inf)
         kept = kept & (node < N)
         is_i = c[None, :] == i[:, None]  # [BLOCK_I, BLOCK_C]: picks candidate i's entries from the row's
         kept_i = tl.sum((is_i & kept[None, :]).to(tl.int32), 1) > 0
