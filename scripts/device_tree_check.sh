@@ -3,14 +3,15 @@
 # machine where `bash scripts/device_session.sh part1` (carry .whl .dev1) has just run: carry .whl
 # and .dev7 (session 29's EAGLE-3 export and the target's second half), and .ab (`mkdir -p .ab/old
 # && git archive COMMIT | tar -x -C .ab/old`, without its tests and docs: 64 MiB in all) for the
-# side-by-side step times. About 450 s:
+# side-by-side step times. About 500 s:
 #   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA
 # 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
-# 2. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
+# 2. the selection's launch settings timed alone (scripts/bench_tree_select.py: warps, rerank tiles);
+# 3. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
 #    checkout against this one and the older again (scripts/ab_profile.sh: ms a step, draft / verify);
-# 3. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py).
-# Writes $OUT/tree-check.log, $OUT/ab/NAME/profile_spec.json and $OUT/bench.json.
+# 4. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py).
+# Writes $OUT/tree-check.log, $OUT/bench_tree_select.json, $OUT/ab/NAME/profile_spec.json and $OUT/bench.json.
 set -uo pipefail
 bash scripts/device_session.sh unpack
 source scripts/device_setup.sh
@@ -29,6 +30,8 @@ if [ $kernels != 0 ] || [ $loops != 0 ]; then
   echo "tests failed: no A/B, no bench" | tee -a $log
   exit 1
 fi
+date -u +'selection knobs %H:%M:%S' | tee -a $log
+python3 scripts/bench_tree_select.py --out $OUT 2>&1 | grep -a -v -i warn | tail -16 | tee -a $log
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
   # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each), e.g.
