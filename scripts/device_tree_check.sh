@@ -34,7 +34,7 @@ date -u +'selection knobs %H:%M:%S' | tee -a $log
 python3 scripts/bench_tree_select.py --out $OUT 2>&1 | grep -a -v -i warn | tail -16 | tee -a $log
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
-  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each), e.g.
+  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; at most two: a call brings back 8 files), e.g.
   # AB_EXTRA='bv64=import kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
   extra=()
   [ -n "${AB_EXTRA:-}" ] && mapfile -t extra <<< "$AB_EXTRA"
