@@ -10,7 +10,8 @@ batching may flip near-ties). --tree DEPTH,TOPK,NODES (repeatable) adds EAGLE-2 
 each EAGLE-3 drafter; of the trees swept, the fastest on this target and device is printed and
 kept in bench.json (`best_tree`) beside the same drafter's chain at that depth (else its
 fastest chain): tok/s, tau and the tokens verified per step of each. Writes bench.json and
-bench.png to --out.
+bench.png to --out. --repeats R times the runtime's rows R times, each pass every row in turn, and
+keeps each row's median pass (a ratio between rows is then less one process's luck).
 
     python -m inference.bench --target smollm2-135m-instruct --dataset mt-bench --num-prompts 20 \
         --max-new-tokens 256 [--drafter runs/eagle3/export runs/dflash/export ...] [-k 4 7] \
@@ -121,7 +122,7 @@ def _best_tree_line(best: dict) -> str:
 
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
-              trees: list[tuple[int, int, int]] = ()) -> dict:
+              trees: list[tuple[int, int, int]] = (), repeats: int = 1) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -255,16 +256,33 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         prompts[:] = saved[: batch_size if name.endswith(f"batch {batch_size}") else 1]
         fn()
         prompts[:] = saved
+    # `repeats` passes over the runtime's rows, each pass every row in turn (a drift of the GPU's
+    # speed meets every row alike); each row keeps its median pass. transformers' rows run once.
+    passes = {name: [] for name in rows}
+    for p in range(repeats):
+        for name, fn in rows.items():
+            if p and not name.startswith("runtime"):
+                continue
+            passes[name].append(_timed(fn))
+            if repeats > 1:
+                (outs, _), sec = passes[name][-1]
+                print(f"pass {p + 1}/{repeats}: {name} {sum(len(o) for o in outs) / sec:.1f} tok/s", flush=True)
     results = {}
-    for name, fn in rows.items():
-        (outs, stats), sec = _timed(fn)
+    for name, timed in passes.items():
+        speeds = [sum(len(o) for o in outs) / sec for (outs, _), sec in timed]
+        # the median pass (of an even count, the slower of the middle two)
+        (outs, stats), sec = timed[sorted(range(len(speeds)), key=speeds.__getitem__)[(len(speeds) - 1) // 2]]
         n_tokens = sum(len(o) for o in outs)
         r = results[name] = {"tokens_per_s": n_tokens / sec, "seconds": sec, "new_tokens": n_tokens, "outputs": outs,
                              "verify_tokens_per_step": None if stats is None else (
                                  1 + (getattr(stats, "verify_tokens", None) or stats.k)),
                              "batch": batch_size if name.endswith(f"batch {batch_size}") else 1,
                              "prompts": len(outs)}
+        if len(speeds) > 1:
+            r["tokens_per_s_passes"] = speeds
         line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"
+        if len(speeds) > 1:
+            line += f" (median of {len(speeds)}: {min(speeds):.1f}-{max(speeds):.1f})"
         if stats is not None:
             split = stats.summary()
             r["split"] = {key: split[key] for key in ("steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
@@ -355,12 +373,14 @@ def main(argv=None) -> int:
                          "the root's children), nodes verified per step, and optionally the children each kept node "
                          "below the root is expanded into (TOPK by default); repeat for a sweep")
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
+    ap.add_argument("--repeats", type=int, default=1, help="time the runtime's rows this many times, every row in "
+                    "turn each pass, and report each row's median pass (its passes in bench.json)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
     try:
         check_ranges(args, {"num_prompts": positive, "max_new_tokens": positive, "batch_size": not_negative,
-                            "hf_prompts": positive})
+                            "hf_prompts": positive, "repeats": positive})
         if min(args.k) < 1:
             raise CliError(f"-k: must be positive, got {min(args.k)}")
         if args.batch_size > args.num_prompts:
@@ -383,7 +403,7 @@ def main(argv=None) -> int:
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
-                  trees=trees)
+                  trees=trees, repeats=args.repeats)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -9,8 +9,9 @@
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
 # 2. the selection's launch settings timed alone (scripts/bench_tree_select.py: warps, rerank tiles);
 # 3. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
-#    checkout against this one and the older again (scripts/ab_profile.sh: ms a step, draft / verify);
-# 4. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py).
+#    checkout against this one (scripts/ab_profile.sh: ms a step, draft / verify);
+# 4. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py),
+#    REPEATS passes (default 3) over its runtime rows, each row's median pass kept.
 # Writes $OUT/tree-check.log, $OUT/bench_tree_select.json, $OUT/ab/NAME/profile_spec.json and $OUT/bench.json.
 set -uo pipefail
 bash scripts/device_session.sh unpack
@@ -38,12 +39,11 @@ if [ -d .ab/old ]; then
   # AB_EXTRA='bv64=import kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
   extra=()
   [ -n "${AB_EXTRA:-}" ] && mapfile -t extra <<< "$AB_EXTRA"
-  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= "${extra[@]}" old2=@.ab/old 2>&1 \
-    | tee -a $log
+  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= "${extra[@]}" 2>&1 | tee -a $log
 fi
 date -u +'bench %H:%M:%S' | tee -a $log
 python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 6 --drafter /tmp/run-eagle3/export --batch-size 1 \
-  --hf-prompts 1 $(for t in ${TREES:-6,10,60,4}; do echo --tree $t; done) --out /tmp/bench-check 2>&1 \
-  | grep -a -v -i "warn\|Loading weights" | tail -30 | tee -a $log
+  --hf-prompts 1 $(for t in ${TREES:-6,10,60,4}; do echo --tree $t; done) --repeats ${REPEATS:-3} --out /tmp/bench-check 2>&1 \
+  | grep -a -v -i "warn\|Loading weights" | tail -60 | tee -a $log
 cp /tmp/bench-check/bench.json $OUT/ 2> /dev/null
 date -u +'end %H:%M:%S' | tee -a $log

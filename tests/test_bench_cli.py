@@ -130,3 +130,28 @@ def test_bench_chart_labels_stay_inside_the_figure(tmp_path):
 def test_bench_refuses_a_folder_that_is_not_an_export(tmp_path, capsys):
     assert main(["--drafter", str(tmp_path), "--out", str(tmp_path / "b")]) == 2
     assert "is not an export folder" in capsys.readouterr().err
+
+
+def test_bench_repeats_time_every_runtime_row_in_turn_and_keep_the_median(tiny_target, tmp_path, capsys):
+    """--repeats 3: every runtime row timed three times, pass by pass (each pass every row in
+    turn); a row's tok/s is its median pass, its passes kept beside it; transformers' rows run
+    once. --repeats 0 is refused with one line."""
+    out = tmp_path / "bench"
+    assert main(["--target", "tiny-random-llama", "--num-prompts", "2", "--max-new-tokens", "4", "--device", "cpu",
+                 "-k", "2", "--hf-prompts", "1", "--repeats", "3", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = json.loads((out / "bench.json").read_text())["rows"]
+    for name, r in rows.items():
+        if not name.startswith("runtime"):
+            assert "tokens_per_s_passes" not in r, name
+            continue
+        passes = r["tokens_per_s_passes"]
+        assert len(passes) == 3 and sorted(passes)[1] == r["tokens_per_s"], name
+        assert r["outputs_equal_runtime_plain"] == r["prompts"], name
+    # pass 2 starts after pass 1 has timed every row (transformers' too), pass 3 after pass 2's runtime rows
+    order = [line.split(": ", 1)[0] for line in printed.splitlines() if line.startswith("pass ")]
+    runtime_rows = [n for n in rows if n.startswith("runtime")]
+    assert order == ["pass 1/3"] * len(rows) + ["pass 2/3"] * len(runtime_rows) + ["pass 3/3"] * len(runtime_rows)
+    assert main(["--repeats", "0", "--out", str(tmp_path / "b0")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--repeats" in err and len(err.splitlines()) == 1
