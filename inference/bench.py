@@ -264,9 +264,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             if p and not name.startswith("runtime"):
                 continue
             passes[name].append(_timed(fn))
-            if repeats > 1:
-                (outs, _), sec = passes[name][-1]
-                print(f"pass {p + 1}/{repeats}: {name} {sum(len(o) for o in outs) / sec:.1f} tok/s", flush=True)
+            (outs, _), sec = passes[name][-1]  # (progress: the rows' full lines follow the last pass)
+            print(f"pass {p + 1}/{repeats}: {name} {sum(len(o) for o in outs) / sec:.1f} tok/s", flush=True)
     results = {}
     for name, timed in passes.items():
         speeds = [sum(len(o) for o in outs) / sec for (outs, _), sec in timed]
