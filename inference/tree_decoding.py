@@ -137,8 +137,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             drafted_from = h.to(hidden.dtype)
             index, scores, k = frontier.index, frontier.scores, children
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1,  # positions last + 1 + depth
-                               feed=feed)
+    # positions last + 1 + depth
+    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1, feed=feed)
 
 
 def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,

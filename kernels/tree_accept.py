@@ -108,7 +108,8 @@ if triton is not None:
         on_path = tl.sum(tl.where(i[:, None] == leaf, sees.to(tl.int32), 0), 0) > 0  # [BLOCK_N] over j
         on_path = on_path & (length > 0)
         d = tl.arange(0, BLOCK_D)
-        at_depth = on_path[None, :] & (depth[None, :] == d[:, None] + 1)  # [BLOCK_D, BLOCK_N]: the path's node at depth d + 1
+        # [BLOCK_D, BLOCK_N]: the path's node at depth d + 1
+        at_depth = on_path[None, :] & (depth[None, :] == d[:, None] + 1)
         has = tl.sum(at_depth.to(tl.int32), 1) > 0
         node = tl.where(has, tl.sum(tl.where(at_depth, i[None, :], 0), 1), -1)  # [BLOCK_D]
         in_path = d < D

@@ -360,10 +360,10 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
     if feed is not None:
         loop_tokens, loop_length, fed, fed_positions = feed
         if fed.shape != (B, N + 1) or fed_positions.shape != (B, N + 1) or loop_tokens.shape[0] != B or \
-                loop_length.shape != (B,) or any(t.dtype != torch.long for t in feed) or not loop_length.is_contiguous() \
-                or any(t.stride(-1) != 1 for t in (loop_tokens, fed, fed_positions)):
-            raise ValueError(f"finalize: feed tokens {tuple(loop_tokens.shape)}, length {tuple(loop_length.shape)}, fed "
-                             f"{tuple(fed.shape)} / {tuple(fed_positions.shape)}: need int64 [{B},S], [{B}], "
+                loop_length.shape != (B,) or any(t.dtype != torch.long for t in feed) or \
+                not loop_length.is_contiguous() or any(t.stride(-1) != 1 for t in (loop_tokens, fed, fed_positions)):
+            raise ValueError(f"finalize: feed tokens {tuple(loop_tokens.shape)}, length {tuple(loop_length.shape)}, "
+                             f"fed {tuple(fed.shape)} / {tuple(fed_positions.shape)}: need int64 [{B},S], [{B}], "
                              f"[{B},{N + 1}] x 2 with unit steps")
     else:
         loop_tokens = loop_length = fed = fed_positions = tokens  # (not read)

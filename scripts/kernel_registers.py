@@ -21,6 +21,7 @@ import subprocess
 import tempfile
 
 import triton
+import triton.backends.nvidia as nvidia
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -29,6 +30,7 @@ I64, U8, F32, BF16 = "*i64", "*u8", "*fp32", "*bf16"
 
 def _kernels():
     """name → (kernel, pointer types by argument, [(label, constexprs, warps)])."""
+    import kernels.tree_select as select
     from kernels.tree_accept import _tree_accept_kernel
     from kernels.tree_select import _frontier_norm_pair_kernel, _rerank_kernel
 
@@ -43,7 +45,6 @@ def _kernels():
     frontier_types = dict(tokens_ptr=I64, scores_ptr=F32, anc_ptr=U8, last_ptr=I64, o_index_ptr=I64, o_scores_ptr=F32,
                           o_tokens_ptr=I64, o_parent_row_ptr=I64, o_visible_ptr=U8, o_positions_ptr=I64, table_ptr=BF16,
                           tw_ptr=BF16, x_ptr=BF16, xw_ptr=BF16, out_ptr=BF16, xo_ptr=BF16, eps="fp32")
-    import kernels.tree_select as select
 
     # the first setting of each: the runtime's own (its module's constants), then alternatives
     def standing(c):  # the rerank's tiles at c candidates (a power of two), as finalize_triton picks them
@@ -58,7 +59,8 @@ def _kernels():
     accept = [(f"{n} nodes, {w} warps", dict(BLOCK_N=64, BLOCK_O=64 if n < 64 else 128, BLOCK_D=8, FROM_CHUNKS=True,
                                              BLOCK_S=32, EMIT=True, HAS_ACTIVE_OUT=True), w)
               for n, w in ((60, 4), (60, 8), (64, 4))]
-    frontier = [(f"{select.WARPS['frontier']} warps", dict(BLOCK_M=64, BLOCK_C=256, BLOCK=1024), select.WARPS["frontier"])]
+    warps = select.WARPS["frontier"]
+    frontier = [(f"{warps} warps", dict(BLOCK_M=64, BLOCK_C=256, BLOCK=1024), warps)]
     return {"rerank": (_rerank_kernel, rerank_types, rerank),
             "tree_accept": (_tree_accept_kernel, accept_types, accept),
             "frontier": (_frontier_norm_pair_kernel, frontier_types, frontier)}
@@ -70,8 +72,6 @@ def resources(kernel, types: dict, constexprs: dict, warps: int) -> dict:
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    import triton.backends.nvidia as nvidia
-
     cuobjdump = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -142,8 +142,9 @@ def test_kernel_registers_compiles_the_tree_kernels_for_an_h200_without_spills()
     the tree step's bookkeeping and rerank kernels at the runtime's settings fit their registers."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
-    res = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--kernel", "tree_accept", "--kernel", "rerank",
-                          "--standing", "--json"], cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    res = subprocess.run([sys.executable, "scripts/kernel_registers.py", "--kernel", "tree_accept", "--kernel",
+                          "rerank", "--standing", "--json"], cwd=root, capture_output=True, text=True, timeout=600,
+                         env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert [r["kernel"] for r in rows] == ["tree_accept", "rerank"]

@@ -117,8 +117,8 @@ def test_finalize_writes_the_verify_input_as_feed_does(B, depth, top_k, children
 
 
 def test_a_nan_score_writes_nothing_outside_the_rows_outputs():
-    """A NaN score ranks behind nothing, so more than N candidates would count as kept (no drafter
-    gives one: its merge maps NaN to -inf). The rerank still writes only inside each row's N
+    """A NaN score has nothing ahead of it and is ahead of nothing, so more than N candidates
+    would count as kept (no drafter gives one: its merge maps NaN to -inf). The rerank still writes only inside each row's N
     nodes and N + 1 fed columns: guards around every output stay as they were."""
     dev = kernel_device()
     g = torch.Generator().manual_seed(11)
