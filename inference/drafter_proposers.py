@@ -207,13 +207,15 @@ class Eagle3Proposer(HostLoopInterface):
                 hidden = self._run(self.drafts[:, s : s + 1], hidden, positions[:, s : s + 1])
 
     @torch.no_grad()
-    def advance(self, fed, aux, accepted, bonus, active, aux_rows=None):
+    def advance(self, fed, aux, accepted, bonus, active, aux_rows=None, inputs=None):
         """fed [B,q] = [t_{N-1}, d_1..d_{q-1}] with target features aux [B,q,n*Ht] (or rows
         aux_rows [B,q] of aux flattened: `_step0`); after n = accepted drafts the next tokens are
         d_1..d_n, bonus, so entries t = N-1 .. N-1+n pair (next token, feature of the fed token
         at t). Rows not `active` keep their place, so their (ignored) entries never run past the
-        cache."""
-        nxt, positions = advance_inputs(fed, bonus, accepted, self.last)  # [B,q] each
+        cache. inputs: those next tokens and their positions [B,q], made already from fed, bonus,
+        accepted and this proposer's `last` (a verified tree's bookkeeping launch writes them:
+        kernels/tree_accept.py), else made here."""
+        nxt, positions = advance_inputs(fed, bonus, accepted, self.last) if inputs is None else inputs  # [B,q] each
         out = self._step0(nxt, aux, positions, aux_rows)  # [B,q,H]
         keep_entry(out, positions, accepted, active, self.hidden, self.last, self.chain_positions)
 

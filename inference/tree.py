@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kernels import use_kernel
 from kernels.argmax import argmax_chunks
+from kernels.chain_state import advance_inputs_reference
 from kernels.emit import EmitState, emit_reference, feed_reference
 from kernels.rejection_sample import inverse_cdf
 from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
@@ -425,10 +426,12 @@ def compact_cache(k_cache, v_cache, src_positions, dst_positions, valid):
 
 # ---------------------------------------------------------------------------- a verified tree's bookkeeping
 def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth: int,
-                          slots: int) -> TreeAccept:
+                          slots: int, last=None) -> TreeAccept:
     """Everything a verified tree step decides, from the target's choices (kernels/tree_accept.py
     says the shapes): the accepted path (`greedy_tree_verify`), its tokens, the cache moves for
-    the active rows (`compaction_index`, `compaction_moves`), and the drafter's next input."""
+    the active rows (`compaction_index`, `compaction_moves`), and the drafter's next input (fed
+    and index; given the drafter's last position last [B], also its tokens and positions:
+    kernels/chain_state.py's `advance_inputs`)."""
     path, length, bonus = greedy_tree_verify(tree_tokens, parents, choice, max_depth, mask)
     path_tokens = torch.where(path >= 0, tree_tokens.gather(1, path.clamp_min(0)), -1)
     src, dst, valid = compaction_index(path, base)
@@ -436,25 +439,27 @@ def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active
     fed = torch.cat([root[:, None], path_tokens.clamp_min(0)], 1)
     index = torch.cat([torch.zeros_like(path[:, :1]), 1 + path.clamp_min(0)], 1)  # in each row's N + 1 outputs
     index = index + torch.arange(len(index), device=index.device)[:, None] * (tree_tokens.shape[1] + 1)  # flattened
-    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
+    following = (None, None) if last is None else advance_inputs_reference(fed, bonus, length, last)
+    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst, *following)
 
 
 def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
-                logits=None, emit_into: EmitState | None = None) -> TreeAccept:
+                logits=None, emit_into: EmitState | None = None, last=None) -> TreeAccept:
     """`tree_accept_reference`, through one kernel launch on CUDA tensors. logits [B,N+1,V]
     instead of choice (None): the target's greedy choices, its argmax after the root and each node
     (on CUDA the argmax's chunk launch, its merge inside the kernel). emit_into: the step is also
-    emitted into the loop's state (kernels/emit.py `emit`; inside the kernel on CUDA)."""
+    emitted into the loop's state (kernels/emit.py `emit`; inside the kernel on CUDA). last [B]:
+    the drafter's last position, for its next input (next_tokens, next_positions)."""
     if use_kernel(tree_tokens):
         chunks = None
         if logits is not None:
             maxima, columns, _ = argmax_chunks(logits.flatten(0, 1))
             chunks = (maxima, columns)
         return tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots,
-                                  chunks=chunks, emit_into=emit_into)
+                                  chunks=chunks, emit_into=emit_into, last=last)
     if logits is not None:
         choice = logits.argmax(-1)  # [B,N+1] (ties: the lowest id, as the kernels break them)
-    accepted = tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots)
+    accepted = tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots, last)
     if emit_into is not None:
         emit_reference(accepted.path_tokens, accepted.length, accepted.bonus, *emit_into)
     return accepted

@@ -251,13 +251,19 @@ class TreeLoop(SpecLoop):
         # the accepted path, what is emitted, the cache's moves and the proposer's next input, and
         # the emission itself (one launch on a GPU: kernels/tree_accept.py)
         accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
-                               cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state)
+                               cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state,
+                               last=getattr(self.proposer, "last", None))
         # the accepted path's entries move from their tree slots to the slots after the root
         move_entries(cache.k, cache.v, accepted.src, accepted.dst)  # every layer at once: [L,B,nkv,S,d]
         # the proposer takes in the path like a chain: [root, path tokens] with their features, rows
-        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them
+        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them; the
+        # same launch made its next tokens and positions from the proposer's last position (a
+        # proposer without one makes them itself)
         self.fed, self.aux, self.aux_rows = accepted.fed, aux, accepted.index
         self.accepted, self.bonus = accepted.length, accepted.bonus
+        self.next_inputs = None if accepted.next_tokens is None else (accepted.next_tokens, accepted.next_positions)
 
     def advance_phase(self):
-        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, self.active, aux_rows=self.aux_rows)
+        made = {} if self.next_inputs is None else {"inputs": self.next_inputs}
+        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, self.active, aux_rows=self.aux_rows,
+                              **made)

@@ -11,7 +11,9 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
       path_tokens [B,D] (-1 padded), fed [B,D+1] (root, then the path's tokens, 0 padded: the
       proposer's next input), index [B,D+1] (its rows of the verify's outputs flattened to
       [B*(N+1)]: the root's, row b*(N+1), then b*(N+1) + 1 + each path node's), src / dst [B,D]
-      (cache slots to move, every slot a move: `compaction_moves`)
+      (cache slots to move, every slot a move: `compaction_moves`); given the drafter's last
+      position last [B], also next_tokens / next_positions [B,D+1]: the drafter's next input, as
+      kernels/chain_state.py's `advance_inputs` makes it from fed (else None)
 
 The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compaction_moves): its
 `tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
@@ -48,6 +50,8 @@ class TreeAccept(NamedTuple):
     index: torch.Tensor  # [B,D+1]
     src: torch.Tensor  # [B,D]
     dst: torch.Tensor  # [B,D]
+    next_tokens: torch.Tensor | None = None  # [B,D+1], given the proposer's last position (else None)
+    next_positions: torch.Tensor | None = None  # [B,D+1]
 
 
 if triton is not None:
@@ -58,15 +62,17 @@ if triton is not None:
                             N, D, S, stride_t, stride_p, stride_mb, stride_mi, stride_c, stride_o, stride_base,
                             stride_root, cidx_ptr, NSPLIT, eos_ptr, budget_ptr, out_tokens_ptr, state_length_ptr,
                             n_out_ptr, done_ptr, histogram_ptr, row_steps_ptr, active_out_ptr, E, stride_ot, stride_h,
+                            last_ptr, next_ptr, next_pos_ptr,
                             BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
                             FROM_CHUNKS: tl.constexpr, BLOCK_S: tl.constexpr, EMIT: tl.constexpr,
-                            HAS_ACTIVE_OUT: tl.constexpr):
+                            HAS_ACTIVE_OUT: tl.constexpr, NEXT: tl.constexpr):
         """One program per row. Lanes i / j: tree nodes (BLOCK_N >= N); lanes o: the verify's N + 1
         outputs (the root's, then node i's at 1 + i; BLOCK_O >= N + 1); lanes d: depths (BLOCK_D >=
         D + 1). FROM_CHUNKS: the target's choices are the argmax of its logits, given as their
         chunks' (maximum, first column) [B*(N+1), NSPLIT] (choice_ptr: the maxima, cidx_ptr: the
         columns), merged here; else choice_ptr holds them [B,N+1]. EMIT: the step is then emitted
         into the loop's state (kernels/emit.py `emit_row`), after `active` is read for the moves.
+        NEXT: the drafter's next input too, from its last position (last_ptr [B]).
         The row's data is loaded first, no load waiting on another's value: all N + 1 choices are
         merged from their chunks, and a node's choice after its parent, the path's tokens and the
         bonus are picked from registers. (Until session 33 they were loaded as each became known: four
@@ -131,6 +137,12 @@ if triton is not None:
         tl.store(fed_ptr + out_fed + d, tl.where(d == 0, root, tl.maximum(fed_token, 0)), mask=d <= D)
         local = tl.where(on_fed, 1 + fed_node, tl.where(d == 0, 0, 1))  # in the row's N + 1 outputs
         tl.store(index_ptr + out_fed + d, row * (N + 1) + local, mask=d <= D)
+        if NEXT:  # what kernels/chain_state.py's advance_inputs makes of fed (its launch saved): fed
+            # shifted left by one lane (lane d: the path's token at depth d + 1, 0 past the path), the
+            # bonus after the last accepted token and in the last lane; positions last + 1 + d
+            next_token = tl.where((d == D) | (d == length), bonus, tl.maximum(path_token, 0))
+            tl.store(next_ptr + out_fed + d, next_token, mask=d <= D)
+            tl.store(next_pos_ptr + out_fed + d, tl.load(last_ptr + row) + 1 + d, mask=d <= D)
         # cache moves: node path[d] from slot base + 1 + path[d] to base + 1 + d; the slots past the
         # accepted ones (and a finished row's) repeat the last real move, or copy base + 1 onto itself
         n_valid = tl.where(active, length, 0)
@@ -194,11 +206,13 @@ def move_entries_triton(k_cache, v_cache, src, dst):
 
 
 def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
-                       chunks=None, emit_into: EmitState | None = None) -> TreeAccept:
+                       chunks=None, emit_into: EmitState | None = None, last=None) -> TreeAccept:
     """choice [B,N+1]; or, with choice None, chunks = (maxima, columns) [B*(N+1), NSPLIT], the
     verify logits' `argmax_chunks` (kernels/argmax.py), whose merge is done here (a launch fewer).
     emit_into: the loop's state, into which the step is also emitted (kernels/emit.py's `emit`
-    on the path's tokens, length and bonus; a launch fewer)."""
+    on the path's tokens, length and bonus; a launch fewer). last [B]: the drafter's last
+    position, from which the drafter's next input is also made (next_tokens, next_positions:
+    kernels/chain_state.py's `advance_inputs` of fed, bonus, length and last; a launch fewer)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, N = tree_tokens.shape
@@ -227,6 +241,12 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
     fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
     length, bonus = (torch.empty(B, dtype=long, device=dev) for _ in range(2))
+    next_tokens = next_positions = None
+    if last is not None:
+        if last.shape != (B,) or last.dtype != long:
+            raise ValueError(f"tree_accept: last {tuple(last.shape)} {last.dtype}, need [{B}] int64")
+        last = last.contiguous()
+        next_tokens, next_positions = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
     if emit_into is not None:
         emit_into.check()
         e = emit_into
@@ -240,9 +260,10 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
                                   path_tokens, fed, index, src, dst, N, D, slots, tree_tokens.stride(0),
                                   parents.stride(0), mask.stride(0), mask.stride(1), choice.stride(0), D,
                                   base.stride(0), root.stride(0), columns, nsplit, *emit_args,
+                                  *((length,) * 3 if last is None else (last, next_tokens, next_positions)),
                                   BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_O=triton.next_power_of_2(N + 1),
                                   BLOCK_D=triton.next_power_of_2(D + 1),
                                   FROM_CHUNKS=chunks is not None, BLOCK_S=triton.next_power_of_2(nsplit),
                                   EMIT=emit_into is not None, HAS_ACTIVE_OUT=emit_into is not None
-                                  and emit_into.active_out is not None)
-    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst)
+                                  and emit_into.active_out is not None, NEXT=last is not None)
+    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst, next_tokens, next_positions)

@@ -41,7 +41,7 @@ def _kernels():
                         active_ptr=U8, path_ptr=I64, length_ptr=I64, bonus_ptr=I64, path_tokens_ptr=I64, fed_ptr=I64,
                         index_ptr=I64, src_ptr=I64, dst_ptr=I64, cidx_ptr=I64, eos_ptr=I64, budget_ptr=I64,
                         out_tokens_ptr=I64, state_length_ptr=I64, n_out_ptr=I64, done_ptr="*i1", histogram_ptr=I64,
-                        row_steps_ptr=I64, active_out_ptr="*i1")
+                        row_steps_ptr=I64, active_out_ptr="*i1", last_ptr=I64, next_ptr=I64, next_pos_ptr=I64)
     frontier_types = dict(tokens_ptr=I64, scores_ptr=F32, anc_ptr=U8, last_ptr=I64, o_index_ptr=I64, o_scores_ptr=F32,
                           o_tokens_ptr=I64, o_parent_row_ptr=I64, o_visible_ptr=U8, o_positions_ptr=I64, table_ptr=BF16,
                           tw_ptr=BF16, x_ptr=BF16, xw_ptr=BF16, out_ptr=BF16, xo_ptr=BF16, eps="fp32")
@@ -57,7 +57,7 @@ def _kernels():
                                  standing(1024), standing(2048))]
     # 60 nodes: 64 lanes for the nodes and for their 61 outputs; 64 nodes: 128 for the 65 outputs
     accept = [(f"{n} nodes, {w} warps", dict(BLOCK_N=64, BLOCK_O=64 if n < 64 else 128, BLOCK_D=8, FROM_CHUNKS=True,
-                                             BLOCK_S=32, EMIT=True, HAS_ACTIVE_OUT=True), w)
+                                             BLOCK_S=32, EMIT=True, HAS_ACTIVE_OUT=True, NEXT=True), w)
               for n, w in ((60, 4), (60, 8), (64, 4))]
     warps = select.WARPS["frontier"]
     frontier = [(f"{warps} warps", dict(BLOCK_M=64, BLOCK_C=256, BLOCK=1024), warps)]

@@ -31,10 +31,11 @@ def test_tree_accept_matches_reference(B, N, D):
         root = torch.randint(0, 50, (B,), generator=g)
         active = torch.rand(B, generator=g) > 0.25
         args = (tokens, parents, mask, choice, base, root, active)
-        want = tree_accept_reference(*args, D, S)
-        got = tree_accept_triton(*(t.to(dev) for t in args), D, S)
+        last = base - 1 if case < 3 else torch.randint(0, S, (B,), generator=g)  # the drafter's last position
+        want = tree_accept_reference(*args, D, S, last if case else None)
+        got = tree_accept_triton(*(t.to(dev) for t in args), D, S, last=last.to(dev) if case else None)
         for name, w, o in zip(want._fields, want, got):
-            assert torch.equal(o.cpu(), w), (name, case, w, o)
+            assert (o is None and w is None and case == 0) or torch.equal(o.cpu(), w), (name, case, w, o)
         longest = max(longest, int(want.length.max()))
     assert longest >= min(2, D)  # the cases do accept paths, deeper than one node where the tree allows
 
@@ -51,6 +52,10 @@ def test_tree_accept_on_a_chain_accepts_the_matching_prefix():
     assert got.path.tolist() == [[0, 1, -1, -1]] and got.length.tolist() == [2] and got.bonus.tolist() == [5]
     assert got.fed.tolist() == [[42, 7, 8, 0, 0]] and got.index.tolist() == [[0, 1, 2, 1, 1]]
     assert got.src.tolist() == [[11, 12, 12, 12]] and got.dst.tolist() == [[11, 12, 12, 12]]
+    assert got.next_tokens is None and got.next_positions is None  # not asked for
+    # the drafter's next input, asked for: fed shifted by one, the bonus after the accepted drafts and last
+    got = tree_accept_triton(*(t.to(dev) for t in args), k, 32, last=torch.tensor([9], device=dev))
+    assert got.next_tokens.tolist() == [[7, 8, 5, 0, 5]] and got.next_positions.tolist() == [[10, 11, 12, 13, 14]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,13 +123,14 @@ def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, 
         if B > 1:
             state.done[-1], state.active_out[-1], active[-1] = True, False, False  # a finished row
         want_state = EmitState(*(t.clone() for t in state))
-        want = tree_accept_reference(tokens, parents, mask, logits.argmax(-1), base, root, active, D, S)
+        last = base - 1  # the drafter's last position (one behind the root)
+        want = tree_accept_reference(tokens, parents, mask, logits.argmax(-1), base, root, active, D, S, last)
         emit_reference(want.path_tokens, want.length, want.bonus, *want_state)
         got_state = EmitState(*(t.clone().to(dev) for t in state))
         maxima, columns, _ = argmax_chunks(logits.flatten(0, 1).to(dev), chunk=CHUNK)  # the GPU's chunks
         got = tree_accept_triton(*(t.to(dev) for t in (tokens, parents, mask)), None,
                                  *(t.to(dev) for t in (base, root, active)), D, S, chunks=(maxima, columns),
-                                 emit_into=got_state)
+                                 emit_into=got_state, last=last.to(dev))
         for name, w, o in zip(want._fields, want, got):
             assert torch.equal(o.cpu(), w), (name, case, w, o)
         for name, w, o in zip(state._fields, want_state, got_state):
