@@ -201,14 +201,17 @@ def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, 
 
 
 def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
-                        out: Tree | None = None, base_offset: int = 0, feed=None) -> Tree:
+                        out: Tree | None = None, base_offset: int = 0, feed=None, moves=None) -> Tree:
     """`finalize_reference` (node positions base_positions + base_offset + depth), through one
     kernel launch on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
     graphs keeps one Tree that every graph writes). feed: (tokens [B,S], length [B], fed [B,N+1],
     fed_positions [B,N+1]), a loop's state and the verify step's input, written as
-    kernels/emit.py's `feed` writes it (inside the same launch on CUDA tensors)."""
+    kernels/emit.py's `feed` writes it; moves: (k_cache, v_cache, src, dst), the last verify's
+    cache moves (`move_entries`); both inside the same launch on CUDA tensors."""
     if use_kernel(cand.tokens):  # (the offset added in the kernel: no launch of its own)
-        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset, feed))
+        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset, feed, moves))
+    if moves is not None:
+        move_entries_reference(*moves)
     tree = finalize_reference(cand, k, top_k, total_tokens, base_positions + base_offset)
     if out is not None:
         for buffer, value in zip(out, tree):

@@ -51,7 +51,7 @@ class EagleTreeProposer(Eagle3Proposer):
     before children)."""
 
     tree = True
-    feeds_verify = True  # draft_tree(feed=...) also writes the verify step's input (TreeLoop)
+    feeds_verify = True  # draft_tree(feed=..., moves=...) also prepares the verify step (TreeLoop)
 
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
                  children: int | None = None):
@@ -82,14 +82,15 @@ class EagleTreeProposer(Eagle3Proposer):
         self.cand_kv = self.k_cache.new_zeros(2, B, nkv, candidates, head_dim)
 
     @torch.no_grad()
-    def draft_tree(self, feed=None):
+    def draft_tree(self, feed=None, moves=None):
         """The tree below each row's root (inference/tree.py: Tree, positions base + depth).
         feed: (tokens, length, fed, fed_positions), a loop's state and its verify step's input,
-        written beside the tree (inference/tree.py `finalize_candidates`)."""
+        written beside the tree; moves: (k_cache, v_cache, src, dst), the target cache's moves
+        after the last verify, made beside it (inference/tree.py `finalize_candidates`)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
                                 self.total_tokens, out=self.tree_out,
                                 cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
-                                children=self.children, feed=feed)
+                                children=self.children, feed=feed, moves=moves)
 
 
 def tree_candidate_count(depth: int, top_k: int, children: int | None = None) -> int:
@@ -101,7 +102,7 @@ def tree_candidate_count(depth: int, top_k: int, children: int | None = None) ->
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
                      out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None,
-                     feed=None):
+                     feed=None, moves=None):
     """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
@@ -110,8 +111,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
     V (new ones when None). children: what each frontier node below the root is expanded into
-    (top_k when None: EAGLE-2's square tree). feed: a loop's verify input, written by the rerank
-    (`finalize_candidates`)."""
+    (top_k when None: EAGLE-2's square tree). feed, moves: a loop's verify input, written by the
+    rerank, and the target cache's moves after the last verify, made by it (`finalize_candidates`)."""
     d = p.drafter
     B = hidden.shape[0]
     cfg = d.config
@@ -138,7 +139,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             index, scores, k = frontier.index, frontier.scores, children
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
     # positions last + 1 + depth
-    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1, feed=feed)
+    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1, feed=feed, moves=moves)
 
 
 def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,
@@ -218,17 +219,27 @@ class TreeLoop(SpecLoop):
         # the verify step's input: the root, then the tree's nodes ([B,N+1], N = total_tokens)
         self.fed_ids = self.fed_ids.new_zeros(batch, proposer.verify_tokens + 1)
         self.fed_positions = torch.zeros_like(self.fed_ids)
-        # a drafter's rerank writes the verify step's input as it writes the tree (a launch fewer)
+        # a drafter's rerank writes the verify step's input as it writes the tree, and makes the
+        # last verify's cache moves (two launches fewer)
         self.fed_by_draft = getattr(proposer, "feeds_verify", False)
+        self.moves = None  # (k, v, src, dst): a verify's cache moves, made by the next draft
 
-    def draft_phase(self):
+    def draft_phase(self, moves=None):
         """The tree, in the proposer's buffers: the first draft and the proposer's step are two
         graphs, and both write the one Tree that the verify graph reads (and its input, where the
-        proposer feeds it)."""
+        proposer feeds it). moves: the last verify's cache moves, which the draft makes (the
+        proposer's step passes them; a generation's first draft follows no verify)."""
         if self.fed_by_draft:
-            self.tree = self.proposer.draft_tree(feed=(self.tokens, self.length, self.fed_ids, self.fed_positions))
+            self.tree = self.proposer.draft_tree(feed=(self.tokens, self.length, self.fed_ids, self.fed_positions),
+                                                 moves=moves)
         else:
             self.tree = self.proposer.draft_tree()
+
+    def proposer_phase(self):
+        """The proposer takes in the verified path, then drafts the next tree, making the verify's
+        cache moves as it does (where it feeds the verify): nothing reads the target's cache before."""
+        self.advance_phase()
+        self.draft_phase(self.moves)
 
     def verify_phase(self):
         tree, cache, fed, positions = self.tree, self.cache, self.fed_ids, self.fed_positions
@@ -253,8 +264,12 @@ class TreeLoop(SpecLoop):
         accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
                                cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state,
                                last=getattr(self.proposer, "last", None))
-        # the accepted path's entries move from their tree slots to the slots after the root
-        move_entries(cache.k, cache.v, accepted.src, accepted.dst)  # every layer at once: [L,B,nkv,S,d]
+        # the accepted path's entries move from their tree slots to the slots after the root: every
+        # layer at once [L,B,nkv,S,d], here or by the next draft (which runs before the next verify)
+        if self.fed_by_draft:
+            self.moves = (cache.k, cache.v, accepted.src, accepted.dst)
+        else:
+            move_entries(cache.k, cache.v, accepted.src, accepted.dst)
         # the proposer takes in the path like a chain: [root, path tokens] with their features, rows
         # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them; the
         # same launch made its next tokens and positions from the proposer's last position (a

@@ -36,7 +36,8 @@ def _kernels():
 
     rerank_types = dict(scores_ptr=F32, tokens_ptr=I64, parents_ptr=I64, anc_ptr=U8, base_ptr=I64, o_tokens_ptr=I64,
                         o_parents_ptr=I64, o_depths_ptr=I64, o_mask_ptr=U8, o_positions_ptr=I64, loop_tokens_ptr=I64,
-                        loop_length_ptr=I64, fed_ptr=I64, fed_positions_ptr=I64)
+                        loop_length_ptr=I64, fed_ptr=I64, fed_positions_ptr=I64, k_ptr=BF16, v_ptr=BF16, src_ptr=I64,
+                        dst_ptr=I64)
     accept_types = dict(tokens_ptr=I64, parents_ptr=I64, mask_ptr=U8, choice_ptr=F32, base_ptr=I64, root_ptr=I64,
                         active_ptr=U8, path_ptr=I64, length_ptr=I64, bonus_ptr=I64, path_tokens_ptr=I64, fed_ptr=I64,
                         index_ptr=I64, src_ptr=I64, dst_ptr=I64, cidx_ptr=I64, eos_ptr=I64, budget_ptr=I64,
@@ -52,7 +53,7 @@ def _kernels():
                 max(1, min(select.RERANK_COLUMNS, select.RERANK_TILE // c)), select.WARPS["rerank"])
 
     rerank = [(f"{c} candidates, {i} rows / {j} columns a tile, {w} warps",
-               dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True), w)
+               dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True, HEAD_DIM=64, BLOCK_M=8, BLOCK_D=64), w)
               for c, i, j, w in (standing(256), (256, 16, 16, 4), (256, 16, 32, 4), (256, 32, 32, 8), standing(512),
                                  standing(1024), standing(2048))]
     # 60 nodes: 64 lanes for the nodes and for their 61 outputs; 64 nodes: 128 for the 65 outputs

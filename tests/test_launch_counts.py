@@ -45,8 +45,9 @@ CEILINGS = {
     # session 30 each depth's expansion inside the head's merge and the next layer's input norms
     # (kernels/tree_select.py: 58 before); session 33 the rerank's ranks and nodes in one launch,
     # which also writes the verify step's input (54 / 27 before); session 34 the drafter's next
-    # tokens and positions made by the tree's bookkeeping kernel (53 before)
-    "eagle3-tree": {"verify_phase": 26, "proposer_phase": 52},
+    # tokens and positions made by the tree's bookkeeping kernel (53 before), and the verify's
+    # cache moves by the rerank's launch (26 before)
+    "eagle3-tree": {"verify_phase": 25, "proposer_phase": 52},
 }
 
 

@@ -116,6 +116,42 @@ def test_finalize_writes_the_verify_input_as_feed_does(B, depth, top_k, children
                         feed=(loop_tokens.to(dev), length.to(dev), fed[:, 1:], positions))
 
 
+@pytest.mark.parametrize("lead,nkv,D,d", [((3,), 2, 4, 16), ((), 1, 3, 8)])
+def test_finalize_makes_the_cache_moves_it_is_given(lead, nkv, D, d):
+    """The rerank's launch also makes a verified tree's cache moves, in programs past its ranking
+    ones: the caches (stacked layers [L,B,nkv,S,d], or one layer) end as kernels/tree_accept.py's
+    moves leave them (paths whose slots and destinations overlap, a row with nothing to move),
+    the tree as without them; a move for another batch is refused."""
+    from inference.tree import ancestor_mask, move_entries_reference, tree_accept_reference
+    from tests.test_tree import random_parents
+
+    dev = kernel_device()
+    g = torch.Generator().manual_seed(11)
+    B, N, S = 3, 12, 40
+    cand, _, last = _draft(expand_level_reference, B, 3, 3, 20, g, "cpu")
+    want_tree = finalize_reference(cand, 3, 3, 9, last + 1)
+    parents = random_parents(B, N, g)
+    parents = torch.where(ancestor_mask(parents).sum(-1) > D, -1, parents)
+    tokens, choice = torch.randint(0, 2, (B, N), generator=g), torch.randint(0, 2, (B, N + 1), generator=g)
+    base = torch.randint(0, S - N, (B,), generator=g)
+    root, active = torch.zeros(B, dtype=torch.long), torch.tensor([True, True, False])
+    accepted = tree_accept_reference(tokens, parents, ancestor_mask(parents), choice, base, root, active, D, S)
+    assert accepted.length[:2].max() > 1  # a path moves several entries
+    k_cache, v_cache = (torch.randn(*lead, B, nkv, S, d, generator=g) for _ in range(2))
+    want_k, want_v = move_entries_reference(k_cache.clone(), v_cache.clone(), accepted.src, accepted.dst)
+    assert not torch.equal(want_k, k_cache)
+    got_k, got_v = k_cache.to(dev), v_cache.to(dev)
+    got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 3, 3, 9, last.to(dev), base_offset=1,
+                                moves=(got_k, got_v, accepted.src.to(dev), accepted.dst.to(dev))))
+    for name, w, o in zip(want_tree._fields, want_tree, got):
+        assert torch.equal(o.cpu(), w), name
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+    with pytest.raises(ValueError, match="moves for 2 rows"):
+        finalize_triton(Candidates(*(t.to(dev) for t in cand)), 3, 3, 9, last.to(dev),
+                        moves=(got_k[..., :2, :, :, :], got_v[..., :2, :, :, :], accepted.src[:2].to(dev),
+                               accepted.dst[:2].to(dev)))
+
+
 def test_a_nan_score_writes_nothing_outside_the_rows_outputs():
     """A NaN score has nothing ahead of it and is ahead of nothing, so more than N candidates
     would count as kept (no drafter gives one: its merge maps NaN to -inf). The rerank still writes only inside each row's N
