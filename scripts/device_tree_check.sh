@@ -2,8 +2,9 @@
 # Issue 20's whole measurement in one device call (draft trees against chains on the H200), on a
 # machine where `bash scripts/device_session.sh part1` (carry .whl .dev1) has just run: carry .whl
 # and .dev7 (session 29's EAGLE-3 export and the target's second half), and .ab (`mkdir -p .ab/old
-# && git archive COMMIT | tar -x -C .ab/old`, without its tests and docs: 64 MiB in all) for the
-# side-by-side step times. About 500 s:
+# && git archive COMMIT | tar -x -C .ab/old`, without its tests, docs, train/, data/, export/ and
+# configs/, which the profile does not import: 64 MiB in all with the tree) for the side-by-side step
+# times; every other checkout in .ab (.ab/NAME) is timed too, after old and this one. About 500 s:
 #   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA
 # 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
@@ -35,10 +36,15 @@ date -u +'selection knobs %H:%M:%S' | tee -a $log
 python3 scripts/bench_tree_select.py --out $OUT 2>&1 | grep -a -v -i warn | tail -16 | tee -a $log
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
-  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; at most two: a call brings back 8 files), e.g.
+  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; with the .ab checkouts at most two beside old
+  # and new: a call brings back 8 files), e.g.
   # AB_EXTRA='bv64=import kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
   extra=()
-  [ -n "${AB_EXTRA:-}" ] && mapfile -t extra <<< "$AB_EXTRA"
+  for dir in .ab/*/; do
+    name=$(basename "$dir")
+    [ "$name" != old ] && extra+=("$name=@$dir")
+  done
+  [ -n "${AB_EXTRA:-}" ] && mapfile -t -O ${#extra[@]} extra <<< "$AB_EXTRA"
   AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= "${extra[@]}" 2>&1 | tee -a $log
 fi
 date -u +'bench %H:%M:%S' | tee -a $log
