@@ -51,7 +51,9 @@ class EagleTreeProposer(Eagle3Proposer):
     before children)."""
 
     tree = True
-    feeds_verify = True  # draft_tree(feed=..., moves=...) also prepares the verify step (TreeLoop)
+    # TreeLoop: draft_tree(feed=..., moves=...) also prepares the verify step (its input, the last
+    # verify's cache moves), and advance(..., inputs=...) takes the next input the verify made from `last`
+    feeds_verify = True
 
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
                  children: int | None = None):
@@ -263,7 +265,7 @@ class TreeLoop(SpecLoop):
         # the emission itself (one launch on a GPU: kernels/tree_accept.py)
         accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
                                cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state,
-                               last=getattr(self.proposer, "last", None))
+                               last=self.proposer.last if self.fed_by_draft else None)
         # the accepted path's entries move from their tree slots to the slots after the root: every
         # layer at once [L,B,nkv,S,d], here or by the next draft (which runs before the next verify)
         if self.fed_by_draft:
@@ -271,9 +273,9 @@ class TreeLoop(SpecLoop):
         else:
             move_entries(cache.k, cache.v, accepted.src, accepted.dst)
         # the proposer takes in the path like a chain: [root, path tokens] with their features, rows
-        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them; the
-        # same launch made its next tokens and positions from the proposer's last position (a
-        # proposer without one makes them itself)
+        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them; for a
+        # proposer that feeds the verify, the same launch made its next tokens and positions from its
+        # last position (another makes them itself)
         self.fed, self.aux, self.aux_rows = accepted.fed, aux, accepted.index
         self.accepted, self.bonus = accepted.length, accepted.bonus
         self.next_inputs = None if accepted.next_tokens is None else (accepted.next_tokens, accepted.next_positions)

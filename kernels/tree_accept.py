@@ -23,7 +23,7 @@ slot against a choice of -1, which argmax and a draw never give).
 The moves themselves (`move_entries_triton`, inference/tree.py's `move_entries` on CUDA tensors):
 one launch for the keys and values of every layer, where a gather and a scatter per cache took
 four launches of ~4 us each on an H200 (BENCHMARKS.md, session 18). An EAGLE-3 tree loop has the
-next draft's rerank make them in programs of its own instead (`move_plane`, kernels/tree_select.py):
+next draft's rerank make them in programs of its own instead (`move_layer`, kernels/tree_select.py):
 no launch of theirs at all.
 """
 from __future__ import annotations
@@ -163,40 +163,43 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def move_plane(k_ptr, v_ptr, src_ptr, dst_ptr, b, layer, head, D, stride_l, stride_b, stride_h, stride_s,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One (layer, row b, KV head) plane of the caches: its D entries at slots src[b] read,
-        then written at slots dst[b]. The barrier keeps every read of the program before its first
-        write (a path's slots and their destinations overlap); planes are disjoint, so a program
-        a plane needs no other order (kernels/tree_select.py's rerank also calls this, in programs
-        of its own)."""
+    def move_layer(k_ptr, v_ptr, src_ptr, dst_ptr, b, layer, NKV, D, stride_l, stride_b, stride_h, stride_s,
+                   HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One (layer, row b) of the caches, every KV head at once ([BLOCK_H, BLOCK_M, BLOCK_D]
+        tiles): the D entries at slots src[b] read, then written at slots dst[b]. The barrier keeps
+        every read of the program before its first write (a path's slots and their destinations
+        overlap); (layer, row) blocks are disjoint, so a program each needs no other order
+        (kernels/tree_select.py's rerank also calls this, in programs of its own)."""
         j = tl.arange(0, BLOCK_M)
         j_in = j < D
         src = tl.load(src_ptr + b * D + j, mask=j_in, other=0)
         dst = tl.load(dst_ptr + b * D + j, mask=j_in, other=0)
+        h = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
-        both = j_in[:, None] & (dims < HEAD_DIM)[None, :]
-        plane = layer.to(tl.int64) * stride_l + b.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-        k = tl.load(k_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
-        v = tl.load(v_ptr + plane + src[:, None] * stride_s + dims[None, :], mask=both)
+        inside = (h < NKV)[:, None, None] & j_in[None, :, None] & (dims < HEAD_DIM)[None, None, :]
+        heads = layer.to(tl.int64) * stride_l + b.to(tl.int64) * stride_b + h.to(tl.int64)[:, None, None] * stride_h \
+            + dims[None, None, :]
+        k = tl.load(k_ptr + heads + src[None, :, None] * stride_s, mask=inside)
+        v = tl.load(v_ptr + heads + src[None, :, None] * stride_s, mask=inside)
         tl.debug_barrier()
-        tl.store(k_ptr + plane + dst[:, None] * stride_s + dims[None, :], k, mask=both)
-        tl.store(v_ptr + plane + dst[:, None] * stride_s + dims[None, :], v, mask=both)
+        tl.store(k_ptr + heads + dst[None, :, None] * stride_s, k, mask=inside)
+        tl.store(v_ptr + heads + dst[None, :, None] * stride_s, v, mask=inside)
 
     @triton.jit
     def _move_entries_kernel(k_ptr, v_ptr, src_ptr, dst_ptr, B, NKV, D, stride_l, stride_b, stride_h, stride_s,
-                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One (layer, row, KV head) plane a program: `move_plane`."""
+                             HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_D: tl.constexpr):
+        """One (layer, row) a program: `move_layer`."""
         pid = tl.program_id(0)
-        move_plane(k_ptr, v_ptr, src_ptr, dst_ptr, (pid // NKV) % B, pid // (NKV * B), pid % NKV, D, stride_l,
-                   stride_b, stride_h, stride_s, HEAD_DIM, BLOCK_M, BLOCK_D)
+        move_layer(k_ptr, v_ptr, src_ptr, dst_ptr, pid % B, pid // B, NKV, D, stride_l, stride_b, stride_h, stride_s,
+                   HEAD_DIM, BLOCK_H, BLOCK_M, BLOCK_D)
 
 
 def move_arguments(k_cache, v_cache, src, dst):
-    """A move's checks, then what `move_plane` takes: (planes a row: layers x KV heads, the
-    arguments (k, v, src, dst, B, nkv, D, four strides), its constexprs). Caches [..., B,nkv,S,d]
-    (one layout for both), src / dst [B,D] slots (every slot a move, duplicates writing the same
-    value: `compaction_moves`)."""
+    """A move's checks, then what `move_layer` takes: (programs a row: one a layer, 0 with nothing
+    to move; the arguments (k, v, src, dst, B, nkv, D, four strides); its constexprs). Caches
+    [..., B,nkv,S,d] (one layout for both), src / dst [B,D] slots (every slot a move, duplicates
+    writing the same value: `compaction_moves`)."""
     if v_cache.shape != k_cache.shape or v_cache.stride() != k_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"move_entries: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} need one layout "
                          "with a contiguous last dimension")
@@ -205,19 +208,20 @@ def move_arguments(k_cache, v_cache, src, dst):
         raise ValueError(f"move_entries: src {tuple(src.shape)} / dst {tuple(dst.shape)} do not fit {B} rows")
     k, v = k_cache.view(-1, B, nkv, S, d), v_cache.view(-1, B, nkv, S, d)  # the layers as one leading dim
     D = src.shape[1]
-    return (k.shape[0] * nkv if D else 0,
+    return (k.shape[0] if D and nkv else 0,
             (k, v, src.contiguous(), dst.contiguous(), B, nkv, D, k.stride(0), k.stride(1), k.stride(2), k.stride(3)),
-            dict(HEAD_DIM=d, BLOCK_M=triton.next_power_of_2(max(D, 1)), BLOCK_D=triton.next_power_of_2(d)))
+            dict(HEAD_DIM=d, BLOCK_H=triton.next_power_of_2(max(nkv, 1)), BLOCK_M=triton.next_power_of_2(max(D, 1)),
+                 BLOCK_D=triton.next_power_of_2(d)))
 
 
 def move_entries_triton(k_cache, v_cache, src, dst):
-    """inference/tree.py's `move_entries_reference` in one launch, a program a (layer, row, KV
-    head) plane: caches and src / dst as `move_arguments` says, moved in place."""
+    """inference/tree.py's `move_entries_reference` in one launch, a program a (layer, row):
+    caches and src / dst as `move_arguments` says, moved in place."""
     if triton is None:
         raise RuntimeError("triton is not installed")
-    planes, args, constexprs = move_arguments(k_cache, v_cache, src, dst)
-    if planes * src.shape[0]:
-        _move_entries_kernel[(planes * src.shape[0],)](*args, **constexprs)
+    layers, args, constexprs = move_arguments(k_cache, v_cache, src, dst)
+    if layers * src.shape[0]:
+        _move_entries_kernel[(layers * src.shape[0],)](*args, **constexprs)
     return k_cache, v_cache
 
 

@@ -37,7 +37,7 @@ try:
 
     from kernels.lm_head_topk import TOPK_BLOCK_V, merge_row, topk_chunks
     from kernels.rms_norm import pair_half
-    from kernels.tree_accept import move_arguments, move_plane
+    from kernels.tree_accept import move_arguments, move_layer
 except ImportError:
     triton = None
 
@@ -87,25 +87,25 @@ if triton is not None:
                        s_a_r, loop_tokens_ptr, loop_length_ptr, fed_ptr, fed_positions_ptr, s_lt_b, s_f_b, s_fp_b,
                        RANK_BLOCKS, k_ptr, v_ptr, src_ptr, dst_ptr, NKV, D, stride_l, stride_b, stride_h, stride_s,
                        BLOCK_C: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, FEED: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
         """One (row, block of BLOCK_I candidates i): the kept candidates among them written as tree
-        nodes. Every program ranks all C candidates of its row (score descending, ties to the lower
-        index; C^2 compares, BLOCK_J columns at a time), so each knows every candidate's node (the
-        kept ones before it, counted in registers) with no scratch, barrier or second launch; the
+        nodes. Every ranking program ranks all C candidates of its row (score descending, ties to the
+        lower index; C^2 compares, BLOCK_J columns at a time), so each knows every candidate's node
+        (the kept ones before it, counted in registers) with no scratch, barrier or second launch; the
         row's data is loaded first, no load waiting on another's value. (Until session 33 a rank
         launch, then one finalize program a row that wrote nodes to scratch and read them back
         after a barrier: 3.6 and 5.1 µs a 6-10-60-4 tree step on an H200, BENCHMARKS.md session 30.)
         FEED: also the verify step's input, as kernels/emit.py's `feed` writes it (its own launch
         before): the row's last token (loop_tokens at loop_length - 1) and that position, then the
-        nodes' tokens and positions. Programs (row, RANK_BLOCKS + p), where the grid has them, move
-        the target's cache entries after the last verify instead (kernels/tree_accept.py
-        `move_plane`, plane p of the row: layer p // NKV, KV head p % NKV; their own launch before,
-        1.7 µs a step): nothing reads that cache between the verify and this launch."""
+        nodes' tokens and positions. Programs (row, RANK_BLOCKS + layer), where the grid has them,
+        move the target's cache entries after the last verify instead (kernels/tree_accept.py
+        `move_layer`: their own launch before, 1.7 µs a step): nothing reads that cache between the
+        verify and this launch."""
         row = tl.program_id(0).to(tl.int64)
-        plane = tl.program_id(1) - RANK_BLOCKS
-        if plane >= 0:
-            move_plane(k_ptr, v_ptr, src_ptr, dst_ptr, row, plane // NKV, plane % NKV, D, stride_l, stride_b, stride_h,
-                       stride_s, HEAD_DIM, BLOCK_M, BLOCK_D)
+        layer = tl.program_id(1) - RANK_BLOCKS
+        if layer >= 0:
+            move_layer(k_ptr, v_ptr, src_ptr, dst_ptr, row, layer, NKV, D, stride_l, stride_b, stride_h, stride_s,
+                       HEAD_DIM, BLOCK_H, BLOCK_M, BLOCK_D)
         else:
             _rank_block(scores_ptr, tokens_ptr, parents_ptr, anc_ptr, base_ptr, o_tokens_ptr, o_parents_ptr,
                         o_depths_ptr, o_mask_ptr, o_positions_ptr, C, N, FIRST, PER_DEPTH, BASE_OFFSET, s_c_b, s_a_b,
@@ -392,19 +392,19 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
                              f"[{B},{N + 1}] x 2 with unit steps")
     else:
         loop_tokens = loop_length = fed = fed_positions = tokens  # (not read)
-    if moves is not None:
-        planes, (k_cache, v_cache, src, dst, rows, *move_args), move_constexprs = move_arguments(*moves)
+    if moves is not None:  # a program a layer of each row, after the ranking ones
+        layers, (k_cache, v_cache, src, dst, rows, *move_args), move_constexprs = move_arguments(*moves)
         if rows != B:
             raise ValueError(f"finalize: moves for {rows} rows, candidates for {B}")
     else:  # (no move program: the pointers are not read)
-        planes, k_cache, v_cache, src, dst = 0, tokens, tokens, tokens, tokens
-        move_args, move_constexprs = (1, 0, 0, 0, 0, 0), dict(HEAD_DIM=1, BLOCK_M=1, BLOCK_D=1)
+        layers, k_cache, v_cache, src, dst = 0, tokens, tokens, tokens, tokens
+        move_args, move_constexprs = (1, 0, 0, 0, 0, 0), dict(HEAD_DIM=1, BLOCK_H=1, BLOCK_M=1, BLOCK_D=1)
     if B:
         block_c = triton.next_power_of_2(C)
         block_i = max(1, min(RERANK_ROWS, RERANK_TILE // block_c))
         block_j = max(1, min(RERANK_COLUMNS, RERANK_TILE // block_c))
         blocks = triton.cdiv(C, block_i)
-        _rerank_kernel[(B, blocks + planes)](cand.scores, cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
+        _rerank_kernel[(B, blocks + layers)](cand.scores, cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
                                              base_positions.contiguous(), tokens, parents, depths,
                                              mask.view(torch.uint8), positions, C, N, top_k, top_k * k, base_offset,
                                              cand.tokens.stride(0), cand.ancestors.stride(0), cand.ancestors.stride(1),

@@ -53,7 +53,8 @@ def _kernels():
                 max(1, min(select.RERANK_COLUMNS, select.RERANK_TILE // c)), select.WARPS["rerank"])
 
     rerank = [(f"{c} candidates, {i} rows / {j} columns a tile, {w} warps",
-               dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True, HEAD_DIM=64, BLOCK_M=8, BLOCK_D=64), w)
+               dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True, HEAD_DIM=64, BLOCK_H=4, BLOCK_M=8,
+                    BLOCK_D=64), w)
               for c, i, j, w in (standing(256), (256, 16, 16, 4), (256, 16, 32, 4), (256, 32, 32, 8), standing(512),
                                  standing(1024), standing(2048))]
     # 60 nodes: 64 lanes for the nodes and for their 61 outputs; 64 nodes: 128 for the 65 outputs

@@ -59,7 +59,9 @@ def test_tree_accept_on_a_chain_accepts_the_matching_prefix():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lead,B,nkv,N,D,d", [((), 1, 1, 3, 3, 16), ((3,), 2, 3, 24, 4, 64), ((2,), 4, 2, 37, 6, 48)])
+# (an 8B target's KV heads and head dim last: 8 x 128 a layer's tile)
+@pytest.mark.parametrize("lead,B,nkv,N,D,d", [((), 1, 1, 3, 3, 16), ((3,), 2, 3, 24, 4, 64), ((2,), 4, 2, 37, 6, 48),
+                                              ((2,), 2, 8, 20, 6, 128)])
 def test_move_entries_kernel_matches_reference(dtype, lead, B, nkv, N, D, d):
     """The moves a verified tree makes (kernels/tree_accept.py's src / dst: paths whose slots and
     destinations overlap, rows with nothing accepted, duplicate moves) on caches of one layer

@@ -57,6 +57,38 @@ def _measured(served, tree) -> list[int]:
     return stats.histogram
 
 
+def test_the_loop_through_the_kernels_accepts_and_moves_as_the_torch_path_does(served, tiny_target, monkeypatch):
+    """Every runtime kernel on (the Triton interpreter on a CPU), two of the prompts, trees
+    accepted at every depth: the tree loop emits plain greedy's answers with the histogram of the
+    torch path, whose cache moves and next drafter inputs come from separate torch steps. Here the
+    next draft's rerank launch makes the moves and the bookkeeping kernel the next inputs (a move
+    left undone changed this histogram, though not these answers)."""
+    import copy
+
+    from tests.conftest import kernel_device
+
+    prompts, _, _, rt, _ = served
+    dev = kernel_device()
+    prompts = prompts[:2]
+    plain, _ = generate(rt, prompts, MAX_NEW)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    drafter = _small_vocab_eagle3(hf, sorted({t for o in plain for t in o}))  # these two answers' tokens
+    tree = (3, 2, 8)
+    n = cache_size(prompts, MAX_NEW, tree[2])
+    runs = []
+    for mode in ("0", "force"):
+        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+        on_dev = mode == "force" and dev != "cpu"
+        model = RuntimeModel.from_pretrained(tiny_target, device=dev) if on_dev else rt
+        proposer = EagleTreeProposer(copy.deepcopy(drafter).to(dev) if on_dev else drafter, *tree, batch=2, max_len=n,
+                                     target_config=rt.config)
+        outs, stats = generate(model, prompts, MAX_NEW, proposer=proposer, max_len=n, cuda_graphs=False)
+        runs.append((outs, stats.histogram))
+    assert runs[1] == runs[0]
+    assert runs[0][0] == plain
+    assert sum(runs[0][1][2:]) > 0, runs  # paths of two nodes and more: their entries moved
+
+
 def _walked(served, tree, texts=None, window=None) -> list[int]:
     prompts, plain, drafter, _, target = served
     hist = torch.zeros(tree[0] + 1, dtype=torch.long)

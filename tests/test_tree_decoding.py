@@ -144,20 +144,23 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
     from the cache), the selection kernels drafting the tree and the verified tree's bookkeeping
     kernel (kernels/tree_select.py, kernels/tree_accept.py) emit what the torch path emits, with
     the same histograms, and both equal plain greedy decoding; for trees mostly accepted deep down
-    (the oracle) and a random drafter."""
+    (the oracle) and an EAGLE-3 drafter whose trees are accepted too (its draft vocabulary the
+    tokens the target answers with): so its loop makes real cache moves inside the next draft's
+    rerank and takes in the drafter's next tokens from the bookkeeping kernel."""
     import kernels.tree_attention as tree_attention
     from tests.test_spec_loop import kernel_case
+    from tests.test_tree_acceptance import _small_vocab_eagle3
 
     device, hf, rt, prompts, max_new, eos, n, plain = kernel_case(tiny_target, 16)
     cont = torch.tensor([o + [0] * (max_new - len(o)) for o in plain], device=device)
-    drafter = _random_eagle3(hf).to(device)
+    drafter = _small_vocab_eagle3(hf, sorted({t for o in plain for t in o} | set(range(4)))).to(device)  # >= top-k
     makers = {"oracle": lambda: OracleTree(cont, width=2, depth=3, vocab=rt.config.vocab_size, seed=1),
               "eagle3": lambda: EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts),
                                                   max_len=n, target_config=rt.config)}
     calls = []
     kernel = tree_attention.tree_attention_triton
     monkeypatch.setattr(tree_attention, "tree_attention_triton", lambda *a: calls.append(a[4]) or kernel(*a))
-    deep = 0
+    deep = {}
     for name, make in makers.items():
         results = []
         for mode in ("0", "force"):
@@ -173,9 +176,8 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
                 assert any(k is not None for k in calls) == (name == "eagle3"), name
         assert results[0] == results[1], name
         assert results[0][0] == plain, name
-        if name == "oracle":
-            deep = sum(c for h in results[0][1] for c in h[2:])
-    assert deep > 0, "no tree was accepted two levels deep"
+        deep[name] = sum(c for h in results[0][1] for c in h[2:])
+    assert all(deep.values()), f"no tree was accepted two levels deep: {deep}"
 
 
 @pytest.mark.slow
@@ -204,8 +206,12 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
 
     from tests.test_spec_loop import gpu_case
 
+    from tests.test_tree_acceptance import _small_vocab_eagle3
+
     hf, rt, prompts, max_new, eos, n, plain = gpu_case(tiny_target, max_new=30, k=16)
-    drafter = _random_eagle3(hf).cuda()
+    # trees accepted deep down (the draft vocabulary: the tokens the target answers with), so the
+    # graphs make real cache moves in the rerank and take in the bookkeeping's next tokens
+    drafter = _small_vocab_eagle3(hf, sorted({t for o in plain for t in o} | set(range(4)))).cuda()
 
     def proposer():
         return EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts), max_len=n,
@@ -219,6 +225,7 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
         graphed, graphed_stats = generate(rt, prompts, max_new, proposer=graphed_proposer, eos_ids=eos, max_len=n)
         assert graphed == eager == plain
         assert graphed_stats.row_histograms == eager_stats.row_histograms
+    assert sum(c for h in eager_stats.row_histograms for c in h[2:]) > 0  # paths of two nodes and more moved
 
 
 @pytest.mark.gpu
