@@ -214,50 +214,54 @@ if triton is not None:
                                    table_ptr, tw_ptr, x_ptr, xw_ptr, out_ptr, xo_ptr,
                                    K, TOPK, N_NEW, OFF, C, LEVEL, H, eps, s_c_b, s_a_b, s_a_r, stride_t, stride_xb,
                                    stride_xr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK: tl.constexpr):
-        """One (slot of the next frontier, half): the slot's node is the new candidate ranked there
-        among the N_NEW = F0 K of this depth (F0 nodes drafted from, x [B,F0,H]; score descending,
-        ties to the lower index, as expand_level_reference orders them; every program ranks them
-        all, N_NEW^2 compares). Half 0 writes the slot (`Frontier`) and normalises the node's
-        token embedding; half 1 its parent's hidden state (row (node - OFF) // K of x), also
-        copied to xo: kernels/rms_norm.py's `rms_norm_pair` with x_rows, for rows the frontier
-        names as it is chosen."""
+        """One (new candidate of this depth, half): among the N_NEW = F0 K candidates OFF.. of this
+        depth (F0 nodes drafted from, x [B,F0,H]) it ranks `rank` (score descending, ties to the
+        lower index, as expand_level_reference orders them; every program ranks them all, N_NEW
+        compares); ranked below TOPK, it is slot `rank` of the next frontier. Half 0 writes the slot
+        (`Frontier`) and normalises the node's token embedding; half 1 its parent's hidden state
+        (row child // K of x), also copied to xo: kernels/rms_norm.py's `rms_norm_pair` with x_rows,
+        for rows the frontier names as it is chosen. Everything a program may write is loaded
+        first, whatever its rank, so the rank is counted while the rows are on their way (a
+        program a slot, until session 34, learned its node from the rank and then loaded its rows:
+        two more round trips to memory one after another)."""
         pid = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)
-        b, slot = pid // TOPK, pid % TOPK
-        m = tl.arange(0, BLOCK_M)
-        live = m < N_NEW
-        score = tl.load(scores_ptr + b * s_c_b + OFF + m, mask=live, other=0.0)
-        # every child's token with the scores (picked below from registers: the embedding row's
-        # load then waits on one round trip to memory, not two)
-        child_token = tl.load(tokens_ptr + b * s_c_b + OFF + m, mask=live, other=0)
-        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (m[None, :] < m[:, None]))
-        rank = tl.sum((ahead & live[None, :]).to(tl.int32), 1)
-        mine = live & (rank == slot)
-        pick = tl.sum(tl.where(mine, m, 0), 0)  # the candidate OFF + pick (ranks are a permutation: no NaN score)
-        node = OFF + pick
-        parent_row = pick // K
+        b, child = pid // N_NEW, pid % N_NEW
+        node = OFF + child
         cols = tl.arange(0, BLOCK)
         inside = cols < H
+        vc = tl.arange(0, BLOCK_C)
+        m = tl.arange(0, BLOCK_M)
+        live = m < N_NEW
+        score = tl.load(scores_ptr + b * s_c_b + OFF + m, mask=live, other=0.0)  # [BLOCK_M] the depth's scores
+        own = tl.load(scores_ptr + b * s_c_b + node)
+        token = tl.load(tokens_ptr + b * s_c_b + node)
+        seen = tl.load(anc_ptr + b * s_a_b + node * s_a_r + vc, mask=vc < C, other=0)  # its ancestor row, first block
         if half == 0:
-            token = tl.sum(tl.where(mine, child_token, 0), 0)
-            tl.store(o_index_ptr + pid, node)
-            tl.store(o_scores_ptr + pid, tl.sum(tl.where(mine, score, 0.0), 0))
-            tl.store(o_tokens_ptr + pid, token)
-            tl.store(o_parent_row_ptr + pid, parent_row)
-            tl.store(o_positions_ptr + pid, tl.load(last_ptr + b) + LEVEL + 1)
-            for c0 in range(0, C, BLOCK_C):  # what the node sees: its ancestor row
-                vc = c0 + tl.arange(0, BLOCK_C)
-                row = tl.load(anc_ptr + b * s_a_b + node * s_a_r + vc, mask=vc < C, other=0)
-                tl.store(o_visible_ptr + pid * C + vc, row, mask=vc < C)
             h = tl.load(table_ptr + token * stride_t + cols, mask=inside, other=0.0)
             w = tl.load(tw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         else:
-            h = tl.load(x_ptr + b * stride_xb + parent_row * stride_xr + cols, mask=inside, other=0.0)
+            h = tl.load(x_ptr + b * stride_xb + (child // K) * stride_xr + cols, mask=inside, other=0.0)
             w = tl.load(xw_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-            tl.store(xo_ptr + pid * H + cols, h.to(xo_ptr.dtype.element_ty), mask=inside)
-        tl.store(out_ptr + pid * 2 * H + half * H + cols, pair_half(h, w, H, eps, out_ptr.dtype.element_ty),
-                 mask=inside)
-
+        ahead = (score > own) | ((score == own) & (m < child))
+        rank = tl.sum((ahead & live).to(tl.int32), 0)
+        kept = rank < TOPK  # a permutation of ranks (no NaN score): one program a slot
+        at = b * TOPK + rank  # its slot's row in the frontier's outputs [B,TOPK]
+        if half == 0:
+            tl.store(o_index_ptr + at, node, mask=kept)
+            tl.store(o_scores_ptr + at, own, mask=kept)
+            tl.store(o_tokens_ptr + at, token, mask=kept)
+            tl.store(o_parent_row_ptr + at, child // K, mask=kept)
+            tl.store(o_positions_ptr + at, tl.load(last_ptr + b) + LEVEL + 1, mask=kept)
+            # what the node sees (block masks: the interpreter takes a scalar & a block as no mask dtype)
+            tl.store(o_visible_ptr + at * C + vc, seen, mask=(vc < C) & (rank + vc * 0 < TOPK))
+            for c0 in range(BLOCK_C, C, BLOCK_C):  # (rows of more than BLOCK_C candidates)
+                row = tl.load(anc_ptr + b * s_a_b + node * s_a_r + c0 + vc, mask=c0 + vc < C, other=0)
+                tl.store(o_visible_ptr + at * C + c0 + vc, row, mask=(c0 + vc < C) & (rank + vc * 0 < TOPK))
+        else:
+            tl.store(xo_ptr + at * H + cols, h.to(xo_ptr.dtype.element_ty), mask=inside & (rank + cols * 0 < TOPK))
+        tl.store(out_ptr + at * 2 * H + half * H + cols, pair_half(h, w, H, eps, out_ptr.dtype.element_ty),
+                 mask=inside & (rank + cols * 0 < TOPK))
 
 # Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
 # them at a tree step's shapes on a GPU.
@@ -342,7 +346,7 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
     both = torch.empty(B, top_k, 2 * H, dtype=x.dtype, device=dev)
     table = table if table.stride(-1) == 1 else table.contiguous()
     if B:
-        _frontier_norm_pair_kernel[(B * top_k, 2)](cand.tokens, cand.scores, cand.ancestors.view(torch.uint8),
+        _frontier_norm_pair_kernel[(B * n_new, 2)](cand.tokens, cand.scores, cand.ancestors.view(torch.uint8),
                                                    last.contiguous(), index, scores, tokens, parent_row,
                                                    visible.view(torch.uint8), positions, table, table_weight, x,
                                                    x_weight, both, x_out, k, top_k, n_new, off, C, level, H, eps,

@@ -5,7 +5,8 @@
 # && git archive COMMIT | tar -x -C .ab/old`, without its tests, docs, train/, data/, export/ and
 # configs/, which the profile does not import: 64 MiB in all with the tree) for the side-by-side step
 # times; every other checkout in .ab (.ab/NAME) is timed too, after old and this one. About 500 s:
-#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA
+#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA,
+#                                         # KERNEL_TESTS (the CUDA test files of step 1), KNOBS=0 (no step 2)
 # 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
 # 2. the selection's launch settings timed alone (scripts/bench_tree_select.py: warps, rerank tiles);
@@ -21,8 +22,8 @@ set +e
 export DRAFTSMITH_TREES_GRAPHED=1
 log=$OUT/tree-check.log
 date -u +'start %H:%M:%S' | tee $log
-python3 -m pytest -q -p no:cacheprovider tests/test_tree_select.py tests/test_tree_accept.py tests/test_tree_attention.py \
-  tests/test_lm_head_topk.py > /tmp/tree-kernels.log 2>&1
+python3 -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/test_tree_select.py tests/test_tree_accept.py \
+  tests/test_tree_attention.py tests/test_lm_head_topk.py} > /tmp/tree-kernels.log 2>&1
 kernels=$?
 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_tree_decoding.py tests/test_spec_loop.py > /tmp/tree-gpu.log 2>&1
 loops=$?
@@ -32,8 +33,10 @@ if [ $kernels != 0 ] || [ $loops != 0 ]; then
   echo "tests failed: no A/B, no bench" | tee -a $log
   exit 1
 fi
-date -u +'selection knobs %H:%M:%S' | tee -a $log
-python3 scripts/bench_tree_select.py --out $OUT 2>&1 | grep -a -v -i warn | tail -16 | tee -a $log
+if [ "${KNOBS:-1}" != 0 ]; then
+  date -u +'selection knobs %H:%M:%S' | tee -a $log
+  python3 scripts/bench_tree_select.py --out $OUT 2>&1 | grep -a -v -i warn | tail -16 | tee -a $log
+fi
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
   # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; with the .ab checkouts at most two beside old

@@ -182,8 +182,9 @@ def test_finalize_refuses_more_nodes_than_candidates():
         finalize_triton(cand, 2, 2, 5, torch.zeros(1, dtype=torch.long))
 
 
+# (1, 3, 8, 16, 64, 300): 264 candidates, ancestor rows longer than one 256-column block
 @pytest.mark.parametrize("B,depth,top_k,children,H,Vd", [(2, 3, 3, 2, 64, 300), (1, 4, 4, None, 70, 129),
-                                                         (3, 2, 5, 3, 64, 40)])
+                                                         (3, 2, 5, 3, 64, 40), (1, 3, 8, 16, 64, 300)])
 def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, children, H, Vd):
     """A depth through `expand_children_triton` and `frontier_norm_pair_triton` (the head's merge
     writing the candidates, then the frontier ranked beside the layer's input norms) writes the
