@@ -179,34 +179,50 @@ if triton is not None:
         `merge_row`: its K best children, as log-probabilities), then what inference/tree.py's
         expand_level_reference writes for them: candidates OFF + f K + j, their tokens, parent,
         score and ancestor rows. Ranking them into the next frontier needs every node's children:
-        `_frontier_norm_pair_kernel` does it."""
+        `_frontier_norm_pair_kernel` does it. The node's own data (its index, score and ancestor
+        row's first block) is loaded before the merge, which does not wait on it (loaded after it,
+        until session 34: two more round trips to memory one after another)."""
         r = tl.program_id(0).to(tl.int64)
         b, f = r // F, r % F
-        lp, column = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, r, NSPLIT, V, K, BLOCK_S, BLOCK_CAND, BLOCK_K)
         j = tl.arange(0, BLOCK_K)
         live = j < K
+        c = OFF + f * K + j
+        cols = tl.arange(0, BLOCK_C)
+        if AT_ROOT:
+            parent = b * 0 - 1  # (a scalar tensor, as the load below gives)
+            parent_score = 0.0
+        else:
+            parent = tl.load(frontier_ptr + b * s_fr_b + f)
+            parent_score = tl.load(fscores_ptr + b * s_fs_b + f)
+        # (a block mask: the interpreter takes no scalar mask here)
+        from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + cols, mask=(cols * 0 + parent >= 0) & (cols < OFF),
+                              other=0)
+        lp, column = merge_row(max_ptr, sum_ptr, val_ptr, idx_ptr, r, NSPLIT, V, K, BLOCK_S, BLOCK_CAND, BLOCK_K)
         # a NaN log-probability (a broken drafter) ranks last: tl.minimum would make it 0, the best,
         # and a NaN score would rank beside the best and leave a frontier slot unwritten
         lp = tl.where(lp == lp, lp, float("-inf"))
         if AT_ROOT:
             score = tl.minimum(lp, 0.0)
-            parent = b * 0 - 1  # (a scalar tensor, as the load below gives)
         else:
-            score = tl.load(fscores_ptr + b * s_fs_b + f) + tl.minimum(lp, 0.0)
-            parent = tl.load(frontier_ptr + b * s_fr_b + f)
+            score = parent_score + tl.minimum(lp, 0.0)
         token = tl.load(draft_ids_ptr + column, mask=live, other=-1)
-        c = OFF + f * K + j
         tl.store(tokens_ptr + b * s_c_b + c, token, mask=live)
         tl.store(parents_ptr + b * s_c_b + c, tl.zeros([BLOCK_K], tl.int64) + parent, mask=live)
         tl.store(scores_ptr + b * s_c_b + c, score, mask=live)
         # each child's ancestor row: its parent's (columns before OFF, every child alike) and itself
-        for c0 in range(0, C, BLOCK_C):
-            cols = c0 + tl.arange(0, BLOCK_C)
-            has_parent = cols * 0 + parent >= 0  # (a block: the interpreter takes no scalar mask here)
-            from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + cols, mask=has_parent & (cols < OFF), other=0)
-            sees = ((from_parent != 0)[None, :] | (cols[None, :] == c[:, None])).to(tl.uint8)
-            tl.store(anc_ptr + b * s_a_b + c[:, None] * s_a_r + cols[None, :], sees,
-                     mask=live[:, None] & (cols < C)[None, :])
+        _children_ancestors(anc_ptr, b, s_a_b, s_a_r, c, live, cols, from_parent, C)
+        for c0 in range(BLOCK_C, C, BLOCK_C):  # (rows of more than BLOCK_C candidates)
+            from_parent = tl.load(anc_ptr + b * s_a_b + parent * s_a_r + c0 + cols,
+                                  mask=(cols * 0 + parent >= 0) & (c0 + cols < OFF), other=0)
+            _children_ancestors(anc_ptr, b, s_a_b, s_a_r, c, live, c0 + cols, from_parent, C)
+
+    @triton.jit
+    def _children_ancestors(anc_ptr, b, s_a_b, s_a_r, c, live, cols, from_parent, C):
+        """Children c's ancestor rows at columns `cols`: their parent's there (from_parent), and each
+        child itself."""
+        sees = ((from_parent != 0)[None, :] | (cols[None, :] == c[:, None])).to(tl.uint8)
+        tl.store(anc_ptr + b * s_a_b + c[:, None] * s_a_r + cols[None, :], sees,
+                 mask=live[:, None] & (cols < C)[None, :])
 
     @triton.jit
     def _frontier_norm_pair_kernel(tokens_ptr, scores_ptr, anc_ptr, last_ptr, o_index_ptr, o_scores_ptr,
