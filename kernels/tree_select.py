@@ -190,7 +190,6 @@ if triton is not None:
         cols = tl.arange(0, BLOCK_C)
         if AT_ROOT:
             parent = b * 0 - 1  # (a scalar tensor, as the load below gives)
-            parent_score = 0.0
         else:
             parent = tl.load(frontier_ptr + b * s_fr_b + f)
             parent_score = tl.load(fscores_ptr + b * s_fs_b + f)
