@@ -72,7 +72,7 @@ def _drafter_ks(module, ks: list[int]) -> list[int]:
 
 
 def _tree_row(tree) -> str:
-    from inference.tree_acceptance import tree_words
+    from inference.walks.tree import tree_words
 
     return f"runtime EAGLE-3 tree ({tree_words(tree)})"
 
@@ -105,7 +105,7 @@ def best_tree_setting(rows: dict, trees, ks, target: str, device: str) -> dict |
 
 
 def _best_tree_line(best: dict) -> str:
-    from inference.tree_acceptance import tree_words
+    from inference.walks.tree import tree_words
 
     t, c = best["tree"], best["chain"]
     tau = (lambda x: "-" if x is None else f"{x:.3f}")
@@ -128,10 +128,10 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
 
     from data.chat import encode_prompt
     from data.sources import load_prompts
-    from inference.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
-    from inference.fallback import load_runtime
+    from inference.runtime.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
+    from inference.runtime.fallback import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
-    from kernels.tree_attention import tuning_spec
+    from draftsmith_kernels.tree_attention import tuning_spec
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -218,7 +218,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             proposer = drafter_proposer(module, k, 1, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k})"] = lambda p=proposer: runtime(p)
         for tree in trees if _drafter_name(module) == "EAGLE-3" else ():
-            from inference.tree_decoding import EagleTreeProposer
+            from inference.tree.loop import EagleTreeProposer
 
             depth, top_k, total, *children = tree
             proposer = EagleTreeProposer(module, depth, top_k, total, 1, max_len, rt.config,
@@ -231,7 +231,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             proposer = drafter_proposer(module, k, batch_size, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k}), batch {batch_size}"] = lambda p=proposer: runtime(p, batch_size)
 
-    from inference.acceptance import acceptance_from_histogram
+    from inference.walks.greedy import acceptance_from_histogram
 
     # every prefill shape once, outside the timing (a GPU captures each padded prompt length
     # once), with the kernels and with torch ops

@@ -60,9 +60,9 @@ def check_ranges(args, table: dict) -> None:
 
 def parse_tree_spec(spec: str, flag: str = "--tree") -> tuple[int, ...]:
     """DEPTH,TOPK,NODES[,CHILDREN] → three or four positive ints, NODES at most the candidates such
-    an EAGLE-2 tree drafts (inference/tree_acceptance.py: tree_spec_problem); CHILDREN: what each
+    an EAGLE-2 tree drafts (inference/walks/tree.py: tree_spec_problem); CHILDREN: what each
     kept node below the root is expanded into (TOPK unless given; dropped when it is TOPK)."""
-    from inference.tree_acceptance import canonical_tree, tree_spec_problem
+    from inference.walks.tree import canonical_tree, tree_spec_problem
 
     try:
         tree = tuple(int(x) for x in spec.split(","))

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from data.chat import encode_prompt
-    from inference.engine import cache_size, generate
-    from inference.fallback import load_runtime
+    from inference.runtime.engine import cache_size, generate
+    from inference.runtime.fallback import load_runtime
     from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from models.zoo import AssetError, resolve_target
 

@@ -146,7 +146,7 @@ def regenerate_batch(model, tokenizer, conversations: list[list[dict]], max_new_
     last answer was a loop cut to its first copy carries "loop_cut": tokens removed.
     sampling: {"temperature", "generator"} to sample the answers instead (None: greedy)."""
     from data.chat import encode_prompt
-    from inference.engine import generate
+    from inference.runtime.engine import generate
 
     generate_fn = generate_fn or generate
     eos = tokenizer.eos_token_id
@@ -211,7 +211,7 @@ def _answer_batch(model, tokenizer, conversations, max_new_tokens, max_length, g
     the failed attempt is kept: records are written only for answered batches)."""
     import torch
 
-    from inference.graphs import release_workspace
+    from inference.runtime.graphs import release_workspace
 
     try:
         return regenerate_batch(model, tokenizer, conversations, max_new_tokens, max_length, generate_fn, keep_loops,
@@ -246,7 +246,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     from transformers import AutoTokenizer
 
     from data.sources import PROMPT_SETS, load_conversations, prompt_conversations
-    from inference.fallback import load_runtime
+    from inference.runtime.fallback import load_runtime
     from models.zoo import resolve_target
 
     out = Path(out)

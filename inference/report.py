@@ -141,7 +141,7 @@ def _write_markdown(report: ValidationReport, out: Path):
     verdict = "PASS" if report.passed else "FAIL"
     tree = report.tree
     if tree:
-        from inference.tree_acceptance import tree_words
+        from inference.walks.tree import tree_words
 
         shape = tuple(tree[key] for key in ("depth", "top_k", "total_tokens", "children") if key in tree)
     drafting = f"k = {report.k}" if not tree else (

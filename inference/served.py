@@ -74,7 +74,7 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
 
     from data.chat import encode_prompt
     from inference.cli import check_fits
-    from inference.engine import CACHE_BUCKET, cache_size, generate
+    from inference.runtime.engine import CACHE_BUCKET, cache_size, generate
     from inference.proposers import drafter_proposer
 
     device = rt.embed_tokens.weight.device
@@ -120,12 +120,12 @@ def replay(target, drafter, records: list[dict], k: int, anchors: int | None, pa
            verification: str = "standard", seed: int = 0, tree: tuple[int, int, int] | None = None):
     """Training's predictor on the served text (at most `anchors` chains per text, None: all), walking the
     answers as serving did (greedy: the very chains the runtime drafted) or the prompts. At T > 0 the
-    sampled predictor (inference/sampled_acceptance.py) at that temperature and verification. tree
-    (depth, top_k, total_tokens; k = depth): the tree walk instead (inference/tree_acceptance.py)."""
+    sampled predictor (inference/walks/sampled.py) at that temperature and verification. tree
+    (depth, top_k, total_tokens; k = depth): the tree walk instead (inference/walks/tree.py)."""
     import torch
 
-    from inference.acceptance import predicted_histogram
-    from inference.sampled_acceptance import sampled_histogram
+    from inference.walks.greedy import predicted_histogram
+    from inference.walks.sampled import sampled_histogram
 
     device = next(target.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -137,7 +137,7 @@ def replay(target, drafter, records: list[dict], k: int, anchors: int | None, pa
         t = torch.as_tensor([ids], device=device)
         mask, length = torch.as_tensor([mask], device=device), torch.as_tensor([len(ids)])
         if tree is not None:
-            from inference.tree_acceptance import predicted_tree_histograms
+            from inference.walks.tree import predicted_tree_histograms
 
             hist += predicted_tree_histograms(target, drafter, t, mask, length, [tree], anchors)[tree]
         else:

@@ -8,9 +8,9 @@ Runs the runtime on real prompts with the exported drafter (mt-bench: both turns
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
 per category and per turn, and compares them with the prediction stored in the export
 (`draftsmith.json`) at the served temperature and verification (the greedy promise at T = 0;
-at T > 0 the sampled one, inference/sampled_acceptance.py; with --tree, EAGLE-2 trees of that depth,
+at T > 0 the sampled one, inference/walks/sampled.py; with --tree, EAGLE-2 trees of that depth,
 top-k and node count served and held to the export's promise for that tree,
-inference/tree_acceptance.py; with --promise-set, the promise on that held-out set of
+inference/walks/tree.py; with --promise-set, the promise on that held-out set of
 eval.datasets, such as HumanEval's answered half, serving only questions that set does not hold). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from inference.report import Measured, Promised, ValidationReport, write_report
 from inference.served import load_prompts_for, measure, replay  # noqa: F401  (load_prompts_for: tests)
-from inference.tree_acceptance import tree_label, tree_words
+from inference.walks.tree import tree_label, tree_words
 from models.acceptance import Acceptance, Prediction, TreePromise, tau_at
 
 
@@ -145,7 +145,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              promise_set: str | None = None) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
     total_tokens[, children]): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
-    promise (`trees` in its predicted acceptance, inference/tree_acceptance.py). promise_set: the
+    promise (`trees` in its predicted acceptance, inference/walks/tree.py). promise_set: the
     held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
     the first; the questions that set holds are left out of serving."""
     import time
@@ -154,7 +154,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     from transformers import AutoTokenizer
 
     from export.load import load_export
-    from inference.fallback import load_runtime
+    from inference.runtime.fallback import load_runtime
     from models.target import Target
     from models.zoo import resolve_target
 
@@ -200,7 +200,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     drafter = load_export(folder, dtype=dtype).to(device)
     tree_promised = make_tree = None
     if tree is not None:
-        from inference.tree_acceptance import check_tree_drafter, tree_promise
+        from inference.walks.tree import check_tree_drafter, tree_promise
 
         check_tree_drafter(drafter)
         tree_promised = tree_promise(predicted, tree)
@@ -208,7 +208,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     tokenizer = AutoTokenizer.from_pretrained(path)
     rt = load_runtime(path, dtype=dtype, device=device)
     if tree is not None:
-        from inference.tree_acceptance import tree_proposers
+        from inference.walks.tree import tree_proposers
 
         make_tree = tree_proposers(drafter, tree, rt.config)
     not_served = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import INTERPRETED, use_kernel
+from draftsmith_kernels.dispatch import INTERPRETED, use_kernel
 
 try:
     import triton

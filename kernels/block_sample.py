@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_kernel
-from kernels.rejection_sample import inverse_cdf, verification_operands
+from draftsmith_kernels.dispatch import use_kernel
+from draftsmith_kernels.rejection_sample import inverse_cdf, verification_operands
 
 try:
     import triton

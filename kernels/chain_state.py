@@ -10,13 +10,13 @@
 
 Why kernels: the torch form is a cat, a scatter and two adds before the drafter's step and two
 gathers, two `where`s and two adds after it, ten launches of a few elements each; a chain step
-is bound by its launches (inference/drafter_proposers.py, `Eagle3Proposer.advance`).
+is bound by its launches (inference/proposers/drafters.py, `Eagle3Proposer.advance`).
 """
 from __future__ import annotations
 
 import torch
 
-from kernels import use_kernel
+from draftsmith_kernels.dispatch import use_kernel
 
 try:
     import triton

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import INTERPRETED, use_kernel
+from draftsmith_kernels.dispatch import INTERPRETED, use_kernel
 
 try:
     import triton

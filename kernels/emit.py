@@ -167,7 +167,7 @@ def feed_triton(tokens, length, drafts, fed, positions, draft_positions=None):
 
 def feed(tokens, length, drafts, fed, positions, draft_positions=None):
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    from kernels import use_kernel
+    from draftsmith_kernels.dispatch import use_kernel
 
     (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions, draft_positions)
 
@@ -193,7 +193,7 @@ def emit(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, hist
     """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere.
     active_out [B] bool (optional): set to ~done after the step, for the launches that follow (the
     proposer's advance, the next verify's bookkeeping), which then need no `~done` of their own."""
-    from kernels import use_kernel
+    from draftsmith_kernels.dispatch import use_kernel
 
     fn = emit_triton if use_kernel(tokens) else emit_reference
     fn(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps, active_out)

@@ -27,8 +27,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
-from kernels.silu_mul import silu_mul_reference
+from draftsmith_kernels.dispatch import use_kernel
+from draftsmith_kernels.silu_mul import silu_mul_reference
 
 try:
     import triton

@@ -28,7 +28,7 @@ def greedy_verify_reference(drafts: torch.Tensor, logits: torch.Tensor) -> tuple
 
 
 if triton is not None:
-    from kernels.argmax import argmax_chunks, merge_chunks
+    from draftsmith_kernels.argmax import argmax_chunks, merge_chunks
 
     @triton.jit
     def _accept_kernel(best_ptr, index_ptr, drafts_ptr, accepted_ptr, bonus_ptr, K, stride_d, NSPLIT,
@@ -72,7 +72,7 @@ def greedy_verify_triton(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[to
 
 def greedy_verify(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel on CUDA tensors, the reference elsewhere."""
-    from kernels import use_kernel
+    from draftsmith_kernels.dispatch import use_kernel
 
     if use_kernel(logits):
         return greedy_verify_triton(drafts, logits)

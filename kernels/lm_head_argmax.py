@@ -20,15 +20,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import INTERPRETED, use_kernel
-from kernels.argmax import argmax_rows_reference
-from kernels.rms_norm import rms_norm_reference
+from draftsmith_kernels.dispatch import INTERPRETED, use_kernel
+from draftsmith_kernels.argmax import argmax_rows_reference
+from draftsmith_kernels.rms_norm import rms_norm_reference
 
 try:
     import triton
     import triton.language as tl
 
-    from kernels.argmax import merge_chunks_into
+    from draftsmith_kernels.argmax import merge_chunks_into
 except ImportError:
     triton = None
 

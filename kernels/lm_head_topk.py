@@ -30,9 +30,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import INTERPRETED
-from kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V
-from kernels.rms_norm import rms_norm_reference
+from draftsmith_kernels.dispatch import INTERPRETED
+from draftsmith_kernels.lm_head_argmax import BLOCK_H, BLOCK_R, BLOCK_V
+from draftsmith_kernels.rms_norm import rms_norm_reference
 
 try:
     import triton

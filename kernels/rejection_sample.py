@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_kernel
+from draftsmith_kernels.dispatch import use_kernel
 
 try:
     import triton

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_kernel
+from draftsmith_kernels.dispatch import use_kernel
 from models.layers import apply_rope, rope_cos_sin
 
 try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
+from draftsmith_kernels.dispatch import use_kernel
 
 try:
     import triton

@@ -15,12 +15,12 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
       position last [B], also next_tokens / next_positions [B,D+1]: the drafter's next input, as
       kernels/chain_state.py's `advance_inputs` makes it from fed (else None)
 
-The rules are inference/tree.py's (greedy_tree_verify, compaction_index, compaction_moves): its
+The rules are inference/tree/ops.py's (greedy_tree_verify, compaction_index, compaction_moves): its
 `tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
 tensors. The kernel computes the same in one program per row (it also never matches an empty
 slot against a choice of -1, which argmax and a draw never give).
 
-The moves themselves (`move_entries_triton`, inference/tree.py's `move_entries` on CUDA tensors):
+The moves themselves (`move_entries_triton`, inference/tree/ops.py's `move_entries` on CUDA tensors):
 one launch for the keys and values of every layer, where a gather and a scatter per cache took
 four launches of ~4 us each on an H200 (BENCHMARKS.md, session 18). An EAGLE-3 tree loop has the
 next draft's rerank make them in programs of its own instead (`move_layer`, kernels/tree_select.py):
@@ -36,11 +36,11 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.emit import emit_row
+    from draftsmith_kernels.emit import emit_row
 except ImportError:
     triton = None
 
-from kernels.emit import EmitState  # noqa: E402
+from draftsmith_kernels.emit import EmitState  # noqa: E402
 
 
 class TreeAccept(NamedTuple):
@@ -215,7 +215,7 @@ def move_arguments(k_cache, v_cache, src, dst):
 
 
 def move_entries_triton(k_cache, v_cache, src, dst):
-    """inference/tree.py's `move_entries_reference` in one launch, a program a (layer, row):
+    """inference/tree/ops.py's `move_entries_reference` in one launch, a program a (layer, row):
     caches and src / dst as `move_arguments` says, moved in place."""
     if triton is None:
         raise RuntimeError("triton is not installed")

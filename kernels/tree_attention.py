@@ -11,7 +11,7 @@
 
 Every query of row b sees the cache keys at slots <= base_positions[b] (the verified prefix,
 ending with the root token) and the tree keys j of its mask row (itself and its ancestors,
-inference/tree.py). A verify step feeds the root and its N nodes (M = N + 1): the root is a
+inference/tree/ops.py). A verify step feeds the root and its N nodes (M = N + 1): the root is a
 plain cache query, and the tree's own [B,N,N] mask is the nodes' rows as it stands (no copy
 with an empty row in front: two launches a verify step). The tree slots of the cache are not
 ordered by position, so a position-causal mask cannot describe them: the block is masked apart.
@@ -46,8 +46,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import INTERPRETED, use_kernel
-from kernels.decode_attention import decode_attention_triton, grouped_cache_attention
+from draftsmith_kernels.dispatch import INTERPRETED, use_kernel
+from draftsmith_kernels.decode_attention import decode_attention_triton, grouped_cache_attention
 
 try:
     import triton
@@ -203,7 +203,7 @@ except ValueError as error:  # a bad setting stops the process with one line, be
 
 
 if triton is not None:
-    from kernels.decode_attention import _merge_chunk  # the merges' online softmax over chunks of splits
+    from draftsmith_kernels.decode_attention import _merge_chunk  # the merges' online softmax over chunks of splits
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):

@@ -1,5 +1,5 @@
 """EAGLE-2 selection on fixed candidate buffers, inside launches a drafter's depth makes anyway,
-and one for the rerank, instead of about twenty-five and fifteen: what inference/tree.py's
+and one for the rerank, instead of about twenty-five and fifteen: what inference/tree/ops.py's
 `expand_depth` and `finalize` compute (its `expand_level_reference` and `finalize_reference`
 compose them on these buffers; its `finalize_candidates` runs the rerank's kernel on CUDA
 tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
@@ -16,7 +16,7 @@ tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
     off .. off + F k; the best top_k of them (stable: ties to the lower index) are the next
     frontier, returned with what the drafter reads there (`Frontier`).
     finalize: the best `total_tokens` candidates by score (ties to the lower index), in
-    candidate order: the Tree (inference/tree.py) the target verifies.
+    candidate order: the Tree (inference/tree/ops.py) the target verifies.
 
 A depth's expansion runs inside two launches the drafter makes anyway (inference/
 tree_decoding.py `_expand`): `expand_children_triton`, the head's merge, writes each node's
@@ -35,9 +35,9 @@ try:
     import triton
     import triton.language as tl
 
-    from kernels.lm_head_topk import TOPK_BLOCK_V, merge_row, topk_chunks
-    from kernels.rms_norm import pair_half
-    from kernels.tree_accept import move_arguments, move_layer
+    from draftsmith_kernels.lm_head_topk import TOPK_BLOCK_V, merge_row, topk_chunks
+    from draftsmith_kernels.rms_norm import pair_half
+    from draftsmith_kernels.tree_accept import move_arguments, move_layer
 except ImportError:
     triton = None
 
@@ -176,7 +176,7 @@ if triton is not None:
                                BLOCK_CAND: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                                AT_ROOT: tl.constexpr):
         """One frontier node (program b * F + f): the head's merge of its slices (kernels/lm_head_topk.py
-        `merge_row`: its K best children, as log-probabilities), then what inference/tree.py's
+        `merge_row`: its K best children, as log-probabilities), then what inference/tree/ops.py's
         expand_level_reference writes for them: candidates OFF + f K + j, their tokens, parent,
         score and ancestor rows. Ranking them into the next frontier needs every node's children:
         `_frontier_norm_pair_kernel` does it. The node's own data (its index, score and ancestor
@@ -303,7 +303,7 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
     """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
     nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
     writes each node's k best children as candidates off .. off + F k of `cand` (what
-    `norm_lm_head_topk_triton` then inference/tree.py's `expand_level_reference` write there).
+    `norm_lm_head_topk_triton` then inference/tree/ops.py's `expand_level_reference` write there).
     frontier / frontier_scores [B,F]: the nodes' candidate indices and scores (None: the root
     alone). The next frontier is ranked from these by `frontier_norm_pair_triton`."""
     if triton is None:
@@ -375,7 +375,7 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
                     base_offset: int = 0, feed=None, moves=None):
-    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree.py's Tree, node
+    """→ (tokens, parents, depths, mask, positions), the fields of inference/tree/ops.py's Tree, node
     positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
     and the mask [B,N,N] bool) when given. feed: (tokens [B,S], length [B], fed [B,N+1],
     fed_positions [B,N+1]), a loop's state and its verify step's input, which the launch also

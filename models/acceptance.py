@@ -61,7 +61,7 @@ class Acceptance:
         at_least = hist.flip(0).cumsum(0).flip(0)  # at_least[i] = #chains with >= i accepted
         a = tuple((at_least[i] / at_least[i - 1]).item() if at_least[i - 1] > 0 else 0.0 for i in range(1, k + 1))
         tau = 1.0 + (at_least[1:].sum() / n).item() if n else 1.0
-        # sampled promises (inference/sampled_acceptance.py) hold expected, fractional counts
+        # sampled promises (inference/walks/sampled.py) hold expected, fractional counts
         counts = tuple(int(x) if float(x).is_integer() else x for x in hist.tolist())
         return cls(a, tau, int(round(n)), counts, tau_se=_tau_se(hist) if with_error else None)
 
@@ -106,7 +106,7 @@ def _tau_se(hist) -> float:
 @dataclass(frozen=True)
 class Promise:
     """Acceptance promised for serving at one temperature and verification rule (greedy chains:
-    temperature 0, "greedy"; sampled ones: inference/sampled_acceptance.py)."""
+    temperature 0, "greedy"; sampled ones: inference/walks/sampled.py)."""
 
     temperature: float
     verification: str
@@ -123,7 +123,7 @@ class Promise:
 
 @dataclass(frozen=True)
 class TreePromise:
-    """Acceptance promised for EAGLE-2 draft trees of one shape (inference/tree_acceptance.py):
+    """Acceptance promised for EAGLE-2 draft trees of one shape (inference/walks/tree.py):
     a_i by depth, num_chains = trees drafted. children: what each kept node below the root is
     expanded into, None for top_k (files from before it hold no such key)."""
 

@@ -160,7 +160,7 @@ class Eagle3Drafter(nn.Module):
         tokens = shift_left(input_ids, 1)
         for s in range(steps):
             if s > 0:
-                # pick: the caller chooses the fed tokens (sampled chains, inference/sampled_acceptance.py)
+                # pick: the caller chooses the fed tokens (sampled chains, inference/walks/sampled.py)
                 tokens = pick(out[-1]) if pick is not None else \
                     self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
             hidden = self.step(tokens, hidden, position_ids + s, attend)

@@ -112,15 +112,15 @@ def _dflash(d, hf_config, vd: int, mask_token_id: int):
 
 
 METHODS: dict[str, Method] = {
-    "eagle3": Method(Eagle3Config, Eagle3Drafter, _eagle3, "inference.drafter_proposers:Eagle3Proposer",
+    "eagle3": Method(Eagle3Config, Eagle3Drafter, _eagle3, "inference.proposers.drafters:Eagle3Proposer",
                      {"speculators": "export.speculators", "sglang": "export.sglang"}, "chain"),
-    "eagle1": Method(Eagle1Config, Eagle1Drafter, _eagle1, "inference.drafter_proposers:Eagle3Proposer",
+    "eagle1": Method(Eagle1Config, Eagle1Drafter, _eagle1, "inference.proposers.drafters:Eagle3Proposer",
                      {"eagle": "export.eagle1", "eagle-vllm": "export.eagle1"}, "chain", feature_regression=True),
-    "medusa": Method(MedusaConfig, MedusaDrafter, _medusa, "inference.drafter_proposers:medusa_proposer",
+    "medusa": Method(MedusaConfig, MedusaDrafter, _medusa, "inference.proposers.drafters:medusa_proposer",
                      {"medusa": "export.medusa"}, "heads", joint=True),
-    "mtp": Method(MTPConfig, MTPDrafter, _mtp, "inference.block_proposers:MTPCachedProposer",
+    "mtp": Method(MTPConfig, MTPDrafter, _mtp, "inference.proposers.blocks:MTPCachedProposer",
                   {"mtp": "export.mtp"}, "chain", joint=True),
-    "dflash": Method(DFlashConfig, DFlashDrafter, _dflash, "inference.block_proposers:DFlashCachedProposer",
+    "dflash": Method(DFlashConfig, DFlashDrafter, _dflash, "inference.proposers.blocks:DFlashCachedProposer",
                      {"dflash": "export.dflash", "speculators": "export.speculators"}, "block"),
 }
 

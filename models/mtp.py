@@ -147,7 +147,7 @@ class MTPDrafter(nn.Module):
             logits = self.logits(module, h_dr)
             if pick is None:
                 draft = self.draft_ids()[logits.argmax(-1)]
-            elif s + 1 < steps:  # the caller chooses the fed tokens (sampled chains, inference/sampled_acceptance.py)
+            elif s + 1 < steps:  # the caller chooses the fed tokens (sampled chains, inference/walks/sampled.py)
                 draft = pick(logits)
             out.append(logits)
         return out

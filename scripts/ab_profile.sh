@@ -7,7 +7,7 @@
 # Repeat the first variant last to see the drift within the call. On the device machine, after
 # `source scripts/device_setup.sh`:
 #   AB_TREE=4,8,40,4 bash scripts/ab_profile.sh old=@.ab/old "new=" \
-#     "q32=import kernels.tree_attention as a; a.MAX_BLOCK_Q = 32" old2=@.ab/old
+#     "q32=import draftsmith_kernels.tree_attention as a; a.MAX_BLOCK_Q = 32" old2=@.ab/old
 # Each variant's profile_spec.json lands in $OUT/NAME.
 set -u
 export DRAFTSMITH_TREES_GRAPHED=1

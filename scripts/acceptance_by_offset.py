@@ -6,7 +6,7 @@ and on the answers the runtime serves: chains bucketed by the answer token they 
 
 The held-out side is the export's own (its training config, as `python -m train.promise` reads
 it), walked over whole answers; the served side is --dataset served greedily through the runtime
-with the drafter (both turns of MT-bench), walked the same way (inference/acceptance.py: on
+with the drafter (both turns of MT-bench), walked the same way (inference/walks/greedy.py: on
 served greedy answers that walk is the runtime's own). Prints tau per turn and per offset bucket
 for both, and the held-out tau counting only chains before --max-new-tokens: what
 `eval.max_new_tokens` promises. Session 14 found with it why promises over whole answers
@@ -50,7 +50,7 @@ def walk(target, drafter, rows, k: int, device: str):
     """rows: (ids, mask, turn or None) → {(turn '1' | '2+', bucket): [chains, accepted]}."""
     import torch
 
-    from inference.acceptance import predicted_histogram
+    from inference.walks.greedy import predicted_histogram
 
     stats = defaultdict(lambda: [0, 0])
     for ids, mask, turn in rows:
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     from data.templates import apply_template_choice
     from export.io import read_json
     from export.load import load_export
-    from inference.fallback import load_runtime
+    from inference.runtime.fallback import load_runtime
     from inference.served import load_prompts_for, measure
     from models.target import Target
     from models.zoo import resolve_target

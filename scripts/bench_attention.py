@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-import kernels.tree_attention as ta
-from inference.tree import ancestor_mask
-from kernels.decode_attention import decode_attention_triton
+import draftsmith_kernels.tree_attention as ta
+from inference.tree.ops import ancestor_mask
+from draftsmith_kernels.decode_attention import decode_attention_triton
 
 
 def random_tree_mask(n: int, g: torch.Generator) -> torch.Tensor:

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference.engine import generate
-from inference.model import RuntimeModel
+from inference.runtime.engine import generate
+from inference.runtime.model import RuntimeModel
 from scripts.profile_train_step import SMOLLM2
 
 

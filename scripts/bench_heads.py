@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-from kernels.lm_head_argmax import norm_lm_head_argmax_triton
-from kernels.lm_head_topk import norm_lm_head_topk_reference, norm_lm_head_topk_triton
+from draftsmith_kernels.lm_head_argmax import norm_lm_head_argmax_triton
+from draftsmith_kernels.lm_head_topk import norm_lm_head_topk_reference, norm_lm_head_topk_triton
 
 SHAPES = [(1, 8), (1, 10), (8, 8), (10, 10), (10, 4), (10, 2), (8, 4)]  # (rows, k)
 SLICES = (64, 128, 256, 512)

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
-from kernels.rms_norm import rms_norm_reference, rms_norm_triton
-from kernels.rope_cache import rope_cache_reference, rope_cache_triton
-from kernels.silu_mul import silu_mul_reference, silu_mul_triton
-from kernels.soft_kl import soft_kl_reference, soft_kl_triton
+from draftsmith_kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+from draftsmith_kernels.rms_norm import rms_norm_reference, rms_norm_triton
+from draftsmith_kernels.rope_cache import rope_cache_reference, rope_cache_triton
+from draftsmith_kernels.silu_mul import silu_mul_reference, silu_mul_triton
+from draftsmith_kernels.soft_kl import soft_kl_reference, soft_kl_triton
 from models.layers import rope_inv_freq
 
 
@@ -43,7 +43,7 @@ def cases():
         drafts = logits.argmax(-1)[:, :k]
         yield f"greedy_verify [1,{k + 1},49152]", (lambda d=drafts, l=logits: greedy_verify_reference(d, l)), \
             (lambda d=drafts, l=logits: greedy_verify_triton(d, l))
-    from kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
+    from draftsmith_kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
 
     for k in (1, 7):
         p = torch.softmax(torch.randn(1, k + 1, 49152, device=dev), -1)
@@ -51,16 +51,16 @@ def cases():
         ua, us = torch.rand(1, k, device=dev), torch.rand(1, device=dev)
         yield f"rejection_sample [1,{k + 1},49152]", (lambda a=(drafts, None, p, ua, us): rejection_sample_reference(*a)), \
             (lambda a=(drafts, None, p, ua, us): rejection_sample_triton(*a))
-    from kernels.block_sample import block_sample_reference, block_sample_triton
+    from draftsmith_kernels.block_sample import block_sample_reference, block_sample_triton
 
     p = torch.softmax(torch.randn(1, 8, 49152, device=dev), -1)
     drafts = p[:, :7].argmax(-1)
     eta, us = torch.rand(1, 7, device=dev), torch.rand(1, device=dev)
     yield "block_sample [1,8,49152]", (lambda: block_sample_reference(drafts, None, p, eta, us)), \
         (lambda: block_sample_triton(drafts, None, p, eta, us))
-    from inference.tree import ancestor_mask
-    from kernels.decode_attention import decode_attention_triton
-    from kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_cache_bias, with_root_row
+    from inference.tree.ops import ancestor_mask
+    from draftsmith_kernels.decode_attention import decode_attention_triton
+    from draftsmith_kernels.tree_attention import tree_attention_reference, tree_attention_triton, tree_cache_bias, with_root_row
 
     for B, N in ((1, 10), (1, 48), (16, 10)):
         # a tree verify step (the root and N nodes, the block in the cache after the root at 1500)

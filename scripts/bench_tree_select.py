@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-import kernels.lm_head_topk as head
-import kernels.tree_select as select
-from inference.tree_decoding import tree_candidate_count
-from kernels.tree_select import Candidates, expand_children_triton, finalize_triton, frontier_norm_pair_triton
+import draftsmith_kernels.lm_head_topk as head
+import draftsmith_kernels.tree_select as select
+from inference.tree.loop import tree_candidate_count
+from draftsmith_kernels.tree_select import Candidates, expand_children_triton, finalize_triton, frontier_norm_pair_triton
 
 KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rerank"): (4, 8, 16),
          ("rerank_rows", None): (8, 16, 32), ("rerank_columns", None): (8, 16, 32), ("topk_warps", None): (2, 4, 8)}

@@ -53,7 +53,7 @@ def main(argv=None):
         raise SystemExit(f"error: --blas {unknown[0]!r} is not one of default, cublaslt, tunable")
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_verify times CUDA graphs: it needs a GPU")
-    from inference.model import RuntimeModel
+    from inference.runtime.model import RuntimeModel
     from scripts.bench_gemm import graph_time  # µs per call, captured in a CUDA graph
     from scripts.profile_spec import smollm2_shaped
 

@@ -71,11 +71,11 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    import inference.spec_loop as spec_loop
-    from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
+    import inference.runtime.spec_loop as spec_loop
+    from inference.runtime.engine import cache_size, generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
-    from inference.tree_decoding import EagleTreeProposer
+    from inference.tree.loop import EagleTreeProposer
     from models.zoo import resolve_target
     from tests.test_spec_loop import _random_drafters
 

@@ -41,7 +41,7 @@ if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
   # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; with the .ab checkouts at most two beside old
   # and new: a call brings back 8 files), e.g.
-  # AB_EXTRA='bv64=import kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
+  # AB_EXTRA='bv64=import draftsmith_kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
   extra=()
   for dir in .ab/*/; do
     name=$(basename "$dir")

@@ -30,9 +30,9 @@ I64, U8, F32, BF16 = "*i64", "*u8", "*fp32", "*bf16"
 
 def _kernels():
     """name → (kernel, pointer types by argument, [(label, constexprs, warps)])."""
-    import kernels.tree_select as select
-    from kernels.tree_accept import _tree_accept_kernel
-    from kernels.tree_select import _frontier_norm_pair_kernel, _rerank_kernel
+    import draftsmith_kernels.tree_select as select
+    from draftsmith_kernels.tree_accept import _tree_accept_kernel
+    from draftsmith_kernels.tree_select import _frontier_norm_pair_kernel, _rerank_kernel
 
     rerank_types = dict(scores_ptr=F32, tokens_ptr=I64, parents_ptr=I64, anc_ptr=U8, base_ptr=I64, o_tokens_ptr=I64,
                         o_parents_ptr=I64, o_depths_ptr=I64, o_mask_ptr=U8, o_positions_ptr=I64, loop_tokens_ptr=I64,

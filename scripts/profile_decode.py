@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference.engine import GreedyDecodeStep
-from inference.model import RuntimeModel
+from inference.runtime.engine import GreedyDecodeStep
+from inference.runtime.model import RuntimeModel
 from scripts.profile_train_step import SMOLLM2
 
 

@@ -47,10 +47,10 @@ def main(argv=None):
                     help="add an EAGLE-2 tree row (repeatable), e.g. --tree 4,4,24; CHILDREN: what each kept node "
                          "below the root is expanded into (TOPK by default)")
     args = ap.parse_args(argv)
-    from inference.engine import CACHE_BUCKET, cache_size, generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import CACHE_BUCKET, cache_size, generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
-    from inference.tree_decoding import EagleTreeProposer
+    from inference.tree.loop import EagleTreeProposer
     from models.eagle3 import Eagle3Config, Eagle3Drafter
     from models.dflash import DFlashConfig, DFlashDrafter
     from models.medusa import MedusaConfig, MedusaDrafter
@@ -155,7 +155,7 @@ def trace(proposer, name, prompt, rt, args, max_len, verification):
 
     from torch.profiler import ProfilerActivity, profile
 
-    from inference.engine import generate
+    from inference.runtime.engine import generate
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)

@@ -78,8 +78,8 @@ def sweep(args, chains: list[int], trees: list[tuple[int, ...]], provenance_path
     from data.templates import apply_template_choice
     from export.io import atomic_write_json, read_json
     from export.load import load_export
-    from inference.acceptance import acceptance_from_histogram
-    from inference.fallback import load_runtime
+    from inference.walks.greedy import acceptance_from_histogram
+    from inference.runtime.fallback import load_runtime
     from inference.served import measure, replay
     from models.target import Target
     from models.zoo import resolve_target

@@ -5,7 +5,7 @@ GPU cost proxy of the walk, which is launch-bound on a small model.
 
 The text is random tokens in four answer spans of 256 tokens (the serving budget), walked by
 the greedy chain walk and by the sampled walk at T = 1 (standard verification) in windows of
-128 anchors and in its default windows (inference/sampled_acceptance.py `sampled_window`).
+128 anchors and in its default windows (inference/walks/sampled.py `sampled_window`).
 --tree adds the EAGLE-2 tree walk (depth 4, top-k 4, 24 nodes). On random text every tree is
 grafted onto the text again, one target forward per round, which takes minutes on a CPU and is
 not what the target's own answers cost.
@@ -24,9 +24,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
-    from inference.acceptance import cap_answer_spans, predicted_histogram
-    from inference.sampled_acceptance import sampled_histogram
-    from inference.tree_acceptance import predicted_tree_histograms
+    from inference.walks.greedy import cap_answer_spans, predicted_histogram
+    from inference.walks.sampled import sampled_histogram
+    from inference.walks.tree import predicted_tree_histograms
     from models.target import Target
     from models.zoo import resolve_target
     from scripts.count_launches import LaunchCounter

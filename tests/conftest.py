@@ -141,8 +141,8 @@ def zoo_plain_greedy(tokenizer):
     every proposer's: tests/test_speculative.py, on some of the prompts)."""
     import torch
 
-    from inference.engine import generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import generate
+    from inference.runtime.model import RuntimeModel
     from models.zoo import resolve_target
     from tests.test_speculative import _real_prompts
 

@@ -1,6 +1,6 @@
 import torch
 
-from inference.acceptance import acceptance_from_histogram, accepted_lengths, length_histogram
+from inference.walks.greedy import acceptance_from_histogram, accepted_lengths, length_histogram
 
 
 def test_accepted_lengths_count_leading_matches():
@@ -65,7 +65,7 @@ def test_predicted_acceptance_walks_the_answer_as_serving_does(tiny_target):
     """Chains start where serving starts them (after each bonus token), on human text (the
     target's choices need grafted chains) and on the target's own greedy text (the text alone
     judges every chain before its end: no extra forward)."""
-    from inference.acceptance import predicted_histogram
+    from inference.walks.greedy import predicted_histogram
     from models.target import Target
 
     target = Target.load(tiny_target, [0])
@@ -100,7 +100,7 @@ def test_predicted_acceptance_splits_first_answers_from_follow_up_turns(tiny_tar
     """per_turn counts the chains of a row's first answer span and of its later spans apart; each
     part equals the walk over that span alone (the walk restarts at every span), and the parts
     add up to the whole."""
-    from inference.acceptance import predicted_histogram
+    from inference.walks.greedy import predicted_histogram
     from models.target import Target
 
     target = Target.load(tiny_target, [0])
@@ -132,7 +132,7 @@ def test_predicted_acceptance_splits_first_answers_from_follow_up_turns(tiny_tar
 
 
 def test_cap_answer_spans_keeps_the_served_part_of_each_answer():
-    from inference.acceptance import cap_answer_spans
+    from inference.walks.greedy import cap_answer_spans
 
     mask = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 0, 1], [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1]])
     assert cap_answer_spans(mask, 2).tolist() == [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 1], [1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0]]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from inference.acceptance import acceptance_from_histogram
+from inference.walks.greedy import acceptance_from_histogram
 from models.acceptance import Acceptance, HeldoutPrediction, Prediction, Promise, TreePromise, tau_at
 
 

@@ -70,7 +70,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 3
     assert best["device"] == "cpu" and best["target"] == "tiny-random-llama"
     # the tree-attention knobs in effect are recorded (DRAFTSMITH_TREE_ATTENTION's form)
-    from kernels.tree_attention import apply_tuning
+    from draftsmith_kernels.tree_attention import apply_tuning
     assert summary["tree_attention"].startswith("MAX_BLOCK_Q=") and apply_tuning(summary["tree_attention"])
 
 

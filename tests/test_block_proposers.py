@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from inference.block_proposers import DFlashCachedProposer, MTPCachedProposer
-from inference.drafter_proposers import RecomputeProposer
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
+from inference.proposers.blocks import DFlashCachedProposer, MTPCachedProposer
+from inference.proposers.drafters import RecomputeProposer
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
 from models.dflash import DFlashConfig, DFlashDrafter
 from models.mtp import MTPConfig, MTPDrafter
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target

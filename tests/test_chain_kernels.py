@@ -20,8 +20,8 @@ def test_norm_lm_head_argmax_matches_reference(dev, dtype, R, H, V, mapped):
     """Rows on both sides of a 16-row block, a hidden size that is no multiple of the tile, a
     vocabulary that is no multiple of the slice (2,100: 17 of the GPU's slices to merge; the real
     16,384 took 8-16 s a case in the interpreter); the output a strided column (a chain's)."""
-    from kernels.lm_head_argmax import BLOCK_V, norm_lm_head_argmax_reference, norm_lm_head_argmax_triton
-    from kernels.rms_norm import rms_norm_reference
+    from draftsmith_kernels.lm_head_argmax import BLOCK_V, norm_lm_head_argmax_reference, norm_lm_head_argmax_triton
+    from draftsmith_kernels.rms_norm import rms_norm_reference
 
     g = torch.Generator().manual_seed(R * H + V)
     hidden = (torch.randn(R, H, generator=g) * 3).to(dev, dtype)
@@ -51,7 +51,7 @@ def test_norm_lm_head_argmax_matches_reference(dev, dtype, R, H, V, mapped):
 
 
 def test_norm_lm_head_argmax_ties_go_to_the_lowest_column(dev):
-    from kernels.lm_head_argmax import norm_lm_head_argmax_triton
+    from draftsmith_kernels.lm_head_argmax import norm_lm_head_argmax_triton
 
     H, V = 64, 700
     weight = torch.zeros(V, H, device=dev)
@@ -65,7 +65,7 @@ def test_norm_lm_head_argmax_ties_go_to_the_lowest_column(dev):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,H", [((1, 1), 576), ((3, 5), 70), ((2, 8), 64)])
 def test_rms_norm_pair_matches_reference(dev, dtype, shape, H):
-    from kernels.rms_norm import rms_norm_pair_reference, rms_norm_pair_triton
+    from draftsmith_kernels.rms_norm import rms_norm_pair_reference, rms_norm_pair_triton
 
     g = torch.Generator().manual_seed(H)
     table = torch.randn(50, H, generator=g).to(dev, dtype)
@@ -83,7 +83,7 @@ def test_rms_norm_pair_matches_reference(dev, dtype, shape, H):
 def test_rms_norm_pair_gathers_a_trees_parents(dev, dtype):
     """A draft tree's level: each node's parent row of the last output (x_rows) is normalised
     and copied out (x_out, the residual), in the same launch; rows repeat and skip."""
-    from kernels.rms_norm import gather_rows, rms_norm_pair_reference, rms_norm_pair_triton
+    from draftsmith_kernels.rms_norm import gather_rows, rms_norm_pair_reference, rms_norm_pair_triton
 
     g = torch.Generator().manual_seed(7)
     B, F0, F, H = 2, 3, 5, 70
@@ -117,7 +117,7 @@ def test_rms_norm_pair_gathers_a_trees_parents(dev, dtype):
 @pytest.mark.parametrize("B,q,k,H", [(1, 1, 1, 8), (5, 5, 4, 70), (3, 8, 7, 576), (18, 6, 4, 1100)])  # H > one 1,024 block
 def test_chain_bookkeeping_matches_reference(dev, B, q, k, H):
     """Every accepted count from 0 to q - 1, finished rows (inactive) keeping their state."""
-    from kernels.chain_state import (advance_inputs_reference, advance_inputs_triton, keep_entry_reference,
+    from draftsmith_kernels.chain_state import (advance_inputs_reference, advance_inputs_triton, keep_entry_reference,
                                      keep_entry_triton)
 
     g = torch.Generator().manual_seed(B * q + H)
@@ -150,7 +150,7 @@ def test_chain_bookkeeping_matches_reference(dev, B, q, k, H):
     (37, 70, False, False, torch.bfloat16),
 ])
 def test_gemv_matches_reference(dev, dtype, N, K, swiglu, with_residual):
-    from kernels.gemv import gemv_reference, gemv_triton, swiglu_gemv_reference, swiglu_gemv_triton
+    from draftsmith_kernels.gemv import gemv_reference, gemv_triton, swiglu_gemv_reference, swiglu_gemv_triton
 
     g = torch.Generator().manual_seed(N + K)
     x = torch.randn(1, 1, 2 * K if swiglu else K, generator=g).to(dev, dtype)
@@ -169,7 +169,7 @@ def test_gemv_matches_reference(dev, dtype, N, K, swiglu, with_residual):
 
 def test_gemv_adds_into_its_own_residual(dev):
     """out = residual: h += x @ W.T in place, as the chain's down projection writes it."""
-    from kernels.gemv import swiglu_gemv_reference, swiglu_gemv_triton
+    from draftsmith_kernels.gemv import swiglu_gemv_reference, swiglu_gemv_triton
 
     g = torch.Generator().manual_seed(0)
     gate_up, w = torch.randn(1, 2 * 96, generator=g).to(dev), torch.randn(64, 96, generator=g).to(dev)
@@ -181,14 +181,14 @@ def test_gemv_adds_into_its_own_residual(dev):
 
 
 def test_gemv_refuses_more_than_one_row(dev):
-    from kernels.gemv import gemv_triton
+    from draftsmith_kernels.gemv import gemv_triton
 
     with pytest.raises(ValueError, match="one row of 8"):
         gemv_triton(torch.randn(2, 8, device=dev), torch.randn(4, 8, device=dev))
 
 
 def test_gemv_refuses_an_out_that_is_not_one_contiguous_row(dev):
-    from kernels.gemv import gemv_triton
+    from draftsmith_kernels.gemv import gemv_triton
 
     x, w = torch.randn(1, 8, device=dev), torch.randn(6, 8, device=dev)
     for out in (torch.empty(1, 5, device=dev), torch.empty(6, 2, device=dev)[:, 0]):

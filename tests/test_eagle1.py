@@ -6,8 +6,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
 from inference.proposers import Eagle3Proposer
 from models.eagle1 import Eagle1Config, Eagle1Drafter
 from models.target import Target

@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
 from inference.proposers import Eagle3Proposer
 from models.eagle3 import Eagle3Config, Eagle3Drafter
 from models.target import Target
@@ -127,7 +127,7 @@ def test_begin_over_a_wider_buffer_with_stale_features_changes_nothing(tiny_targ
     """What the captured begin runs (`begin_graphed` on a GPU): the prompts padded to a bucket
     wider than the longest, the features past each prompt stale. Entries at those positions are
     overwritten before any query reads them, so every step drafts the same chains."""
-    from inference.drafter_proposers import _shifted_prompts
+    from inference.proposers.drafters import _shifted_prompts
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     drafter = _drafter_for(hf, norm_before_fc=True)

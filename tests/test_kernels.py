@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels.soft_kl import soft_kl_reference, soft_kl_triton
+from draftsmith_kernels.soft_kl import soft_kl_reference, soft_kl_triton
 
 needs_triton_backend = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -83,7 +83,7 @@ def test_convergence_with_and_without_the_kernel():
                                              (2, 5, 9, 3, 64, 300), (1, 16, 8, 1, 32, 70), (2, 23, 9, 3, 64, 90),
                                              (1, 3, 2, 1, 4, 40)])
 def test_decode_attention_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d, S):
-    from kernels.decode_attention import decode_attention_reference, decode_attention_triton
+    from draftsmith_kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B * n + d)
@@ -113,7 +113,7 @@ def test_both_merge_forms_of_a_chain_match_reference(dtype, tol, B, n, nh, nkv, 
     """A chain's merge takes one query head a program on a GPU and all of a token's heads in the
     interpreter (kernels/decode_attention.py CHAIN_COMBINE_HEADS); the test above runs the
     device's default, this one both forms: each matches the reference, and in float32 each other."""
-    from kernels.decode_attention import decode_attention_reference, decode_attention_triton
+    from draftsmith_kernels.decode_attention import decode_attention_reference, decode_attention_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B * n + d)
@@ -132,7 +132,7 @@ def test_both_merge_forms_of_a_chain_match_reference(dtype, tol, B, n, nh, nkv, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,k,V", [(1, 1, 7), (33, 4, 1000), (3, 7, 4099), (5, 0, 50)])
 def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
-    from kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+    from draftsmith_kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B * 100 + k)
@@ -157,7 +157,7 @@ def test_greedy_verify_kernel_matches_reference(dtype, B, k, V):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("nh,nkv,rest,d", [(4, 2, 2, 16), (0, 3, 3, 24), (9, 3, 3, 64)])
 def test_head_norm_kernel_matches_reference_in_place(dtype, tol, nh, nkv, rest, d):
-    from kernels.rms_norm import head_norm_reference, head_norm_triton
+    from draftsmith_kernels.rms_norm import head_norm_reference, head_norm_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(nh + d)
@@ -175,7 +175,7 @@ def test_head_norm_kernel_matches_reference_in_place(dtype, tol, nh, nkv, rest, 
 @pytest.mark.parametrize("R,V", [(1, 7), (3, 2048), (4, 4099), (2, 16384)])
 @pytest.mark.parametrize("mapped", [False, True])
 def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
-    from kernels.argmax import CHUNK, argmax_rows_reference, argmax_rows_triton
+    from draftsmith_kernels.argmax import CHUNK, argmax_rows_reference, argmax_rows_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(R * V)
@@ -199,7 +199,7 @@ def test_argmax_rows_kernel_matches_reference(dtype, R, V, mapped):
 @pytest.mark.parametrize("rows,H", [(1, 7), (33, 576), (3, 1000)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_reference(dtype, tol, rows, H, with_residual):
-    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    from draftsmith_kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(rows + H)
@@ -221,7 +221,7 @@ def test_rms_norm_kernel_matches_reference(dtype, tol, rows, H, with_residual):
 def test_rms_norm_kernel_writes_into_slices_and_looks_up_rows(dtype, tol):
     """out= / sum_out= halves of a bigger buffer (the drafter's [embedding; hidden] input, the
     target's aux features) and ids= (an embedding lookup fused into the norm)."""
-    from kernels.rms_norm import rms_norm_reference, rms_norm_triton
+    from draftsmith_kernels.rms_norm import rms_norm_reference, rms_norm_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(3)
@@ -244,7 +244,7 @@ def test_rms_norm_kernel_writes_into_slices_and_looks_up_rows(dtype, tol):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
 @pytest.mark.parametrize("rows,I", [(1, 3), (33, 1536), (2, 1000)])
 def test_silu_mul_kernel_matches_reference(dtype, tol, rows, I):
-    from kernels.silu_mul import silu_mul_reference, silu_mul_triton
+    from draftsmith_kernels.silu_mul import silu_mul_reference, silu_mul_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(rows * I)
@@ -257,7 +257,7 @@ def test_silu_mul_kernel_matches_reference(dtype, tol, rows, I):
 # (2, 21, ...): a tree verify step's many tokens a row
 @pytest.mark.parametrize("B,n,nh,nkv,d", [(1, 1, 9, 3, 64), (33, 2, 4, 4, 16), (3, 5, 6, 2, 80), (2, 21, 3, 1, 16)])
 def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
-    from kernels.rope_cache import rope_cache_reference, rope_cache_triton
+    from draftsmith_kernels.rope_cache import rope_cache_reference, rope_cache_triton
     from models.layers import rope_inv_freq
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -307,7 +307,7 @@ def test_rope_cache_kernel_matches_reference(dtype, tol, B, n, nh, nkv, d):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,k,V,with_q", [(1, 1, 7, True), (33, 4, 1000, False), (3, 7, 4099, True), (5, 0, 50, False)])
 def test_rejection_sample_kernel_matches_reference(dtype, B, k, V, with_q):
-    from kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
+    from draftsmith_kernels.rejection_sample import rejection_sample_reference, rejection_sample_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(B * 7 + k)
@@ -329,7 +329,7 @@ def test_rejection_sample_kernel_matches_reference(dtype, B, k, V, with_q):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("B,k,V,with_q", [(1, 1, 7, True), (33, 4, 1000, False), (3, 7, 4099, True), (5, 0, 50, False)])
 def test_block_sample_kernel_matches_reference(dtype, B, k, V, with_q):
-    from kernels.block_sample import block_sample_reference, block_sample_triton
+    from draftsmith_kernels.block_sample import block_sample_reference, block_sample_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(B * 11 + k)
@@ -353,7 +353,7 @@ def test_block_sample_kernel_matches_reference(dtype, B, k, V, with_q):
 def test_feed_kernel_matches_reference(B, k, tree):
     """A chain's input (positions one after another) and a tree's (each node at its own
     position, given)."""
-    from kernels.emit import feed_reference, feed_triton
+    from draftsmith_kernels.emit import feed_reference, feed_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B + k)
@@ -377,7 +377,7 @@ def test_feed_kernel_matches_reference(B, k, tree):
 def test_emit_kernel_matches_reference(B, k, E):
     """Ragged rows, finished rows, drafts with empty slots, end-of-sequence tokens among the
     accepted ones and budgets cutting a step short: every state tensor as the reference leaves it."""
-    from kernels.emit import emit_reference, emit_triton
+    from draftsmith_kernels.emit import emit_reference, emit_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B * 10 + k)
@@ -414,7 +414,7 @@ def test_emit_kernel_matches_reference(B, k, E):
 def test_ngram_kernel_matches_reference(B, S, k, min_n, max_n):
     """Rows of small vocabularies (many repeats), lengths from 0 to the whole buffer, sizes
     larger than the buffer: the drafts of the torch form."""
-    from kernels.ngram import ngram_drafts_reference, ngram_drafts_triton
+    from draftsmith_kernels.ngram import ngram_drafts_reference, ngram_drafts_triton
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(B * S + k)
@@ -428,20 +428,22 @@ def test_ngram_kernel_matches_reference(B, S, k, min_n, max_n):
     assert (ref >= 0).any() or S < 6  # matches were found
 
 
-def test_a_name_the_package_lacks_names_the_clash_with_hugging_face_kernels(monkeypatch):
-    """transformers >= 5.25 imports Hugging Face's `kernels` by this package's name: where that
-    distribution is installed the failed import says what to do; where it is not, a missing name
-    is the usual AttributeError (getattr's default still works: transformers probes __version__)."""
-    import importlib.metadata
+def test_import_kernels_is_hugging_faces_package_even_from_the_repository_root():
+    """The project's Triton code is `draftsmith_kernels`; `import kernels` run from the repository
+    root (where the kernels/ folder is on the path) must give Hugging Face's package where it is
+    installed (transformers >= 5.25 imports it), and never this folder as a regular package."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import kernels
-
-    with pytest.raises(ImportError, match="cannot import name"):
-        exec("from kernels import CUDAProperties", {})
-    assert getattr(kernels, "__version__", "N/A") == "N/A"
-    real_version = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version",
-                        lambda name: "0.19.1" if name == "kernels" else real_version(name))
-    with pytest.raises(ImportError, match=r"Hugging Face's `kernels` package \(0.19.1\).*'CUDAProperties'.*uninstall"):
-        exec("from kernels import CUDAProperties", {})
-    assert getattr(kernels, "__version__", "N/A") == "N/A"  # dunder probes are not the clash
+    root = Path(__file__).resolve().parents[1]
+    assert not (root / "kernels" / "__init__.py").exists()
+    code = ("import importlib.util, kernels, draftsmith_kernels.dispatch as d; "
+            "print(getattr(kernels, '__file__', None)); print(d.__file__); "
+            "print(importlib.util.find_spec('kernels').origin)")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    # Hugging Face's package is in the test extra (pyproject.toml), as in a serving environment
+    assert run.returncode == 0, run.stderr
+    kernels_file, dispatch_file, _ = run.stdout.splitlines()
+    assert not kernels_file.startswith(str(root)), kernels_file
+    assert dispatch_file.startswith(str(root / "kernels")), dispatch_file

@@ -42,5 +42,5 @@ def test_every_import_goes_down_the_layers():
 
 def test_the_walk_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("import os\n\ndef f():\n    from train.run import run\n    import inference.engine\n")
+    module.write_text("import os\n\ndef f():\n    from train.run import run\n    import inference.runtime.engine\n")
     assert imports_of(module) == [(1, "os"), (4, "train"), (5, "inference")]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.lm_head_topk import log_softmax_topk_reference, norm_lm_head_topk_reference, norm_lm_head_topk_triton
-from kernels.rms_norm import rms_norm_reference
+from draftsmith_kernels.lm_head_topk import log_softmax_topk_reference, norm_lm_head_topk_reference, norm_lm_head_topk_triton
+from draftsmith_kernels.rms_norm import rms_norm_reference
 from tests.conftest import kernel_device
 
 

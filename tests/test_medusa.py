@@ -115,8 +115,8 @@ def _medusa_for(tiny_target, seed=0):
 
 
 def test_runtime_medusa_drafts_what_training_predicts_and_is_lossless(tiny_target):
-    from inference.engine import generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import MedusaProposer
 
     target, d = _medusa_for(tiny_target)

@@ -114,7 +114,7 @@ def _toy_layout() -> types.ModuleType:
 def toy_method(monkeypatch):
     monkeypatch.setitem(sys.modules, "toy_layout", _toy_layout())
     monkeypatch.setitem(methods.METHODS, "toy", methods.Method(
-        ToyConfig, ToyDrafter, _build, "inference.drafter_proposers:medusa_proposer", {"toy": "toy_layout"}, "heads"))
+        ToyConfig, ToyDrafter, _build, "inference.proposers.drafters:medusa_proposer", {"toy": "toy_layout"}, "heads"))
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -123,8 +123,8 @@ def test_a_toy_method_trains_predicts_exports_checks_and_drafts_from_one_row(toy
     from export.__main__ import main as export_main
     from export.check import main as check_main
     from export.load import load_export
-    from inference.engine import generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import drafter_proposer
     from models.checkpoint import drafter_from_checkpoint
     from train.__main__ import main as train_main

@@ -103,8 +103,8 @@ def test_eval_k_beyond_the_modules_is_a_config_error(chat_file, tmp_path):
 
 @pytest.mark.parametrize("kind", ["mtp", "dflash"])
 def test_runtime_recompute_proposer_drafts_what_training_predicts_and_is_lossless(tiny_target, kind):
-    from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import cache_size, generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import drafter_proposer
     from models.dflash import DFlashConfig, DFlashDrafter
     from models.target import Target

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from inference.regenerate import read_finished, regenerate
-from inference.engine import generate
+from inference.runtime.engine import generate
 from tests.conftest import make_conversations, run_module
 
 
@@ -56,7 +56,7 @@ def test_regenerated_answers_are_the_targets_greedy_answers(tmp_path, tiny_targe
     import torch
 
     from data.chat import encode_prompt
-    from inference.model import RuntimeModel
+    from inference.runtime.model import RuntimeModel
 
     source, _ = _sharegpt_file(tmp_path, n=2)
     out = tmp_path / "regen"

@@ -2,7 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.model import RuntimeModel
+from inference.runtime.model import RuntimeModel
 from tests.conftest import kernel_device
 
 
@@ -61,7 +61,7 @@ def test_ragged_batch_equals_rows_alone(tiny_target):
 def test_unsupported_architecture_is_named():
     from types import SimpleNamespace
 
-    from inference.model import RuntimeConfig
+    from inference.runtime.model import RuntimeConfig
 
     with pytest.raises(ValueError, match="'gpt2' has no runtime implementation"):
         RuntimeConfig.from_hf(SimpleNamespace(model_type="gpt2"))
@@ -70,7 +70,7 @@ def test_unsupported_architecture_is_named():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_step_equals_eager(tiny_target):
-    from inference.engine import generate
+    from inference.runtime.engine import generate
 
     rt = RuntimeModel.from_pretrained(tiny_target, dtype=torch.float32, device="cuda")
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chain
     cache: through the kernels (RoPE at the tree's slots, tree attention reading the block from
     the cache) it gives the torch path's logits, aux features and cache; and each root-to-leaf
     path's logits are those of a chain verify step feeding that path alone."""
-    from inference.tree import ancestor_mask
+    from inference.tree.ops import ancestor_mask
 
     device = kernel_device()
     rt = RuntimeModel.from_pretrained(tiny_target, device=device)
@@ -176,8 +176,8 @@ def test_unsupported_architecture_runs_on_the_transformers_slow_path(tmp_path, c
 
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from inference.engine import generate
-    from inference.fallback import TransformersFallback, load_runtime
+    from inference.runtime.engine import generate
+    from inference.runtime.fallback import TransformersFallback, load_runtime
     from inference.proposers import NgramProposer
 
     torch.manual_seed(0)

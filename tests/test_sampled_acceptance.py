@@ -1,10 +1,10 @@
-"""Predicted acceptance at T > 0 (inference/sampled_acceptance.py) against sampled verification."""
+"""Predicted acceptance at T > 0 (inference/walks/sampled.py) against sampled verification."""
 import pytest
 import torch
 
-from inference.sampled_acceptance import (acceptance_with_error, block_histogram, block_residual_mass, block_weight,
+from inference.walks.sampled import (acceptance_with_error, block_histogram, block_residual_mass, block_weight,
                                           promise_at, standard_histogram, standard_step)
-from inference.verify import block_verify, rejection_verify
+from inference.runtime.verify import block_verify, rejection_verify
 
 
 def _chain_setup(V=6, k=3, seed=0):
@@ -90,10 +90,10 @@ def test_predicted_sampled_acceptance_equals_the_runtime_mean(tmp_path, verifica
     """CI check of issue 21: on a tiny drafter at T = 1, training's predictor on the served
     contexts (a chain continues the prompt and the first served token) equals the mean accepted
     length of 20,000 sampled runtime runs within their standard errors (3 sigma)."""
-    from inference.engine import cache_size, generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import cache_size, generate
+    from inference.runtime.model import RuntimeModel
     from inference.proposers import Eagle3Proposer
-    from inference.sampled_acceptance import sampled_chain_histograms
+    from inference.walks.sampled import sampled_chain_histograms
     from models.target import Target
 
     k, N, T = 3, 20_000, 1.0
@@ -132,7 +132,7 @@ def test_sampled_window_takes_a_texts_anchors_at_once_within_its_bounds():
     """Few large windows (the drafter runs over the whole text k times per window), bounded by
     the [window, V] distributions, by what a capped walk can reach and, for a block drafter, by
     its attention over the text and every block."""
-    from inference.sampled_acceptance import sampled_window
+    from inference.walks.sampled import sampled_window
     from models.dflash import DFlashConfig, DFlashDrafter
 
     chain = object()  # a drafter of no method drafts chains

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from inference.verify import NO_DRAFT, rejection_verify
+from inference.runtime.verify import NO_DRAFT, rejection_verify
 
 
 def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -19,7 +19,7 @@ def eight_token_target(folder, num_layers: int = 1, head_scale: float = 20):
     is spread enough that acceptance matters: (transformers model, runtime model)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from inference.model import RuntimeModel
+    from inference.runtime.model import RuntimeModel
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=num_layers,
@@ -113,7 +113,7 @@ class _FixedDrafts:
 def test_engine_sampling_follows_the_target_distribution(tmp_path, drafts, verification):
     """End to end through the engine on an 8-token vocabulary: the first two sampled tokens
     follow softmax(logits / T), with or without drafts."""
-    from inference.engine import generate
+    from inference.runtime.engine import generate
 
     hf, rt = eight_token_target(tmp_path)
     prompt, T, N = [1, 2, 3, 4], 0.8, 20_000
@@ -166,7 +166,7 @@ def _two_token_sampler(verify, P, Q, k, N, g, with_q=True):
 
 @pytest.mark.parametrize("with_q", [True, False])
 def test_block_and_standard_verification_reproduce_the_target_over_two_tokens(with_q):
-    from inference.verify import block_verify
+    from inference.runtime.verify import block_verify
 
     V, k, N = 4, 3, 150_000
     g = torch.Generator().manual_seed(7)
@@ -184,7 +184,7 @@ def test_block_and_standard_verification_reproduce_the_target_over_two_tokens(wi
 
 
 def test_block_verification_with_one_draft_is_standard_verification():
-    from inference.verify import block_verify
+    from inference.runtime.verify import block_verify
 
     V, N = 5, 200_000
     g = torch.Generator().manual_seed(3)
@@ -196,7 +196,7 @@ def test_block_verification_with_one_draft_is_standard_verification():
 
 
 def test_top_k_and_top_p_restrict_the_distribution():
-    from inference.verify import sampling_probs
+    from inference.runtime.verify import sampling_probs
 
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]])
     full = torch.softmax(logits, -1)
@@ -211,8 +211,8 @@ def test_top_k_and_top_p_restrict_the_distribution():
 def test_engine_top_k_sampling_never_leaves_the_top_k(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from inference.engine import generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import generate
+    from inference.runtime.model import RuntimeModel
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -226,8 +226,8 @@ def test_engine_top_k_sampling_never_leaves_the_top_k(tmp_path):
 
 
 def test_synthetic_acceptance_hits_its_rate(tiny_target):
-    from inference.engine import generate
-    from inference.model import RuntimeModel
+    from inference.runtime.engine import generate
+    from inference.runtime.model import RuntimeModel
 
     rt = RuntimeModel.from_pretrained(tiny_target)
     _, stats = generate(rt, [[5, 6, 7]] * 8, 40, proposer=_FixedDrafts([1, 2, 3]), verification="synthetic:0.5",
@@ -242,7 +242,7 @@ def test_synthetic_acceptance_hits_its_rate(tiny_target):
 def test_drafters_sampling_with_their_own_distribution_keep_the_target_distribution(tmp_path, kind, verification):
     """EAGLE-3 and Medusa sample their drafts from their own softmax at T and hand q to
     verification: the first two emitted tokens still follow the target (8-token vocabulary)."""
-    from inference.engine import cache_size, generate
+    from inference.runtime.engine import cache_size, generate
     from inference.proposers import Eagle3Proposer, MedusaProposer
     from models.eagle3 import Eagle3Config, Eagle3Drafter
     from models.medusa import MedusaConfig, MedusaDrafter

@@ -1,4 +1,4 @@
-"""The device loop (inference/spec_loop.py) emits exactly what the host loop emits, step for step.
+"""The device loop (inference/runtime/spec_loop.py) emits exactly what the host loop emits, step for step.
 
 float32 on a tiny random Llama: for every device proposer, the outputs, the per-row
 accepted-length histograms, the step counts and every step's drafts equal the host loop's
@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
 from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, drafter_proposer
-from inference.verify import NO_DRAFT
+from inference.runtime.verify import NO_DRAFT
 from tests.conftest import kernel_device
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
@@ -121,7 +121,7 @@ def test_phases_hand_each_other_the_same_tensors_every_step(tiny):
     graphed tree loop verified its first tree at every step). Checked here by identity, eagerly,
     for what two graphs write (the drafts: the first draft's graph and the proposer's); what
     only the verify graph writes keeps its addresses in that graph's pool."""
-    from inference.tree_decoding import EagleTreeProposer
+    from inference.tree.loop import EagleTreeProposer
 
     hf, rt, prompts = tiny
     max_new, eos = 8, (rt.config.vocab_size - 1,)
@@ -234,7 +234,7 @@ def test_the_graphed_loop_runs_no_step_past_the_budget_and_at_most_one_past_eos(
     the group's last verification: a row that reaches its budget runs no step more, and one that
     ends at an end-of-sequence token at most one (`launched_steps` against `steps`; the second call
     replays the graphs, without the capture's two warm-up steps)."""
-    from inference.spec_loop import SPEC_CHECK_EVERY
+    from inference.runtime.spec_loop import SPEC_CHECK_EVERY
 
     hf, rt, prompts, max_new, _, n, _ = gpu_case(tiny_target, max_new=40, k=4)
     prompt = prompts[3]  # a repeating prompt: the n-gram drafts get accepted
@@ -295,15 +295,15 @@ def test_eagle3_chain_step_through_the_one_row_kernels_equals_the_torch_path(tin
     """Batch 1, one token (a chain step): the EAGLE-3 layer runs its projections through
     kernels/gemv.py (one row; the down projection reads silu(gate) * up and adds the residual in
     place) and, float32, computes what the torch path computes, cache entries included."""
-    import kernels.gemv
-    from inference.drafter_proposers import _eagle3_layer
+    import draftsmith_kernels.gemv
+    from inference.proposers.drafters import _eagle3_layer
 
     device = kernel_device()
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     drafter = _random_drafters(hf)["eagle3"].to(device)
     launches = []
-    launch = kernels.gemv._launch
-    monkeypatch.setattr(kernels.gemv, "_launch", lambda *a, **kw: launches.append(kw["swiglu"]) or launch(*a, **kw))
+    launch = draftsmith_kernels.gemv._launch
+    monkeypatch.setattr(draftsmith_kernels.gemv, "_launch", lambda *a, **kw: launches.append(kw["swiglu"]) or launch(*a, **kw))
     g = torch.Generator().manual_seed(0)
     tokens = torch.tensor([[17]], device=device)
     hidden = torch.randn(1, 1, drafter.config.hidden_size, generator=g).to(device)

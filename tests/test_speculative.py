@@ -3,10 +3,10 @@ import random
 import pytest
 import torch
 
-from inference.engine import generate
-from inference.model import RuntimeModel
+from inference.runtime.engine import generate
+from inference.runtime.model import RuntimeModel
 from inference.proposers import NgramProposer, SuffixProposer, longest_suffix_match
-from inference.verify import NO_DRAFT, greedy_verify
+from inference.runtime.verify import NO_DRAFT, greedy_verify
 
 
 def _logits_choosing(tokens, V=11):
@@ -134,7 +134,7 @@ def test_suffix_proposer_global_cache_serves_later_requests():
 
 
 def test_prometheus_counters_follow_the_histogram():
-    from inference.engine import GenerationStats
+    from inference.runtime.engine import GenerationStats
 
     stats = GenerationStats(k=3, histogram=[2, 1, 0, 4], new_tokens=25)
     text = stats.prometheus()
@@ -148,7 +148,7 @@ def test_prometheus_counters_follow_the_histogram():
 
 
 def test_draft_length_table():
-    from inference.engine import draft_length
+    from inference.runtime.engine import draft_length
 
     table = [[1, 4, 5], [5, 16, 2], [17, 1024, 0]]
     assert [draft_length(table, b, 5) for b in (1, 4, 5, 16, 17, 2000)] == [5, 5, 2, 2, 0, 5]
@@ -240,7 +240,7 @@ def test_draft_model_across_vocabularies(tiny_target, tokenizer, tmp_path):
 
 
 def test_vectorised_ngram_drafts_equal_the_kmp_proposer():
-    from inference.proposers import GpuNgramProposer, ngram_drafts
+    from inference.proposers.model_free import GpuNgramProposer, ngram_drafts
 
     rng = random.Random(1)
     rows = [[rng.randrange(6) for _ in range(rng.randint(1, 40))] for _ in range(300)]

@@ -1,11 +1,11 @@
-"""kernels/tree_accept.py against its reference (inference/tree.py's verification and
+"""kernels/tree_accept.py against its reference (inference/tree/ops.py's verification and
 compaction composed), on CPU through TRITON_INTERPRET=1: random trees of odd sizes with empty
 slots, finished rows, roots at the cache's first and last slots, and choices that match often."""
 import pytest
 import torch
 
-from inference.tree import ancestor_mask, move_entries_reference, tree_accept_reference
-from kernels.tree_accept import move_entries_triton, tree_accept_triton
+from inference.tree.ops import ancestor_mask, move_entries_reference, tree_accept_reference
+from draftsmith_kernels.tree_accept import move_entries_triton, tree_accept_triton
 from tests.conftest import kernel_device
 from tests.test_tree import random_parents
 
@@ -97,8 +97,8 @@ def test_tree_accept_from_argmax_chunks_and_emitting_matches_the_steps_apart(B, 
     kernels/emit.py's reference one after another, over 5,000 logits (three chunks, a tie across
     two of them: the lowest id wins), with a finished row, a row whose path meets the
     end-of-sequence token and a row one token short of its budget."""
-    from kernels.argmax import CHUNK, argmax_chunks
-    from kernels.emit import EmitState, emit_reference
+    from draftsmith_kernels.argmax import CHUNK, argmax_chunks
+    from draftsmith_kernels.emit import EmitState, emit_reference
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(7 * N + B)

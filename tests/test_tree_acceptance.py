@@ -1,4 +1,4 @@
-"""Tree-aware predicted acceptance (inference/tree_acceptance.py): the held-out walk drafts the
+"""Tree-aware predicted acceptance (inference/walks/tree.py): the held-out walk drafts the
 trees the runtime drafts and judges them as the runtime does, so on the runtime's own greedy
 answers the predicted tree histogram is the measured one, count for count; on text that leaves
 the target's greedy path, the grafted forwards give the true accepted lengths."""
@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
-from inference.tree_acceptance import predicted_tree_histograms, tree_lengths, text_states
-from inference.tree_decoding import EagleTreeProposer
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
+from inference.walks.tree import predicted_tree_histograms, tree_lengths, text_states
+from inference.tree.loop import EagleTreeProposer
 from models.target import Target
 
 MAX_NEW = 20
@@ -103,7 +103,7 @@ def _walked(served, tree, texts=None, window=None) -> list[int]:
 def test_the_walk_predicts_the_tree_histogram_the_runtime_measures(served):
     """Replaying the served answers, the walk's histogram equals the runtime's for the same
     tree, and differs for another tree: the promise is of this tree, not of trees in general."""
-    from inference.acceptance import acceptance_from_histogram
+    from inference.walks.greedy import acceptance_from_histogram
 
     tree, other = (3, 2, 8), (3, 2, 10)
     measured = _measured(served, tree)
@@ -142,7 +142,7 @@ def test_grafted_trees_on_text_off_the_greedy_path_get_the_true_lengths(served):
     Every anchor's length equals the longest prefix of the target's true greedy continuation
     that the tree holds as a root-to-node path."""
     prompts, plain, drafter, _, target = served
-    from inference.drafter_proposers import Eagle3Proposer
+    from inference.proposers.drafters import Eagle3Proposer
 
     depth, top_k, total = 3, 2, 8
     grafted = 0
@@ -166,7 +166,7 @@ def test_grafted_trees_on_text_off_the_greedy_path_get_the_true_lengths(served):
             del target.greedy_after_chains
         grafted += sum(calls)
         # the truth: the tree the runtime's function drafts, against greedy decoding from the root
-        from inference.tree_acceptance import draft_eagle_tree
+        from inference.walks.tree import draft_eagle_tree
 
         S = n - 1
         trees = draft_eagle_tree(proposer, hidden[anchors], anchors, proposer.k_cache[:, :, :S].expand(len(anchors), -1, -1, -1),

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from inference.tree import ancestor_mask
-from kernels.tree_attention import tree_attention_reference, tree_attention_triton, with_root_row
+from inference.tree.ops import ancestor_mask
+from draftsmith_kernels.tree_attention import tree_attention_reference, tree_attention_triton, with_root_row
 
 needs_triton_backend = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -107,7 +107,7 @@ def test_the_verify_forms_chunks_and_merges_match_reference(monkeypatch, block_q
     7 idle), the cache cut into 7 chunks of 32 (200 slots) or 2 of 128, merged 4 or 16 at a time
     (so the merge's online softmax runs over two rounds): a tree of 40 nodes spanning two or
     three chunks, rows from base 0 to the block ending at the last slot."""
-    import kernels.tree_attention as ta
+    import draftsmith_kernels.tree_attention as ta
     for knob, value in (("CHUNKED_BLOCK_Q", block_q), ("CHUNKED_HEADS", heads), ("CHUNKED_MAX_CHUNKS", max_chunks),
                         ("MERGE_SPLIT_CHUNK", merge_chunk)):
         monkeypatch.setattr(ta, knob, value)
@@ -215,7 +215,7 @@ def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_
     merge programs of 4, 4 and 1, or one of 16 with 7 idle), and 22 over 22 (6 heads). (150 slots
     in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every tile,
     2,048 one tile a split.)"""
-    import kernels.tree_attention as ta
+    import draftsmith_kernels.tree_attention as ta
     monkeypatch.setattr(ta, "COMBINE_HEADS", combine_heads)
     monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
     monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
@@ -231,7 +231,7 @@ def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_
 def test_tuning_knobs_from_a_setting_line(monkeypatch):
     """DRAFTSMITH_TREE_ATTENTION's form sets the knobs the kernel reads at each call; an unknown
     knob or a value out of range is an error naming it, and nothing is set."""
-    import kernels.tree_attention as ta
+    import draftsmith_kernels.tree_attention as ta
     for knob in ta.TUNING:
         monkeypatch.setattr(ta, knob, getattr(ta, knob))  # restored after the test
     assert ta.apply_tuning("MAX_BLOCK_S=32, NUM_WARPS=2,PRODUCTS_16BIT=0") == dict(
@@ -251,7 +251,7 @@ def test_a_bad_tuning_setting_stops_the_process_with_one_line():
     import subprocess
     import sys
     env = dict(os.environ, DRAFTSMITH_TREE_ATTENTION="NUM_WARPS=3")
-    run = subprocess.run([sys.executable, "-c", "import kernels.tree_attention"], env=env, capture_output=True,
+    run = subprocess.run([sys.executable, "-c", "import draftsmith_kernels.tree_attention"], env=env, capture_output=True,
                          text=True, cwd=Path(__file__).resolve().parents[1])
     assert run.returncode != 0
     assert run.stderr.strip() == "error: DRAFTSMITH_TREE_ATTENTION: NUM_WARPS='3' is not one of 1, 2, 4, 8"
@@ -265,7 +265,7 @@ def test_a_long_cache_split_finely_is_merged_chunk_by_chunk(monkeypatch, chunk):
     on a GPU): the same attention as the reference in float32, to 1e-5, for a row whose base
     reaches the cache's end (its splits fill the first three chunks of 16, the tree's tile
     included) and one at base 0 (the first split and the tree's tile alone)."""
-    import kernels.tree_attention as ta
+    import draftsmith_kernels.tree_attention as ta
     monkeypatch.setattr(ta, "MAX_BLOCK_S", 16)
     monkeypatch.setattr(ta, "TARGET_PROGRAMS", 1 << 16)
     monkeypatch.setattr(ta, "MERGE_SPLIT_CHUNK", chunk)

@@ -1,4 +1,4 @@
-"""Greedy tree decoding in the device loop (inference/tree_decoding.py) is lossless: outputs
+"""Greedy tree decoding in the device loop (inference/tree/loop.py) is lossless: outputs
 equal plain greedy decoding in float32, on ragged batches with EOS and budgets, whether the
 trees are mostly rejected (a random EAGLE-3 drafter) or mostly accepted deep down (an oracle
 that hides the target's own continuation among wrong siblings, so the KV compaction of long
@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference.engine import cache_size, generate
-from inference.model import RuntimeModel
-from inference.tree import Tree, static_tree
-from inference.tree_decoding import EagleTreeProposer
+from inference.runtime.engine import cache_size, generate
+from inference.runtime.model import RuntimeModel
+from inference.tree.ops import Tree, static_tree
+from inference.tree.loop import EagleTreeProposer
 from tests.conftest import kernel_device
 
 
@@ -147,7 +147,7 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
     (the oracle) and an EAGLE-3 drafter whose trees are accepted too (its draft vocabulary the
     tokens the target answers with): so its loop makes real cache moves inside the next draft's
     rerank and takes in the drafter's next tokens from the bookkeeping kernel."""
-    import kernels.tree_attention as tree_attention
+    import draftsmith_kernels.tree_attention as tree_attention
     from tests.test_spec_loop import kernel_case
     from tests.test_tree_acceptance import _small_vocab_eagle3
 
@@ -202,7 +202,7 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
     """float32 on CUDA: the tree step captured in CUDA graphs (spec_loop.TREES_GRAPHED, off until
     this passes on a GPU) emits what the eager tree loop emits, with the same histograms, and
     both equal plain greedy decoding; the second call replays the captured graphs."""
-    import inference.spec_loop as spec_loop
+    import inference.runtime.spec_loop as spec_loop
 
     from tests.test_spec_loop import gpu_case
 
@@ -236,7 +236,7 @@ def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target, monkeypatch):
     graphed and the eager loop both emit plain greedy's outputs; at T = 1 both draw from one
     seeded CUDA generator and emit the same tokens (the graphs replay the eager loop's draws),
     every token in the vocabulary, and a second call replays the captured graphs."""
-    import inference.spec_loop as spec_loop
+    import inference.runtime.spec_loop as spec_loop
 
     from tests.test_spec_loop import gpu_case
 
@@ -271,7 +271,7 @@ def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target, monkeypatch):
 
 def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temperature(tiny_target):
     """T > 0: the tree loop matches one draw from the target per node down the tree
-    (inference/tree.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
+    (inference/tree/ops.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
     argmax, so the oracle's trees (plain greedy's continuation among the candidates) give plain
     greedy's outputs, accepted two levels deep and more; a random EAGLE-3 tree at T = 1 runs."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()

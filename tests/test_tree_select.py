@@ -1,4 +1,4 @@
-"""kernels/tree_select.py against its references (inference/tree.py's expand_level_reference and
+"""kernels/tree_select.py against its references (inference/tree/ops.py's expand_level_reference and
 finalize_reference), on CPU through TRITON_INTERPRET=1: the rerank on whole trees drafted depth
 by depth from random log-probabilities with many ties, odd sizes, a frontier wider and narrower
 than the children per node, and trees kept whole or cut to one node; a depth's expansion inside
@@ -7,8 +7,8 @@ distinct rows (ties again)."""
 import pytest
 import torch
 
-from inference.tree import Tree, expand_level_reference, finalize_reference
-from kernels.tree_select import Candidates, finalize_triton
+from inference.tree.ops import Tree, expand_level_reference, finalize_reference
+from draftsmith_kernels.tree_select import Candidates, finalize_triton
 from tests.conftest import kernel_device
 
 
@@ -74,7 +74,7 @@ def test_finalize_over_many_candidates_crosses_its_blocks(tile, monkeypatch):
     """More candidates than one program writes and ranks against at a time (16 and 32; 8 and 8
     where a tile holds 1,024, as for a row of 1,024 candidates by default): ranks, node numbers
     and the mask are counted across programs and blocks."""
-    import kernels.tree_select as select
+    import draftsmith_kernels.tree_select as select
 
     if tile is not None:
         monkeypatch.setattr(select, "RERANK_TILE", tile)
@@ -94,7 +94,7 @@ def test_finalize_writes_the_verify_input_as_feed_does(B, depth, top_k, children
     """The rerank's launch also writes the verify step's input (a loop's root token and position,
     then the nodes'): what kernels/emit.py's `feed` writes from the reference tree, every column
     (the buffers start as junk)."""
-    from kernels.emit import feed_reference
+    from draftsmith_kernels.emit import feed_reference
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(3)
@@ -122,7 +122,7 @@ def test_finalize_makes_the_cache_moves_it_is_given(lead, nkv, D, d):
     ones: the caches (stacked layers [L,B,nkv,S,d], or one layer) end as kernels/tree_accept.py's
     moves leave them (paths whose slots and destinations overlap, a row with nothing to move),
     the tree as without them; a move for another batch is refused."""
-    from inference.tree import ancestor_mask, move_entries_reference, tree_accept_reference
+    from inference.tree.ops import ancestor_mask, move_entries_reference, tree_accept_reference
     from tests.test_tree import random_parents
 
     dev = kernel_device()
@@ -192,9 +192,9 @@ def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, c
     children expanded by `expand_level_reference`, and `rms_norm_pair_triton` with the parents
     gathered. An lm_head of few distinct rows makes many children tie (by score, and by
     cumulative score across parents)."""
-    from kernels.lm_head_topk import norm_lm_head_topk_triton
-    from kernels.rms_norm import rms_norm_pair_triton
-    from kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
+    from draftsmith_kernels.lm_head_topk import norm_lm_head_topk_triton
+    from draftsmith_kernels.rms_norm import rms_norm_pair_triton
+    from draftsmith_kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
 
     dev = kernel_device()
     g = torch.Generator().manual_seed(B * 100 + depth)
@@ -238,7 +238,7 @@ def test_the_fused_depth_launches_match_head_expand_and_norms(B, depth, top_k, c
 
 def test_a_nan_child_ranks_last_in_the_fused_launches():
     """As `_expand_kernel`: a NaN log-probability (an lm_head row of NaN) ranks below every child."""
-    from kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
+    from draftsmith_kernels.tree_select import expand_children_triton, frontier_norm_pair_triton
 
     dev = kernel_device()
     H = 16

@@ -142,7 +142,7 @@ class EvalConfig:
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     """Serving temperatures the promise is made for. 0: the greedy promise (always made, the top
     level of predicted_acceptance); each T > 0 adds a sampled promise for standard and block
-    verification (`sampled` in predicted_acceptance, inference/sampled_acceptance.py)."""
+    verification (`sampled` in predicted_acceptance, inference/walks/sampled.py)."""
     sampled_answers: dict[float, str] = field(default_factory=dict)
     """{T: data set}: the same conversations with answers sampled from the target at T
     (`python -m inference.regenerate --temperature T --heldout-only`), walked for the promise at
@@ -156,7 +156,7 @@ class EvalConfig:
     many children, not top_k), as `inference.validate --tree D,K,N[,C]` and `inference.bench
     --tree` serve them (EAGLE-3
     drafters): the walk drafts them as the runtime does (`trees` in predicted_acceptance,
-    inference/tree_acceptance.py). Empty: chains only."""
+    inference/walks/tree.py). Empty: chains only."""
 
 
 @dataclass

@@ -104,7 +104,7 @@ def validate(cfg: RunConfig):
     if cfg.eval.trees and cfg.drafter.method != "eagle3":
         raise ConfigError(f"eval.trees: draft trees are drafted by eagle3 drafters for now, not {cfg.drafter.method} "
                           "(leave eval.trees empty)")
-    from inference.tree_acceptance import canonical_tree
+    from inference.walks.tree import canonical_tree
 
     if len({canonical_tree(t) for t in cfg.eval.trees}) != len(cfg.eval.trees):
         raise ConfigError(f"eval.trees: {cfg.eval.trees} lists a tree twice")

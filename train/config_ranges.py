@@ -65,7 +65,7 @@ def draft_trees(v) -> bool:
     """[[depth, top_k, total_tokens(, children)], ...]: positive integers, total_tokens at most the
     top_k + (depth - 1) top_k children candidates such an EAGLE-2 tree drafts (children: top_k
     unless given)."""
-    from inference.tree_acceptance import tree_spec_problem
+    from inference.walks.tree import tree_spec_problem
 
     return isinstance(v, list) and all(isinstance(t, list) and len(t) in (3, 4) and tree_spec_problem(*t) is None
                                        for t in v)

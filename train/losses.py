@@ -5,7 +5,7 @@ non-assistant tokens never contribute.
 """
 from __future__ import annotations
 
-from kernels.soft_kl import soft_kl  # noqa: F401  (Triton on GPU, torch reference elsewhere)
+from draftsmith_kernels.soft_kl import soft_kl  # noqa: F401  (Triton on GPU, torch reference elsewhere)
 
 
 def ttt_step_weights(steps: int, decay: float) -> list[float]:

@@ -7,8 +7,8 @@ import time
 import lightning as L
 import torch
 
-from inference.acceptance import cap_answer_spans, predicted_histogram
-from inference.sampled_acceptance import VERIFICATIONS, sampled_histogram, setting_key
+from inference.walks.greedy import cap_answer_spans, predicted_histogram
+from inference.walks.sampled import VERIFICATIONS, sampled_histogram, setting_key
 from models.acceptance import Acceptance, HeldoutPrediction, Prediction, Promise
 from models.methods import predictor_of
 from models.target import Target
@@ -232,7 +232,7 @@ class DrafterModule(L.LightningModule):
 
     # ----------------------------------------------------------------- held-out validation
     def on_validation_epoch_start(self):
-        # [sets, 2, k+1]: chains in first answers, then in follow-up turns (inference.acceptance)
+        # [sets, 2, k+1]: chains in first answers, then in follow-up turns (inference.walks.greedy)
         self._val_hist = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.long)
         # the sampled promises: per serving temperature T > 0 and verification, expected counts
         self._sampled_settings = [(float(t), v) for t in self.evaluation.temperatures if t > 0 for v in VERIFICATIONS]
@@ -242,7 +242,7 @@ class DrafterModule(L.LightningModule):
         rank = self.trainer.global_rank if self._trainer is not None else 0
         self._sampling_generator = torch.Generator(device=self.device).manual_seed(7919 * int(self.global_step) + rank)
         # the tree promises (eval.trees): per tree [sets, 2, depth+1], as the chains' histogram
-        from inference.tree_acceptance import canonical_tree
+        from inference.walks.tree import canonical_tree
 
         self._tree_hist = {canonical_tree(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
                            for t in self.evaluation.trees}
@@ -297,7 +297,7 @@ class DrafterModule(L.LightningModule):
         t2 = self._now()
         self.walk_seconds["sampled"] += t2 - t1
         if self._tree_hist:
-            from inference.tree_acceptance import predicted_tree_histograms
+            from inference.walks.tree import predicted_tree_histograms
 
             found = predicted_tree_histograms(self.target, self.drafter, ids, loss_mask, lengths, list(self._tree_hist),
                                               self.evaluation.anchors_per_sequence, features=self.drafter.features(out),
@@ -307,7 +307,7 @@ class DrafterModule(L.LightningModule):
             self.walk_seconds["trees"] += self._now() - t2
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
-        """Greedy k-chains drafted as the runtime drafts (inference.acceptance)."""
+        """Greedy k-chains drafted as the runtime drafts (inference.walks.greedy)."""
         return predicted_histogram(self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
                                    self.evaluation.anchors_per_sequence, features=features, greedy=greedy, per_turn=per_turn)
 
@@ -339,7 +339,7 @@ class DrafterModule(L.LightningModule):
         promises = tuple(Promise(t, v, Acceptance.by_turn(h, with_error=True)) for (t, v), h in sampled.items() if h.sum() > 0)
         if not trees:
             return HeldoutPrediction(Acceptance.by_turn(hist), promises)
-        from inference.tree_acceptance import tree_promises
+        from inference.walks.tree import tree_promises
 
         return HeldoutPrediction(Acceptance.by_turn(hist), promises, tree_promises(trees))
 

@@ -340,7 +340,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
 
 def _print_prediction(predicted: Prediction):
     """The promise on the console: per held-out set, greedy chains (and by turn), sampled, trees."""
-    from inference.tree_acceptance import tree_words
+    from inference.walks.tree import tree_words
 
     for name, held in [(predicted.dataset, predicted.heldout)] + list(predicted.also.items()):
         stats, turns = held.greedy, held.greedy.per_turn or {}

@@ -14,7 +14,7 @@ own cache exactly as for chains (EAGLE's step-0 entries, one position behind the
 its tree nodes' K/V in a per-step candidate buffer; after verification it takes in the accepted
 path like a chain of the same length (`Eagle3Proposer.advance`).
 
-The target's verify step runs through the kernels as a chain's does (inference/model.py,
+The target's verify step runs through the kernels as a chain's does (inference/runtime/model.py,
 `tree_mask=`): RoPE with the cache write at the tree's slots (kernels/rope_cache.py), then
 kernels/tree_attention.py, which reads the tree block straight from the cache slots after the
 root and its own mask row per query, with no dense mask over the cache; on a CPU the torch
@@ -22,26 +22,26 @@ references run instead. The drafter's tree steps run through the same kernels (t
 tree-attention kernel over its cache and its candidate buffer, the fused norms and SwiGLU of
 chains; each depth's selection inside its head's merge and the next step's paired input norms:
 `_expand`), and the tree step runs eagerly unless TREES_GRAPHED
-(inference/spec_loop.py) says its CUDA graphs were checked on a GPU.
+(inference/runtime/spec_loop.py) says its CUDA graphs were checked on a GPU.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from inference.drafter_proposers import Eagle3Proposer
-from inference.spec_loop import SpecLoop
-from inference.tree import (Tree, expand_level_reference, finalize_candidates, move_entries, sampled_tree_choice,
+from inference.proposers.drafters import Eagle3Proposer
+from inference.runtime.spec_loop import SpecLoop
+from inference.tree.ops import (Tree, expand_level_reference, finalize_candidates, move_entries, sampled_tree_choice,
                             tree_accept)
-from inference.verify import sampling_probs
-from kernels import use_kernel
-from kernels.emit import feed
-from kernels.lm_head_topk import norm_lm_head_topk_reference
-from kernels.rms_norm import rms_norm, rms_norm_pair
-from kernels.rope_cache import rope_cache
-from kernels.silu_mul import swiglu_into
-from kernels.tree_attention import tree_attention
-from kernels.tree_select import Candidates, expand_children_triton, frontier_norm_pair_triton
+from inference.runtime.verify import sampling_probs
+from draftsmith_kernels.dispatch import use_kernel
+from draftsmith_kernels.emit import feed
+from draftsmith_kernels.lm_head_topk import norm_lm_head_topk_reference
+from draftsmith_kernels.rms_norm import rms_norm, rms_norm_pair
+from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.silu_mul import swiglu_into
+from draftsmith_kernels.tree_attention import tree_attention
+from draftsmith_kernels.tree_select import Candidates, expand_children_triton, frontier_norm_pair_triton
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -85,10 +85,10 @@ class EagleTreeProposer(Eagle3Proposer):
 
     @torch.no_grad()
     def draft_tree(self, feed=None, moves=None):
-        """The tree below each row's root (inference/tree.py: Tree, positions base + depth).
+        """The tree below each row's root (inference/tree/ops.py: Tree, positions base + depth).
         feed: (tokens, length, fed, fed_positions), a loop's state and its verify step's input,
         written beside the tree; moves: (k_cache, v_cache, src, dst), the target cache's moves
-        after the last verify, made beside it (inference/tree.py `finalize_candidates`)."""
+        after the last verify, made beside it (inference/tree/ops.py `finalize_candidates`)."""
         return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
                                 self.total_tokens, out=self.tree_out,
                                 cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
@@ -109,8 +109,8 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
     hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
     position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
     written). The runtime passes its proposer's state; training's held-out walk
-    (inference/tree_acceptance.py) passes the entries of a whole text, one row per anchor, so
-    both draft the very same trees. → Tree (inference/tree.py), positions last + 1 + depth
+    (inference/walks/tree.py) passes the entries of a whole text, one row per anchor, so
+    both draft the very same trees. → Tree (inference/tree/ops.py), positions last + 1 + depth
     (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
     V (new ones when None). children: what each frontier node below the root is expanded into
     (top_k when None: EAGLE-2's square tree). feed, moves: a loop's verify input, written by the
@@ -214,7 +214,7 @@ class TreeLoop(SpecLoop):
     """The device loop with a tree per step: `k` is the tree's depth (the most drafts a step
     accepts), drafting is `proposer.draft_tree()`, verification the tree's longest matching
     path (greedy), or at T > 0 the longest path along one draw from the target after each
-    node (the target's distribution exactly: inference/tree.py, sampled_tree_verify)."""
+    node (the target's distribution exactly: inference/tree/ops.py, sampled_tree_verify)."""
 
     def __init__(self, model, cache, proposer, batch: int, *args, **kwargs):
         super().__init__(model, cache, proposer, batch, *args, **kwargs)

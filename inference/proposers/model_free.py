@@ -1,40 +1,9 @@
-"""Draft proposers behind one small interface.
-
-    aux_layers                    target layers whose outputs the proposer needs (may be ())
-    begin(prompts, aux, first)    after prefill: prompt tokens, their aux features [B,T,n*Ht],
-                                  the first generated token of each row
-    propose(tokens) -> drafts     per row, at most k target token ids (tokens: prompt + output)
-    accepted(fed, aux, counts, active)
-                                  after verification: the k+1 tokens each row fed [B,k+1],
-                                  their aux features [B,k+1,n*Ht], (accepted, bonus) per row,
-                                  and which rows still generate after this step (a row
-                                  that has just finished is not: its state may stay put)
-
-Positions are 0-based. A row holding tokens t_0..t_{N-1} feeds t_{N-1} and its drafts at
-positions N-1.. in the verify step.
-
-Device proposers (`on_device = True`) also provide the loop's own interface, which runs on
-tensors alone, so the engine captures it in CUDA graphs (inference/spec_loop.py):
-
-    draft() -> drafts [B,k]       greedy drafts (a static buffer; -1 = no draft)
-    draft_sampled(T, generator) -> (drafts [B,k], q [B,k,V])
-                                  drafts sampled from the proposer's own distribution q
-    advance(fed, aux, accepted, bonus, active)
-                                  `accepted` as tensors: fed [B,k+1], aux [B,k+1,n*Ht] or None,
-                                  accepted [B], bonus [B], active [B] bool
-
-These never wait on the host (no .item(), .tolist(), branches on tensor values), keep fixed
-shapes, and update their state tensors in place, so a captured replay sees the same storage.
-"""
+"""Model-free proposers: n-gram (host KMP and a vectorized device version) and suffix decoding."""
 from __future__ import annotations
 
 import torch
 
-# the model-based proposers live in inference/drafter_proposers.py and inference/draft_model.py;
-# importable from here too
-from inference.draft_model import DraftModelProposer, vocab_intersection  # noqa: F401
-from inference.drafter_proposers import Eagle3Proposer, MedusaProposer, RecomputeProposer, drafter_proposer  # noqa: F401
-from kernels.ngram import ngram_drafts  # buffer [B,S], lengths [B] → drafts [B,k] (one Triton launch on a GPU)
+from draftsmith_kernels.ngram import ngram_drafts  # buffer [B,S], lengths [B] → drafts [B,k] (one Triton launch on a GPU)
 
 
 def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int, int]:

@@ -1,13 +1,13 @@
 """The runtime's fixed-shape steps outside the speculative loop: the prefill and plain greedy
-decoding, each captured in a CUDA graph on a GPU (inference/graphs.py) and reused by later
+decoding, each captured in a CUDA graph on a GPU (inference/runtime/graphs.py) and reused by later
 calls of the same shape (the engine keeps them on the model).
 """
 from __future__ import annotations
 
 import torch
 
-from inference.graphs import capture_graph, kernels_mode, reuse
-from kernels.argmax import argmax_rows
+from inference.runtime.graphs import capture_graph, kernels_mode, reuse
+from draftsmith_kernels.argmax import argmax_rows
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this: few prefill shapes, graphs reused
 # larger prefills run eagerly: they are bound by compute, not by launches, and a captured graph

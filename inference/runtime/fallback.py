@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from inference.model import SUPPORTED, RuntimeModel
+from inference.runtime.model import SUPPORTED, RuntimeModel
 
 
 class TokenBuffer:

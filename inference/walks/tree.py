@@ -1,14 +1,14 @@
 """Tree-aware predicted acceptance: training's held-out walk drafts EAGLE-2 trees exactly as the
 runtime's EagleTreeProposer drafts them, and judges them with the runtime's own acceptance.
 
-One definition on both sides: the trees come from `draft_eagle_tree` (inference/tree_decoding.py,
+One definition on both sides: the trees come from `draft_eagle_tree` (inference/tree/loop.py,
 the function `EagleTreeProposer.draft_tree` calls), the accepted length of each tree from
-`greedy_tree_verify` (inference/tree.py, what `TreeLoop` verifies with), tau from
+`greedy_tree_verify` (inference/tree/ops.py, what `TreeLoop` verifies with), tau from
 `Acceptance.from_histogram` over the accepted-length histogram [depth+1] (what the runtime's
 stats report). Only the target's choices come from elsewhere: from the text where it can tell
 them, else from one target forward over the accepted path grafted onto the text.
 
-The walk is the chain walk's (inference/acceptance.py: `serving_walk`): each answer span from
+The walk is the chain walk's (inference/walks/greedy.py: `serving_walk`): each answer span from
 its first token, the next tree's root one token after the last accepted one (the bonus token).
 A tree at anchor a hangs below the root x_{a+1}; the drafter reads its step-0 entries 0..a
 (entry t pairs x_{t+1} with the target's feature g_t), as the runtime's proposer holds them
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from inference.acceptance import anchorable_from, walk_answer, window_for
-from inference.tree import greedy_tree_verify
-from inference.tree_decoding import draft_eagle_tree, tree_candidate_count
+from inference.walks.greedy import anchorable_from, walk_answer, window_for
+from inference.tree.ops import greedy_tree_verify
+from inference.tree.loop import draft_eagle_tree, tree_candidate_count
 from models.acceptance import Acceptance, Prediction, TreePromise
 
 UNKNOWN = -2  # a target choice the text cannot tell: equals no token and no empty slot (-1)
@@ -138,7 +138,7 @@ def predicted_tree_histograms(target, drafter, ids, loss_mask, lengths, trees, a
     time (each reads the text's cache up to its anchor: memory ~ window x T entries); by default
     128, or what a capped walk reaches (anchors_per_sequence trees of at most depth + 1 tokens):
     a window's launches are the same for 32 anchors or 128, and a text's walk takes ~T / window."""
-    from inference.drafter_proposers import Eagle3Proposer
+    from inference.proposers.drafters import Eagle3Proposer
 
     check_tree_drafter(drafter)
     if features is None or greedy is None:
@@ -190,7 +190,7 @@ def tree_promise(predicted: Prediction | None, tree) -> TreePromise:
 def tree_proposers(drafter, tree, target_config):
     """make_proposer(prompts, max_len) for validate's `measure`: one EagleTreeProposer per (batch,
     cache length), reused as measure reuses its chain proposers (graphs captured once)."""
-    from inference.tree_decoding import EagleTreeProposer
+    from inference.tree.loop import EagleTreeProposer
 
     built = {}
 

@@ -1,6 +1,6 @@
 """Proposers that run a model: EAGLE-3 / EAGLE-1 (own KV cache), Medusa heads, MTP and DFlash
 (recomputed over the verified prefix), a separate draft model, and `drafter_proposer`, which
-picks the right one for a trained drafter. The interface is described in inference/proposers.py.
+picks the right one for a trained drafter. The interface is described in inference/proposers/model_free.py.
 """
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import torch
 
 import torch.nn.functional as F
 
-from inference.device_proposer import HostLoopInterface, check_drafter_fits
-from inference.graphs import capture_graph, kernels_mode
-from inference.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
-from kernels.argmax import argmax_rows
-from kernels.chain_state import advance_inputs, keep_entry
-from kernels.decode_attention import decode_attention
-from kernels.gemv import gemv, one_row, one_row_mode, swiglu_gemv
-from kernels.lm_head_argmax import norm_lm_head_argmax
-from kernels.rejection_sample import inverse_cdf
-from kernels.rms_norm import rms_norm, rms_norm_pair
-from kernels.rope_cache import rope_cache
-from kernels.silu_mul import swiglu_into
+from inference.proposers.device import HostLoopInterface, check_drafter_fits
+from inference.runtime.graphs import capture_graph, kernels_mode
+from inference.runtime.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
+from draftsmith_kernels.argmax import argmax_rows
+from draftsmith_kernels.chain_state import advance_inputs, keep_entry
+from draftsmith_kernels.decode_attention import decode_attention
+from draftsmith_kernels.gemv import gemv, one_row, one_row_mode, swiglu_gemv
+from draftsmith_kernels.lm_head_argmax import norm_lm_head_argmax
+from draftsmith_kernels.rejection_sample import inverse_cdf
+from draftsmith_kernels.rms_norm import rms_norm, rms_norm_pair
+from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.silu_mul import swiglu_into
 from models.eagle3 import Eagle3Drafter
 from models.methods import method_of, predictor_of, resolve
 
@@ -331,7 +331,7 @@ class MedusaProposer(HostLoopInterface):
 
 class RecomputeProposer:
     """Drafting by recomputation, the exact reference of the cached MTP and DFlash proposers
-    (inference/block_proposers.py): each step runs the drafter over a row's verified prefix and takes the chain at
+    (inference/proposers/blocks.py): each step runs the drafter over a row's verified prefix and takes the chain at
     its end, with the very function training's predictor uses (`unroll(greedy=True)`, or one
     DFlash block), so it drafts exactly what training predicts. Cost grows with the context:
     a correctness path, not a fast one.
@@ -388,6 +388,6 @@ def medusa_proposer(drafter, k: int, batch: int, max_len: int, target_config) ->
 def drafter_proposer(drafter, k: int, batch: int, max_len: int, target_config):
     """The runtime proposer for a trained drafter module, the one its method's row of
     models/methods.py names; the shipped ones are all device proposers: EAGLE-3 / EAGLE-1 (own
-    KV cache), Medusa (cache-free), MTP and DFlash (cached streams, inference/block_proposers.py;
+    KV cache), Medusa (cache-free), MTP and DFlash (cached streams, inference/proposers/blocks.py;
     `RecomputeProposer` is their exact reference)."""
     return resolve(method_of(drafter).proposer)(drafter, k, batch, max_len, target_config)

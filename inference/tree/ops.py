@@ -23,13 +23,13 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from kernels import use_kernel
-from kernels.argmax import argmax_chunks
-from kernels.chain_state import advance_inputs_reference
-from kernels.emit import EmitState, emit_reference, feed_reference
-from kernels.rejection_sample import inverse_cdf
-from kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
-from kernels.tree_select import Candidates, Frontier, candidate_depths, finalize_triton, \
+from draftsmith_kernels.dispatch import use_kernel
+from draftsmith_kernels.argmax import argmax_chunks
+from draftsmith_kernels.chain_state import advance_inputs_reference
+from draftsmith_kernels.emit import EmitState, emit_reference, feed_reference
+from draftsmith_kernels.rejection_sample import inverse_cdf
+from draftsmith_kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
+from draftsmith_kernels.tree_select import Candidates, Frontier, candidate_depths, finalize_triton, \
     root_frontier
 
 

@@ -1,9 +1,9 @@
 """`generate`: the runtime's one entry point for decoding. It sizes the KV cache, runs the
-prefill (inference/steps.py) and hands the rest to one of three loops:
+prefill (inference/runtime/steps.py) and hands the rest to one of three loops:
 
-- plain greedy decoding, feeding its own argmax back on the device (inference/steps.py);
-- the device loop, for proposers that draft from device tensors (inference/spec_loop.py);
-- the host loop, for proposers that draft on the host (inference/host_loop.py).
+- plain greedy decoding, feeding its own argmax back on the device (inference/runtime/steps.py);
+- the device loop, for proposers that draft from device tensors (inference/runtime/spec_loop.py);
+- the host loop, for proposers that draft on the host (inference/runtime/host_loop.py).
 
 Greedy verification is lossless: every emitted token is the target's argmax given the tokens
 before it, so the output equals plain greedy decoding (exactly, in float32).
@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 import torch
 from torch.profiler import record_function
 
-from inference.acceptance import acceptance_from_histogram
-from inference.graphs import reuse
-from inference.host_loop import host_speculation
-from inference.model import RuntimeModel
-from inference.spec_loop import device_speculation
-from inference.steps import GreedyDecodeStep, plain_greedy, prefill  # noqa: F401  (GreedyDecodeStep: scripts/profile_decode.py)
-from inference.verify import sampling_probs
+from inference.walks.greedy import acceptance_from_histogram
+from inference.runtime.graphs import reuse
+from inference.runtime.host_loop import host_speculation
+from inference.runtime.model import RuntimeModel
+from inference.runtime.spec_loop import device_speculation
+from inference.runtime.steps import GreedyDecodeStep, plain_greedy, prefill  # noqa: F401  (GreedyDecodeStep: scripts/profile_decode.py)
+from inference.runtime.verify import sampling_probs
 
 
 @dataclass
@@ -37,7 +37,7 @@ class GenerationStats:
     total_seconds: float = 0.0
     host_syncs: int = 0  # times the host waited for the device's results
     verify_tokens: int | None = None  # drafted tokens verified per step, when not k (a tree's nodes)
-    device_loop: bool = False  # drafted and verified by the device loop (inference/spec_loop.py)
+    device_loop: bool = False  # drafted and verified by the device loop (inference/runtime/spec_loop.py)
     # what the device loop's "other" time holds: the setup before the first step (prefill,
     # first token, the proposer's begin; synced), and the host's time launching the steps (when
     # it exceeds the device's, the GPU waits on the host)
@@ -114,8 +114,8 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     fast_plain=False: each step feeds its own argmax back, and the host checks for
     end-of-sequence once every `steps.EOS_CHECK_EVERY` tokens instead of syncing per token.
 
-    A device proposer (`on_device`, inference/proposers.py) runs in the device loop of
-    inference/spec_loop.py unless device_loop=False: drafts, acceptance and emitted tokens stay
+    A device proposer (`on_device`, inference/proposers/model_free.py) runs in the device loop of
+    inference/runtime/spec_loop.py unless device_loop=False: drafts, acceptance and emitted tokens stay
     on the device, each step is captured in CUDA graphs on a GPU, and the host looks at the
     done flags once every few steps. Other proposers (suffix decoding, the host n-gram, drafting
     across vocabularies) run in the host loop below, which reads every step's result."""

@@ -1,12 +1,12 @@
 """A separate small LM as the proposer: same vocabulary on the device, another one on the host.
-The interface is described in inference/proposers.py.
+The interface is described in inference/proposers/model_free.py.
 """
 from __future__ import annotations
 
 import torch
 
-from inference.device_proposer import advance_args
-from inference.verify import NO_DRAFT
+from inference.proposers.device import advance_args
+from inference.runtime.verify import NO_DRAFT
 
 
 def vocab_intersection(target_tokenizer, draft_tokenizer) -> torch.Tensor:
@@ -25,7 +25,7 @@ def vocab_intersection(target_tokenizer, draft_tokenizer) -> torch.Tensor:
 class DraftModelProposer:
     """A separate small LM drafts k tokens greedily.
 
-    Same vocabulary (a device proposer, see inference/proposers.py): the draft model keeps its
+    Same vocabulary (a device proposer, see inference/proposers/model_free.py): the draft model keeps its
     own KV cache. Each step feeds the row's last two verified tokens (the one before the bonus
     may be an accepted draft the model has not seen yet; re-writing an entry it has seen is
     harmless) and then its own k-1 drafts, always the same shapes, so it runs inside the

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.greedy_verify import greedy_verify  # noqa: F401  (drafts [B,k], logits [B,k+1,V] → accepted, bonus)
-from kernels.block_sample import block_sample  # block verification from uniforms (Triton on GPU)
-from kernels.rejection_sample import rejection_sample  # the fused scan + residual draw (Triton on GPU)
+from draftsmith_kernels.greedy_verify import greedy_verify  # noqa: F401  (drafts [B,k], logits [B,k+1,V] → accepted, bonus)
+from draftsmith_kernels.block_sample import block_sample  # block verification from uniforms (Triton on GPU)
+from draftsmith_kernels.rejection_sample import rejection_sample  # the fused scan + residual draw (Triton on GPU)
 
 NO_DRAFT = -1  # fills draft slots a proposer left empty; never equals a target token
 

@@ -1,5 +1,5 @@
 """What every device proposer offers the host loop, written once on top of its device interface
-(`draft`, `draft_sampled`, `advance`; see inference/proposers.py): the host loop hands tokens
+(`draft`, `draft_sampled`, `advance`; see inference/proposers/model_free.py): the host loop hands tokens
 as lists and counts as (accepted, bonus) pairs, the device loop hands tensors.
 """
 from __future__ import annotations

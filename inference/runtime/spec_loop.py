@@ -19,9 +19,9 @@ import time
 import torch
 from torch.profiler import record_function
 
-from inference.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
-from inference.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
-from kernels.emit import EmitState, emit, feed
+from inference.runtime.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
+from inference.runtime.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
+from draftsmith_kernels.emit import EmitState, emit, feed
 
 
 class SpecLoop:
@@ -256,7 +256,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     if tree and temperature > 0 and verification != "standard":
         raise ValueError(f"draft trees sample with one target draw per node (standard verification), not {verification!r}")
     if tree:
-        from inference.tree_decoding import TreeLoop
+        from inference.tree.loop import TreeLoop
     make = TreeLoop if tree else SpecLoop
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
                                            verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))

@@ -1,12 +1,12 @@
 """Predicted acceptance when drafts are sampled (T > 0): standard rejection and block verification.
 
-The greedy promise (inference/acceptance.py) judges one deterministic chain per anchor. With
+The greedy promise (inference/walks/greedy.py) judges one deterministic chain per anchor. With
 sampling, a chain's accepted length L is random; what is predicted is its law, as the expected
 histogram of L, from the target's distribution p and the drafter's q (both at temperature T,
 p restricted by top_k / top_p as the runtime restricts it, q as the runtime's proposers sample:
 softmax(logits / T) over the draft vocabulary, 0 elsewhere). Per chain, at its anchor a:
 
-Standard rejection (inference.verify.rejection_verify). Given drafts 1..i-1 accepted (the prefix
+Standard rejection (inference.runtime.verify.rejection_verify). Given drafts 1..i-1 accepted (the prefix
 c_{i-1} = x_0..x_{a+1}, d_1..d_{i-1}), draft i ~ q_i(.|c_{i-1}) is accepted with probability
     alpha_i = sum_x min(p_i(x), q_i(x)),
 and an accepted draft is distributed as min(p_i, q_i) / alpha_i. Hence
@@ -17,7 +17,7 @@ q_{j+1} depends on d_j and the sum over all chains is intractable; one drawn cha
 gives an unbiased estimate of every P(L >= i), hence of the histogram and of tau. Note the
 law of L is symmetric in p and q under this rule: only block verification tells them apart.
 
-Block verification (inference.verify.block_verify). The drafts are judged as a block: d_i ~ q_i,
+Block verification (inference.runtime.verify.block_verify). The drafts are judged as a block: d_i ~ q_i,
 w_0 = 1, w_i = min(w_{i-1} p_i(d_i) / q_i(d_i), 1), R_i = sum_x max(w_i p_{i+1}(x) - q_{i+1}(x), 0),
 prefix i is kept with probability h_i = R_i / (R_i + 1 - w_i) (h_k = w_k), independently, and
 L is the largest kept prefix. Given the drawn chain (from q, exactly as the runtime drafts),
@@ -38,8 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.acceptance import walk_answer, window_for
-from inference.verify import sampling_probs
+from inference.walks.greedy import walk_answer, window_for
+from inference.runtime.verify import sampling_probs
 from models.acceptance import Acceptance
 
 VERIFICATIONS = ("standard", "block")

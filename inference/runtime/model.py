@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import use_kernel
-from kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
+from draftsmith_kernels.dispatch import use_kernel
+from draftsmith_kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask, decode_attention,  # noqa: F401 (re-exported)
                                       grouped_attention_bias, grouped_cache_attention)
-from kernels.rms_norm import head_norm, rms_norm
-from kernels.rope_cache import rope_cache
-from kernels.silu_mul import silu_mul
-from kernels.tree_attention import tree_attention, tree_cache_bias, with_root_row
+from draftsmith_kernels.rms_norm import head_norm, rms_norm
+from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.silu_mul import silu_mul
+from draftsmith_kernels.tree_attention import tree_attention, tree_cache_bias, with_root_row
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
@@ -274,7 +274,7 @@ class RuntimeModel(nn.Module):
         Rows of a ragged step may carry padding tokens: they are written at positions beyond
         the row's real tokens, never attended by real queries, and overwritten later.
 
-        tree_mask [B,N,N] (a draft tree's verify step, inference/tree_decoding.py): the q = N+1
+        tree_mask [B,N,N] (a draft tree's verify step, inference/tree/loop.py): the q = N+1
         tokens are the root, at position = slot = base, then the N nodes, node i written at slot
         base + 1 + i (fed at its own position, base + depth); every token sees the cache up to
         base, node i also the nodes of tree_mask[b, i] (its ancestors and itself).
@@ -337,7 +337,7 @@ class GraphedStep:
     """
 
     def __init__(self, model: RuntimeModel, cache: KVCache, batch: int, q: int, aux_layers: tuple = ()):
-        from inference.graphs import capture_graph
+        from inference.runtime.graphs import capture_graph
 
         dev = model.embed_tokens.weight.device
         self.cache = cache  # held: the graph writes into it (its memory must outlive the graph)

@@ -3,7 +3,7 @@ host n-gram, drafting across vocabularies) or that the device loop does not serv
 
 Each step the host asks the proposer for drafts, the target verifies them (one CUDA graph on a
 GPU), and the host reads the accepted lengths back: two host syncs per step, the price of a
-proposer that works on Python lists. `generate` (inference/engine.py) picks this loop only for
+proposer that works on Python lists. `generate` (inference/runtime/engine.py) picks this loop only for
 proposers that are not `on_device`.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from inference.graphs import kernels_mode, reuse
-from inference.model import GraphedStep
-from inference.verify import NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
+from inference.runtime.graphs import kernels_mode, reuse
+from inference.runtime.model import GraphedStep
+from inference.runtime.verify import NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
 
 
 def _sync(device):
@@ -122,7 +122,7 @@ class GraphedGreedyVerify:
     cat and positions, the verification) no longer wait for the host after each step's sync."""
 
     def __init__(self, model, cache, batch: int, k: int, aux_layers: tuple):
-        from inference.graphs import capture_graph
+        from inference.runtime.graphs import capture_graph
 
         dev = model.embed_tokens.weight.device
         # every tensor the graph reads lives on self: a captured graph holds raw addresses, and a

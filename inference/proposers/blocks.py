@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from inference.device_proposer import HostLoopInterface, check_drafter_fits
-from kernels.argmax import argmax_rows
-from kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
-from kernels.rejection_sample import inverse_cdf
-from kernels.rms_norm import head_norm, rms_norm
-from kernels.rope_cache import rope_cache
-from kernels.silu_mul import swiglu_into
+from inference.proposers.device import HostLoopInterface, check_drafter_fits
+from draftsmith_kernels.argmax import argmax_rows
+from draftsmith_kernels.decode_attention import DECODE_MAX_QUERIES, decode_attention, decode_attention_reference
+from draftsmith_kernels.rejection_sample import inverse_cdf
+from draftsmith_kernels.rms_norm import head_norm, rms_norm
+from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.silu_mul import swiglu_into
 
 
 class _DeviceProposer(HostLoopInterface):
