@@ -56,15 +56,17 @@ def _without_kernels(fn):
 
 
 def _drafter_name(module) -> str:
-    return type(module).__name__.removesuffix("Drafter").replace("Eagle3", "EAGLE-3").replace("Eagle1", "EAGLE-1")
+    from models.methods import display_name
+
+    return display_name(module)  # its method's row (models/methods.py)
 
 
 def _drafter_ks(module, ks: list[int]) -> list[int]:
-    """The requested draft lengths this drafter can draft (MTP: its modules, DFlash: B-1,
-    Medusa: its heads); one at its capability when none of them fits."""
-    cfg = module.config
-    cap = {"MTP": getattr(cfg, "num_modules", None), "DFlash": getattr(cfg, "block_size", 2) - 1,
-           "Medusa": getattr(cfg, "num_heads", None)}.get(_drafter_name(module))
+    """The requested draft lengths this drafter can draft (its method row's max_drafts: MTP its
+    modules, DFlash B-1, Medusa its heads); one at its capability when none of them fits."""
+    from models.methods import max_drafts
+
+    cap = max_drafts(module)
     if cap is None:
         return list(ks)
     fitting = [k for k in ks if k <= cap]
@@ -132,6 +134,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from inference.runtime.fallback import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
     from draftsmith_kernels.tree_attention import tuning_spec
+    from models.methods import drafts_trees
     from models.zoo import resolve_target
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -217,7 +220,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         for k in _drafter_ks(module, ks):
             proposer = drafter_proposer(module, k, 1, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k})"] = lambda p=proposer: runtime(p)
-        for tree in trees if _drafter_name(module) == "EAGLE-3" else ():
+        for tree in trees if drafts_trees(module) else ():
             from inference.tree.loop import EagleTreeProposer
 
             depth, top_k, total, *children = tree

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.options import MethodOptions, int_in, non_negative_int, optional, positive_int
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
 GAMMA_BY_BLOCK = {16: 7.0, 10: 5.0, 8: 4.0}  # position-weight decay the reference trainers use
@@ -65,6 +67,43 @@ class DFlashConfig(DecoderShape):
                     target_layer_ids: list[int] | None = None) -> "DFlashConfig":
         return super().from_target(hf_config, draft_vocab_size, mask_token_id=mask_token_id,
                                    target_layer_ids=list(target_layer_ids or []), num_layers=num_layers, block_size=block_size)
+
+
+@dataclass
+class DFlashOptions(MethodOptions):
+    """The run config's `drafter.dflash` section."""
+
+    block_size: int = 8
+    """Block size B (2..16); one forward drafts B-1 tokens."""
+    layers: int = 5
+    """Decoder layers of the drafter."""
+    mask_token_id: int | None = None
+    """The mask token (a real row of the target's embedding); default a special token chat text never uses."""
+    target_layers: int = 5
+    """Target layers fused into the context feature (evenly spaced), unless drafter.aux_layer_ids names them."""
+
+    RANGES: ClassVar[tuple] = (("block_size", int_in(2, 16), "an integer in 2..16"),
+                               ("layers", positive_int, "a positive integer"),
+                               ("mask_token_id", optional(non_negative_int), "a token id (>= 0) or null"),
+                               ("target_layers", positive_int, "a positive integer"))
+    RENAMED: ClassVar[dict] = {"dflash_block_size": "block_size", "dflash_layers": "layers",
+                               "dflash_mask_token_id": "mask_token_id", "dflash_target_layers": "target_layers"}
+
+    def problems(self, run, key: str) -> list[str]:
+        if run.eval.k > self.block_size - 1:
+            return [f"eval.k: a block of {self.block_size} ({key}.block_size) drafts {self.block_size - 1} tokens, "
+                    f"not {run.eval.k}"]
+        return []
+
+
+def build(d, hf_config, vd: int, mask_token_id: int) -> "DFlashDrafter":
+    """The drafter of run-config drafter section `d` (its `options`: DFlashOptions) for this target;
+    `mask_token_id`: the default mask (a special token chat text never uses), unless the
+    section names one."""
+    o = d.options
+    layer_ids = d.aux_layer_ids or default_target_layer_ids(hf_config.num_hidden_layers, o.target_layers)
+    mask = o.mask_token_id if o.mask_token_id is not None else mask_token_id
+    return DFlashDrafter(DFlashConfig.from_target(hf_config, vd, mask, o.layers, o.block_size, layer_ids))
 
 
 class DFlashAttention(DecoderAttention):

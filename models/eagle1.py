@@ -17,12 +17,14 @@ to the draft vocabulary; Vd = V serves the layout as is).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left, ttt_attend
+from models.options import MethodOptions
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
 
@@ -30,6 +32,21 @@ from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, kee
 class Eagle1Config(DecoderShape):
     # fc with a bias (SGLang's and the EAGLE reference's EAGLE-1); vLLM's `eagle` fc has none
     fc_bias: bool = True
+
+
+@dataclass
+class Eagle1Options(MethodOptions):
+    """The run config's `drafter.eagle1` section."""
+
+    fc_bias: bool = True
+    """fc has a bias (the SGLang / EAGLE layout); false to serve it in vLLM (`--format eagle-vllm`)."""
+
+    RENAMED: ClassVar[dict] = {"fc_bias": "fc_bias"}
+
+
+def build(d, hf_config, vd: int, mask_token_id: int) -> "Eagle1Drafter":
+    """The drafter of run-config drafter section `d` (its `options`: Eagle1Options) for this target."""
+    return Eagle1Drafter(Eagle1Config.from_target(hf_config, vd, fc_bias=d.options.fc_bias))
 
 
 class Eagle1Layer(nn.Module):

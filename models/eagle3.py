@@ -14,11 +14,13 @@ renaming (see docs/formats.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.options import MethodOptions
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
 
@@ -51,6 +53,26 @@ class Eagle3Config(DecoderShape):
         ids = list(aux_layer_ids) if aux_layer_ids is not None else default_aux_layer_ids(hf_config.num_hidden_layers)
         return super().from_target(hf_config, draft_vocab_size, target_hidden_size=hf_config.hidden_size, aux_layer_ids=ids,
                                    **options)
+
+
+@dataclass
+class Eagle3Options(MethodOptions):
+    """The run config's `drafter.eagle3` section."""
+
+    norm_before_residual: bool = False
+    """Residual around the drafter's attention is the normed feature (true) or pre-norm (false,
+    EAGLE's original and the only form SGLang's layout carries)."""
+    norm_before_fc: bool = False
+    """RMSNorm over the concatenated aux features before fc (speculators' `input_norm`)."""
+
+    RENAMED: ClassVar[dict] = {"norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc"}
+
+
+def build(d, hf_config, vd: int, mask_token_id: int) -> "Eagle3Drafter":
+    """The drafter of run-config drafter section `d` (its `options`: Eagle3Options) for this target."""
+    return Eagle3Drafter(Eagle3Config.from_target(hf_config, vd, d.aux_layer_ids,
+                                                  norm_before_residual=d.options.norm_before_residual,
+                                                  norm_before_fc=d.options.norm_before_fc))
 
 
 def ttt_attend(kv_steps: list):

@@ -16,6 +16,7 @@ biases), so each head starts as the target's own head restricted to the draft vo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch import nn
 
 from models.draft_vocab import check_draft_vocab, draft_ids, register_maps
 from models.layers import DictConfig
+from models.options import MethodOptions, non_negative_int, positive_int
 
 
 @dataclass
@@ -44,6 +46,30 @@ class MedusaConfig(DictConfig):
     def from_target(cls, hf_config, draft_vocab_size: int, num_heads: int = 4, num_layers: int = 1) -> "MedusaConfig":
         return cls(vocab_size=hf_config.vocab_size, draft_vocab_size=draft_vocab_size, hidden_size=hf_config.hidden_size,
                    target_num_layers=hf_config.num_hidden_layers, num_heads=num_heads, num_layers=num_layers)
+
+
+@dataclass
+class MedusaOptions(MethodOptions):
+    """The run config's `drafter.medusa` section."""
+
+    heads: int = 4
+    """K heads; head k (1-based) predicts the token k+1 positions after the last verified one."""
+    layers: int = 1
+    """Residual blocks per head."""
+
+    RANGES: ClassVar[tuple] = (("heads", positive_int, "a positive integer"),
+                               ("layers", non_negative_int, "a non-negative integer"))
+    RENAMED: ClassVar[dict] = {"medusa_heads": "heads", "medusa_layers": "layers"}
+
+    def problems(self, run, key: str) -> list[str]:
+        if run.eval.k > self.heads:
+            return [f"eval.k: {run.eval.k} drafts need {run.eval.k} Medusa heads; {key}.heads is {self.heads}"]
+        return []
+
+
+def build(d, hf_config, vd: int, mask_token_id: int) -> "MedusaDrafter":
+    """The drafter of run-config drafter section `d` (its `options`: MedusaOptions) for this target."""
+    return MedusaDrafter(MedusaConfig.from_target(hf_config, vd, d.options.heads, d.options.layers))
 
 
 class ResidualBlocks(nn.Module):

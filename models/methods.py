@@ -17,11 +17,13 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from models.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
-from models.eagle1 import Eagle1Config, Eagle1Drafter
-from models.eagle3 import Eagle3Config, Eagle3Drafter
-from models.medusa import MedusaConfig, MedusaDrafter
-from models.mtp import MTPConfig, MTPDrafter
+from models import dflash, eagle1, eagle3, medusa, mtp
+from models.dflash import DFlashConfig, DFlashDrafter, DFlashOptions
+from models.eagle1 import Eagle1Config, Eagle1Drafter, Eagle1Options
+from models.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Options
+from models.medusa import MedusaConfig, MedusaDrafter, MedusaOptions
+from models.mtp import MTPConfig, MTPDrafter, MTPOptions
+from models.options import MethodOptions
 
 
 @runtime_checkable
@@ -80,49 +82,56 @@ class Method:
 
     config: type  # the drafter's config dataclass (config.from_dict rebuilds it from a checkpoint)
     drafter: type  # the nn.Module, built as drafter(config)
-    build: Callable  # (run config's drafter section, target hf_config, Vd, mask token id) → drafter
+    build: Callable  # (run config's drafter section, target hf_config, Vd, default mask token id) → drafter
     proposer: str  # "module:callable", (drafter, k, batch, max_len, target_config) → runtime proposer
     layouts: dict  # export layout name → its module (write / reads / read / served_config); the first is the default
     predictor: str  # one of PREDICTORS
     joint: bool = False  # may train together with the target (objective.joint)
     feature_regression: bool = False  # predicts the target's features (objective.feature_weight)
-
-
-def _eagle3(d, hf_config, vd: int, mask_token_id: int):
-    return Eagle3Drafter(Eagle3Config.from_target(hf_config, vd, d.aux_layer_ids, norm_before_residual=d.norm_before_residual,
-                                                  norm_before_fc=d.norm_before_fc))
-
-
-def _eagle1(d, hf_config, vd: int, mask_token_id: int):
-    return Eagle1Drafter(Eagle1Config.from_target(hf_config, vd, fc_bias=d.fc_bias))
-
-
-def _medusa(d, hf_config, vd: int, mask_token_id: int):
-    return MedusaDrafter(MedusaConfig.from_target(hf_config, vd, d.medusa_heads, d.medusa_layers))
-
-
-def _mtp(d, hf_config, vd: int, mask_token_id: int):
-    return MTPDrafter(MTPConfig.from_target(hf_config, vd, d.mtp_modules))
-
-
-def _dflash(d, hf_config, vd: int, mask_token_id: int):
-    layer_ids = d.aux_layer_ids or default_target_layer_ids(hf_config.num_hidden_layers, d.dflash_target_layers)
-    return DFlashDrafter(DFlashConfig.from_target(hf_config, vd, mask_token_id, d.dflash_layers, d.dflash_block_size,
-                                                  layer_ids))
+    options: type | None = None
+    """Its section of the run config, `drafter.<name>` (a MethodOptions dataclass: fields, ranges,
+    checks; models/options.py); None: the method has no fields of its own."""
+    display_name: str = ""  # how reports and the bench name it (default: the method's name)
+    trees: bool = False  # drafts EAGLE-2 trees (inference/tree/loop.py: EagleTreeProposer, eval.trees, --tree)
+    max_drafts: Callable | None = None  # (drafter config) → most drafts per step, or None: any k
 
 
 METHODS: dict[str, Method] = {
-    "eagle3": Method(Eagle3Config, Eagle3Drafter, _eagle3, "inference.proposers.drafters:Eagle3Proposer",
-                     {"speculators": "export.speculators", "sglang": "export.sglang"}, "chain"),
-    "eagle1": Method(Eagle1Config, Eagle1Drafter, _eagle1, "inference.proposers.drafters:Eagle3Proposer",
-                     {"eagle": "export.eagle1", "eagle-vllm": "export.eagle1"}, "chain", feature_regression=True),
-    "medusa": Method(MedusaConfig, MedusaDrafter, _medusa, "inference.proposers.drafters:medusa_proposer",
-                     {"medusa": "export.medusa"}, "heads", joint=True),
-    "mtp": Method(MTPConfig, MTPDrafter, _mtp, "inference.proposers.blocks:MTPCachedProposer",
-                  {"mtp": "export.mtp"}, "chain", joint=True),
-    "dflash": Method(DFlashConfig, DFlashDrafter, _dflash, "inference.proposers.blocks:DFlashCachedProposer",
-                     {"dflash": "export.dflash", "speculators": "export.speculators"}, "block"),
+    "eagle3": Method(Eagle3Config, Eagle3Drafter, eagle3.build, "inference.proposers.drafters:Eagle3Proposer",
+                     {"speculators": "export.speculators", "sglang": "export.sglang"}, "chain",
+                     options=Eagle3Options, display_name="EAGLE-3", trees=True),
+    "eagle1": Method(Eagle1Config, Eagle1Drafter, eagle1.build, "inference.proposers.drafters:Eagle3Proposer",
+                     {"eagle": "export.eagle1", "eagle-vllm": "export.eagle1"}, "chain", feature_regression=True,
+                     options=Eagle1Options, display_name="EAGLE-1"),
+    "medusa": Method(MedusaConfig, MedusaDrafter, medusa.build, "inference.proposers.drafters:medusa_proposer",
+                     {"medusa": "export.medusa"}, "heads", joint=True, options=MedusaOptions, display_name="Medusa",
+                     max_drafts=lambda c: c.num_heads),
+    "mtp": Method(MTPConfig, MTPDrafter, mtp.build, "inference.proposers.blocks:MTPCachedProposer",
+                  {"mtp": "export.mtp"}, "chain", joint=True, options=MTPOptions, display_name="MTP",
+                  max_drafts=lambda c: c.num_modules),
+    "dflash": Method(DFlashConfig, DFlashDrafter, dflash.build, "inference.proposers.blocks:DFlashCachedProposer",
+                     {"dflash": "export.dflash", "speculators": "export.speculators"}, "block", options=DFlashOptions,
+                     display_name="DFlash", max_drafts=lambda c: c.block_size - 1),
 }
+
+
+def register(name: str, row: Method) -> Method:
+    """Add method `name` to the table (a plugin's or a test's method: nothing else to edit);
+    a ValueError when the name is taken or the row is not one the code can use."""
+    import dataclasses
+
+    if name in METHODS:
+        raise ValueError(f"method {name!r} is already in the table")
+    if not name.isidentifier():
+        raise ValueError(f"method name {name!r} must be an identifier (it is the key of its run-config section)")
+    if row.predictor not in PREDICTORS:
+        raise ValueError(f"method {name!r}: predictor {row.predictor!r} is not one of {', '.join(PREDICTORS)}")
+    if row.options is not None and not (dataclasses.is_dataclass(row.options) and issubclass(row.options, MethodOptions)):
+        raise ValueError(f"method {name!r}: options must be a MethodOptions dataclass (models/options.py)")
+    if not row.layouts:
+        raise ValueError(f"method {name!r}: give at least one export layout")
+    METHODS[name] = row
+    return row
 
 
 def method(name: str) -> Method:
@@ -167,3 +176,31 @@ def predictor_of(drafter) -> str:
         return method_of(drafter).predictor
     except ValueError:
         return "chain"
+
+
+def display_name(drafter) -> str:
+    """How reports and the bench name `drafter`'s method (its row's display_name, else the
+    method's name; a drafter of no method: its class name)."""
+    try:
+        name = method_name_of(drafter)
+    except ValueError:
+        return type(drafter).__name__.removesuffix("Drafter")
+    return METHODS[name].display_name or name
+
+
+def max_drafts(drafter) -> int | None:
+    """The most drafts `drafter` makes per step (Medusa: its heads, MTP: its modules, DFlash:
+    B - 1), or None where any k is fine (its row's max_drafts)."""
+    try:
+        row = method_of(drafter)
+    except ValueError:
+        return None
+    return row.max_drafts(drafter.config) if row.max_drafts is not None else None
+
+
+def drafts_trees(drafter) -> bool:
+    """Whether `drafter`'s method drafts EAGLE-2 trees (its row's `trees`)."""
+    try:
+        return method_of(drafter).trees
+    except ValueError:
+        return False

@@ -18,6 +18,7 @@ computes exactly that, for every t at once, and is what predicted acceptance mea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,7 @@ from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
 from models.eagle3 import shift_left
+from models.options import MethodOptions, positive_int
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
 
@@ -40,6 +42,27 @@ class MTPConfig(DecoderShape):
     @classmethod
     def from_target(cls, hf_config, draft_vocab_size: int, num_modules: int = 3) -> "MTPConfig":
         return super().from_target(hf_config, draft_vocab_size, num_modules=num_modules)
+
+
+@dataclass
+class MTPOptions(MethodOptions):
+    """The run config's `drafter.mtp` section."""
+
+    modules: int = 3
+    """D sequential modules; module d predicts the token d+1 positions after the last verified one."""
+
+    RANGES: ClassVar[tuple] = (("modules", positive_int, "a positive integer"),)
+    RENAMED: ClassVar[dict] = {"mtp_modules": "modules"}
+
+    def problems(self, run, key: str) -> list[str]:
+        if run.eval.k > self.modules:
+            return [f"eval.k: {run.eval.k} drafts need {run.eval.k} MTP modules; {key}.modules is {self.modules}"]
+        return []
+
+
+def build(d, hf_config, vd: int, mask_token_id: int) -> "MTPDrafter":
+    """The drafter of run-config drafter section `d` (its `options`: MTPOptions) for this target."""
+    return MTPDrafter(MTPConfig.from_target(hf_config, vd, d.options.modules))
 
 
 def stream_attend(kv: list, context=None, lag: int = 1):

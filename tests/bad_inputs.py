@@ -91,8 +91,8 @@ CASES = {
     "train-resume-and-overwrite": train("--resume", "--overwrite", phrase="give one"),
     "train-resume-fails-on-data-writes-nothing": train("out_dir={run}", "data.dataset={nonutf8}", "--resume",
                                                        phrase="not UTF-8 text (byte 0xe9"),
-    "train-resume-different-drafter": train("out_dir={run}", "drafter.norm_before_fc=true", "--resume",
-                                            phrase="holds a run with a different drafter.norm_before_fc (False there, True now)"),
+    "train-resume-different-drafter": train("out_dir={run}", "drafter.eagle3.norm_before_fc=true", "--resume",
+                                            phrase="holds a run with a different drafter.eagle3.norm_before_fc (False there, True now)"),
     "train-resume-different-target": train("out_dir={run}", "target={notemplate}", "--resume",
                                            phrase="holds a run with a different target"),
     # ---- train: hostile and corrupt inputs

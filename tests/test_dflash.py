@@ -90,7 +90,7 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
     out = tmp_path / "run"
     res = run_module("train.__main__", "--config", "configs/dflash.yaml",
                      *tiny_overrides(chat_file, out, **{"trainer.max_steps": 2, "drafter.draft_vocab_size": 49152}),
-                     "trainer.precision=32-true", "drafter.dflash_layers=2", "drafter.dflash_block_size=4")
+                     "trainer.precision=32-true", "drafter.dflash.layers=2", "drafter.dflash.block_size=4")
     assert res.returncode == 0, res.stderr[-3000:]
     export = out / "export"
     config = json.loads((export / "config.json").read_text())
@@ -132,7 +132,7 @@ def test_dflash_recipe_cli_layout_and_check(chat_file, tmp_path):
 
 def test_eval_k_beyond_the_block_is_a_config_error(chat_file, tmp_path):
     res = run_module("train.__main__", "--config", "configs/dflash.yaml", *tiny_overrides(chat_file, tmp_path),
-                     "drafter.dflash_block_size=4", "eval.k=4")
+                     "drafter.dflash.block_size=4", "eval.k=4")
     assert res.returncode == 2 and "eval.k" in res.stderr and "Traceback" not in res.stderr
 
 

@@ -12,7 +12,7 @@ from train.run import run
 
 RECIPES = {"eagle3": (None, {}), "eagle1": ("configs/eagle1.yaml", {}), "medusa": ("configs/medusa1.yaml", {}),
            "mtp": ("configs/mtp.yaml", {}),
-           "dflash": ("configs/dflash.yaml", {"drafter.dflash_layers": 2, "drafter.dflash_block_size": 4, "eval.k": 3})}
+           "dflash": ("configs/dflash.yaml", {"drafter.dflash.layers": 2, "drafter.dflash.block_size": 4, "eval.k": 3})}
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,10 @@ def _drafter_and_target(name: str):
 
     hf = Target.load("tiny-random-llama", []).model.config
     vd = 256
-    options = dict(dflash_layers=1, dflash_block_size=4, dflash_target_layers=2, medusa_heads=3, mtp_modules=2)
-    drafter = method(name).build(DrafterConfig(method=name, draft_vocab_size=vd, **options), hf, vd, 0)
+    row = method(name)
+    small = {"dflash": dict(layers=1, block_size=4, target_layers=2), "medusa": dict(heads=3), "mtp": dict(modules=2)}
+    options = row.options(**small.get(name, {})) if row.options is not None else None
+    drafter = row.build(DrafterConfig(method=name, draft_vocab_size=vd, options=options), hf, vd, 0)
     target = Target.load("tiny-random-llama", drafter.aux_layer_ids)
     d2t = torch.arange(vd) * 3 - torch.arange(vd)  # draft row i is target token 3i
     t2d = torch.zeros(hf.vocab_size, dtype=torch.bool)

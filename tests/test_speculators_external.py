@@ -39,7 +39,7 @@ def test_speculators_package_loads_the_export_and_agrees(speculators_site, recip
     chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
     overrides = tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2, "trainer.precision": "32-true",
                                                                 "trainer.accelerator": "cpu", "trainer.devices": 1})
-    run(load_config(recipe, overrides + ([f"drafter.norm_before_residual={str(residual).lower()}"] if recipe else [])))
+    run(load_config(recipe, overrides + ([f"drafter.eagle3.norm_before_residual={str(residual).lower()}"] if recipe else [])))
     export = tmp_path / "run" / "export"
     config = json.loads((export / "config.json").read_text())
     # the GPU recipe trains norm_before_fc (served by vLLM and SGLang); norm_before_residual on request

@@ -14,8 +14,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+from models import methods
 
 
 class ConfigError(ValueError):
@@ -24,31 +27,26 @@ class ConfigError(ValueError):
 
 @dataclass
 class DrafterConfig:
+    """What every drafter reads, plus its method's own section: YAML `drafter.<method>` (e.g.
+    `drafter.medusa.heads`), the dataclass the method's row of models/methods.py names as
+    `options` (declared in the method's model file, with its ranges and checks)."""
+
     method: str = "eagle3"
-    """Drafter family: `eagle3`, `eagle1`, `medusa`, `mtp` or `dflash`."""
+    """Drafter family: a method of models/methods.py (eagle3, eagle1, medusa, mtp, dflash)."""
     aux_layer_ids: list[int] | None = None
-    """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]."""
+    """Target layers (output-of-layer ids) fused into the feature; default [1, L//2-1, L-4]
+    (EAGLE-3), evenly spaced (DFlash)."""
     draft_vocab_size: int = 16384
     """Vd: most frequent assistant tokens of the training data; equal to V to keep all."""
-    norm_before_residual: bool = False
-    """Residual around the drafter's attention is the normed feature (True) or pre-norm (False)."""
-    norm_before_fc: bool = False
-    """RMSNorm over the concatenated aux features before fc."""
-    fc_bias: bool = True
-    """EAGLE-1: fc has a bias (the SGLang / EAGLE layout); false to serve it in vLLM (`--format eagle-vllm`)."""
-    medusa_heads: int = 4
-    """Medusa: K heads; head k (1-based) predicts the token k+1 positions after the last verified one."""
-    medusa_layers: int = 1
-    """Medusa: residual blocks per head."""
-    mtp_modules: int = 3
-    """MTP: D sequential modules; module d predicts the token d+1 positions after the last verified one."""
-    dflash_block_size: int = 8
-    """DFlash: block size B (2..16); one forward drafts B-1 tokens."""
-    dflash_layers: int = 5
-    dflash_mask_token_id: int | None = None
-    """DFlash: the mask token (a real row of the target's embedding); default a special token chat text never uses."""
-    dflash_target_layers: int = 5
-    """DFlash: target layers fused into the context feature (evenly spaced)."""
+    options: Any = None
+    """The method's section (its row's `options` dataclass, defaults where the config gives
+    none); None for a method without fields of its own. Written as `drafter.<method>`."""
+
+    def __post_init__(self):
+        if self.options is None:
+            row = methods.METHODS.get(self.method)
+            if row is not None and row.options is not None:
+                self.options = row.options()
 
 
 @dataclass
@@ -179,7 +177,12 @@ class RunConfig:
     """Keyword arguments of lightning.Trainer (max_steps, precision, devices, ...)."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as YAML writes it: the method's section under `drafter.<method>`."""
+        tree = dataclasses.asdict(self)
+        options = tree["drafter"].pop("options")
+        if options is not None:
+            tree["drafter"][self.drafter.method] = options
+        return tree
 
 
 # ------------------------------------------------------------------------------ parsing
@@ -285,6 +288,64 @@ def _trainer_keys_from_source() -> set[str] | None:
     return None
 
 
+def _renamed() -> dict[str, str]:
+    """{flat drafter key of older configs: its key now}, e.g. medusa_heads → medusa.heads
+    (each method's options class says its own, RENAMED)."""
+    return {old: f"{name}.{new}" for name, row in methods.METHODS.items() if row.options is not None
+            for old, new in row.options.RENAMED.items()}
+
+
+def upgrade_stored(tree: dict) -> dict:
+    """A stored run config (a checkpoint's run_config, an export's training_config) written with
+    the flat drafter keys of older versions (drafter.medusa_heads, ...), moved into the method's
+    section; the rest as it is. Keys of a method other than the tree's own are dropped (older
+    configs kept every method's defaults)."""
+    drafter = tree.get("drafter")
+    if not isinstance(drafter, dict):
+        return tree
+    name = drafter.get("method", DrafterConfig.method)
+    renamed = _renamed()
+    moved = {k: renamed[k] for k in drafter if k in renamed}
+    if not moved:
+        return tree
+    drafter = {k: v for k, v in drafter.items() if k not in moved}
+    for old, new in moved.items():
+        section, key = new.split(".")
+        if section == name:
+            drafter.setdefault(section, {})[key] = tree["drafter"][old]
+    return {**tree, "drafter": drafter}
+
+
+def _build_drafter(raw: dict, prefix: str) -> DrafterConfig:
+    """The drafter section: its common keys, and the section of its method (`drafter.<method>`)
+    built as that method's options dataclass."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"drafter: expected a mapping, got {raw!r}")
+    name = raw.get("method", DrafterConfig.method)
+    if not isinstance(name, str):
+        raise ConfigError(f"drafter.method: expected a string, got {name!r}")
+    if name not in methods.METHODS:  # read at each call: a test or plugin may register a method
+        raise ConfigError(f"drafter.method: {name!r} is not available ({', '.join(methods.METHODS)})")
+    row = methods.METHODS[name]
+    common = {f.name for f in dataclasses.fields(DrafterConfig)} - {"options"}
+    kwargs, options = {}, None
+    for key, value in raw.items():
+        if key in common:
+            kwargs[key] = value
+        elif key == name and row.options is not None:
+            options = _build(row.options, value or {}, f"{prefix}{name}.")
+        elif key in methods.METHODS:
+            raise ConfigError(f"{prefix}{key}: a section of method {key}, but drafter.method is {name} "
+                              f"(set drafter.method={key}, or drop the section)")
+        elif key in _renamed():
+            raise ConfigError(f"unknown key {prefix + key!r} (it is {prefix}{_renamed()[key]} now)")
+        else:
+            raise _unknown(prefix + key, common | ({name} if row.options is not None else set()))
+    cfg = _build(DrafterConfig, kwargs, prefix)
+    cfg.options = options if options is not None else (row.options() if row.options is not None else None)
+    return cfg
+
+
 def _build(cls, raw: dict, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping, got {raw!r}")
@@ -296,7 +357,9 @@ def _build(cls, raw: dict, prefix: str):
         if key not in names:
             raise _unknown(full, names)
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if hint is DrafterConfig:
+            kwargs[key] = _build_drafter(value or {}, full + ".")
+        elif dataclasses.is_dataclass(hint):
             kwargs[key] = _build(hint, value or {}, full + ".")
         elif key == "trainer":
             value = value or {}
@@ -334,8 +397,14 @@ def parse_override(text: str) -> tuple[str, object]:
 
 
 def config_from_dict(tree: dict, overrides: list[str]) -> RunConfig:
-    """A checked RunConfig from a config tree (a recipe's YAML, or the training_config an
-    export keeps) with dotted overrides applied."""
+    """A checked RunConfig from a stored config tree (the training_config an export keeps, a
+    checkpoint's run_config; older flat drafter keys upgraded) with dotted overrides applied."""
+    import copy
+
+    return _from_tree(upgrade_stored(copy.deepcopy(tree)), overrides)
+
+
+def _from_tree(tree: dict, overrides: list[str]) -> RunConfig:
     import copy
 
     tree = copy.deepcopy(tree)
@@ -359,7 +428,7 @@ def load_config(path: str | None, overrides: list[str]) -> RunConfig:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"--config: {path} is not valid YAML ({str(e).splitlines()[0]})") from None
-    return config_from_dict(tree, overrides)
+    return _from_tree(tree, overrides)
 
 
 def max_time_seconds(value) -> float:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from models import methods
+from models.options import option_problems
 from train.config import ConfigError, RunConfig, max_time_seconds
 
 
@@ -41,23 +42,10 @@ def validate(cfg: RunConfig):
                           f"{_listed(n for n, m in methods.METHODS.items() if m.joint)}, not {cfg.drafter.method}")
     if min(cfg.objective.joint_lambda, cfg.objective.lm_weight, cfg.objective.keep_weight) < 0:
         raise ConfigError("objective.joint_lambda, lm_weight and keep_weight must not be negative")
-    if cfg.drafter.method == "dflash":
-        if not 2 <= cfg.drafter.dflash_block_size <= 16:
-            raise ConfigError(f"drafter.dflash_block_size: must be in 2..16, got {cfg.drafter.dflash_block_size}")
-        if cfg.eval.k > cfg.drafter.dflash_block_size - 1:
-            raise ConfigError(f"eval.k: a block of {cfg.drafter.dflash_block_size} drafts {cfg.drafter.dflash_block_size - 1} tokens, not {cfg.eval.k}")
-        if cfg.drafter.dflash_layers < 1 or cfg.drafter.dflash_target_layers < 1 or cfg.objective.block_anchors < 1:
-            raise ConfigError("drafter.dflash_layers, drafter.dflash_target_layers and objective.block_anchors must be >= 1")
-    if cfg.drafter.method == "mtp":
-        if cfg.drafter.mtp_modules < 1:
-            raise ConfigError("drafter.mtp_modules must be >= 1")
-        if cfg.eval.k > cfg.drafter.mtp_modules:
-            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} MTP modules; drafter.mtp_modules is {cfg.drafter.mtp_modules}")
-    if cfg.drafter.method == "medusa":
-        if cfg.drafter.medusa_heads < 1 or cfg.drafter.medusa_layers < 0:
-            raise ConfigError("drafter.medusa_heads must be >= 1 and drafter.medusa_layers >= 0")
-        if cfg.eval.k > cfg.drafter.medusa_heads:
-            raise ConfigError(f"eval.k: {cfg.eval.k} drafts need {cfg.eval.k} Medusa heads; drafter.medusa_heads is {cfg.drafter.medusa_heads}")
+    if cfg.drafter.options is not None:  # the method's own fields: ranges and checks from its file
+        errors = option_problems(cfg.drafter.options, cfg, f"drafter.{cfg.drafter.method}")
+        if errors:
+            raise ConfigError(errors[0])
     if cfg.target_dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"target_dtype: {cfg.target_dtype!r} is not one of auto, float32, bfloat16, float16")
     if cfg.optim.schedule_by not in ("steps", "time"):
@@ -101,9 +89,9 @@ def validate(cfg: RunConfig):
         if not (t > 0 and t in map(float, temps)):
             raise ConfigError(f"eval.sampled_answers: answers sampled at T = {t:g} serve no promise: the key must be a "
                               f"temperature > 0 listed in eval.temperatures ({temps})")
-    if cfg.eval.trees and cfg.drafter.method != "eagle3":
-        raise ConfigError(f"eval.trees: draft trees are drafted by eagle3 drafters for now, not {cfg.drafter.method} "
-                          "(leave eval.trees empty)")
+    if cfg.eval.trees and not row.trees:
+        raise ConfigError(f"eval.trees: draft trees are drafted by {_listed(n for n, m in methods.METHODS.items() if m.trees)} "
+                          f"drafters for now, not {cfg.drafter.method} (leave eval.trees empty)")
     from inference.walks.tree import canonical_tree
 
     if len({canonical_tree(t) for t in cfg.eval.trees}) != len(cfg.eval.trees):

@@ -1,38 +1,15 @@
 """Range checks of every numeric (and enumerated) config field, as one table.
 
 Types are checked by train/config.py from the dataclasses; this table says which values of
-each type make sense. `trainer.*` entries check the Lightning arguments draftsmith relies on
+each type make sense. A method's own fields (`drafter.<method>.*`) are ranged in the method's
+file (its options class's RANGES, models/options.py). `trainer.*` entries check the Lightning arguments draftsmith relies on
 (the rest go to lightning.Trainer, whose own errors become one line too).
 """
 from __future__ import annotations
 
-import math
+from models.options import _int, _number, non_negative, non_negative_int, optional, positive, positive_int  # noqa: F401
 
 _MISSING = object()
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def positive_int(v) -> bool:
-    return _int(v) and v > 0
-
-
-def non_negative_int(v) -> bool:
-    return _int(v) and v >= 0
-
-
-def positive(v) -> bool:
-    return _number(v) and v > 0
-
-
-def non_negative(v) -> bool:
-    return _number(v) and v >= 0
 
 
 def fraction_open(v) -> bool:  # (0, 1)
@@ -45,12 +22,6 @@ def fraction_closed(v) -> bool:  # [0, 1]
 
 def decay(v) -> bool:  # (0, 1]
     return _number(v) and 0 < v <= 1
-
-
-def optional(check):
-    def inner(v):
-        return v is None or check(v)
-    return inner
 
 
 def betas(v) -> bool:
@@ -97,13 +68,6 @@ RANGES = [
     ("checkpoint_every_n_steps", positive_int, "a positive integer"),
     ("drafter.aux_layer_ids", layer_ids, "a non-empty list of non-negative layer ids, or null"),
     ("drafter.draft_vocab_size", positive_int, "a positive integer"),
-    ("drafter.medusa_heads", positive_int, "a positive integer"),
-    ("drafter.medusa_layers", non_negative_int, "a non-negative integer"),
-    ("drafter.mtp_modules", positive_int, "a positive integer"),
-    ("drafter.dflash_block_size", lambda v: _int(v) and 2 <= v <= 16, "an integer in 2..16"),
-    ("drafter.dflash_layers", positive_int, "a positive integer"),
-    ("drafter.dflash_mask_token_id", optional(non_negative_int), "a token id (>= 0) or null"),
-    ("drafter.dflash_target_layers", positive_int, "a positive integer"),
     ("data.max_length", lambda v: _int(v) and v >= 2, "an integer >= 2"),
     ("data.limit", optional(positive_int), "a positive integer or null"),
     ("data.heldout_fraction", fraction_open, "a fraction in (0, 1): validation needs held-out conversations"),

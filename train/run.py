@@ -357,8 +357,7 @@ def _print_prediction(predicted: Prediction):
 
 
 def _mask_token(cfg: RunConfig, tokenizer) -> int:
-    if cfg.drafter.dflash_mask_token_id is not None:
-        return cfg.drafter.dflash_mask_token_id
+    """The default mask token a method may use (DFlash, unless its section names one)."""
     return default_mask_token(tokenizer)
 
 

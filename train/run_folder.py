@@ -71,6 +71,7 @@ def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
             continue
         old, new = stored[key], cfg_dict.get(key)
         if isinstance(old, dict) and isinstance(new, dict):  # a field added since that run is not a difference
+            old, new = _flat(old), _flat(new)  # (a method's own section, drafter.<method>, compared field by field)
             changed = [sub for sub in old if old[sub] != new.get(sub)]
             if changed:
                 sub = changed[0]
@@ -80,6 +81,17 @@ def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
         elif old != new:
             raise ConfigError(f"--resume: {out_dir} holds a run with a different {key} ({_short(old)} there, "
                               f"{_short(new)} now); resume it with its own settings or choose another out_dir")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """{dotted key: value} of a nested config section."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
 
 
 def _short(value) -> str:

@@ -58,13 +58,14 @@ def tree_spec_problem(depth, top_k, total, children=None) -> str | None:
 
 
 def check_tree_drafter(drafter):
-    """Trees are drafted by EAGLE-3 drafters (`EagleTreeProposer`); say so in one line otherwise."""
-    from models.eagle3 import Eagle3Drafter
+    """Trees are drafted by the methods whose row says `trees` (EAGLE-3: `EagleTreeProposer`);
+    say so in one line otherwise."""
+    from models.methods import METHODS, display_name, drafts_trees
 
-    if not isinstance(drafter, Eagle3Drafter):
-        name = type(drafter).__name__.removesuffix("Drafter")
-        raise ValueError(f"draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1 and the others draft chains), "
-                         f"not by this {name} drafter")
+    if not drafts_trees(drafter):
+        able = ", ".join(row.display_name or name for name, row in METHODS.items() if row.trees)
+        raise ValueError(f"draft trees are drafted by {able} drafters for now (EAGLE-1 and the others draft chains), "
+                         f"not by this {display_name(drafter)} drafter")
 
 
 @torch.no_grad()
