@@ -78,8 +78,8 @@ def diagnose(predicted: dict, measured: dict, replay_answers: dict, replay_promp
                      "served (a promise predicts for questions it did not see).")
     if temperature > 0 and predicted.get("temperature") and sampled_text is False:
         lines.append(f"Sampled text: the promise at T = {temperature:g} walked the target's greedy answers, while serving at "
-                     f"T = {temperature:g} walks its samples (a small target's samples draft far worse: BENCHMARKS.md, "
-                     f"session 14). Sample the held-out answers (`python -m inference.regenerate --temperature "
+                     f"T = {temperature:g} walks its samples (a small target's samples draft far worse). Sample the "
+                     f"held-out answers (`python -m inference.regenerate --temperature "
                      f"{temperature:g} --heldout-only FRACTION`) and promise on them: `python -m train.promise {export} "
                      f"eval.sampled_answers={{{temperature:g}: FILE}}`.")
     if budgets is not None and budgets[0] != budgets[1]:

@@ -203,7 +203,7 @@ if triton is not None:
 
 
 # Query heads a chain's merge program takes: one on a GPU (the form every chain figure in
-# BENCHMARKS.md ran; more a program were timed for trees only, session 21), all of them in Triton's
+# BENCHMARKS.md ran; more a program were timed for trees only), all of them in Triton's
 # CPU interpreter, whose cost is per program (CI runs whole loops through it), unless a caller asks
 # for its own (the kernel's tests do)
 CHAIN_COMBINE_HEADS = 16 if INTERPRETED else 1

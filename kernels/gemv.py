@@ -6,8 +6,8 @@
 Why: a chain step of the EAGLE-3 drafter (batch 1) multiplies one row by each projection. cuBLAS
 tiles such a product over N alone, 64 columns a block, and walks K inside each block: the
 drafter's q/k/v projection (N = 960, K = 1,152) runs on 15 blocks and its down projection
-(N = 576, K = 1,536) on 9, 5.2 and 4.7 µs on an H200 for 2.2 and 1.8 MB of weights (session 13's
-trace: a third of a chain step). Here each program takes BLOCK_N rows of the weight (sized so that
+(N = 576, K = 1,536) on 9, 5.2 and 4.7 µs on an H200 for 2.2 and 1.8 MB of weights (traced: a
+third of a chain step). Here each program takes BLOCK_N rows of the weight (sized so that
 100-250 programs share the work) and walks K; `swiglu_gemv` forms silu(gate) * up as it reads
 the down projection's input (no launch of its own), and the residual sum is rounded once, as
 `addmm` with beta = 1 rounds it.
@@ -15,7 +15,7 @@ the down projection's input (no launch of its own), and the residual sum is roun
 Several rows (a tree level's 8 frontier nodes, the advance's path) stay with cuBLAS: the same
 kernel widened to M <= 16 rows (an [M, BLOCK_N, BLOCK_K] product in registers, summed over K)
 made a 4-8-40-4 tree's drafting 62 µs slower a step on an H200 with only the down projection
-through it (silu_mul's launch saved), 223 µs with every projection (session 23).
+through it (silu_mul's launch saved), 223 µs with every projection.
 
 Numerics: products summed in float32 (in another order than cuBLAS: last-bit differences in
 16-bit outputs); silu(gate) and the product rounded to the input dtype as `silu_mul` does.

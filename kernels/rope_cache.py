@@ -11,7 +11,7 @@ Rotate-half RoPE as transformers' Llama. The torch form costs ~14 kernels per la
 cat, products, two scatters); here one program per (token, head) does all of it in float32.
 (One program per token with all its heads, 41 programs instead of 615 for a tree verify step,
 was slower on an H200 at every width: +8 µs a plain step, +11 a tree verify step over 30
-layers; one or two warps a program instead of four changed nothing. BENCHMARKS.md, session 22.)
+layers; one or two warps a program instead of four changed nothing.)
 """
 from __future__ import annotations
 

@@ -39,8 +39,8 @@ class Throughput(L.Callback):
     """Real (unpadded) tokens per second over training steps, the time between them included
     (batches loaded, logs and checkpoints written: the wall clock a time box runs on), excluding
     validation and the first `warmup` steps (allocator and kernel warm-up); peak accelerator
-    memory. (Until session 28 it timed each batch alone, a sync at each end: its figures ran
-    higher than the wall clock's.)
+    memory. Timing each batch alone, with a sync at each end, would read higher than the wall
+    clock.
 
     The device is synchronised only where a window of `every` steps opens and closes, and around
     validation: a sync at every step kept the host from queueing step n+1 while the device still

@@ -58,7 +58,7 @@ def validate(cfg: RunConfig):
     strategy = cfg.trainer.get("strategy", "auto")
     if isinstance(strategy, str) and strategy.lower().startswith("fsdp"):
         # train/fsdp.py shards the drafter alone (FSDP2); Lightning's own FSDP variants flatten
-        # the bf16 target and the float32 drafter together and fail (session 7)
+        # the bf16 target and the float32 drafter into one flat parameter and fail
         if strategy != "fsdp":
             raise ConfigError(f"trainer.strategy: {strategy!r} is not supported (use fsdp, which shards the drafter only, or ddp)")
         if cfg.objective.joint:

@@ -30,7 +30,7 @@ def feature_smooth_l1(predicted, target, mask):
 
     The mean over H (as EAGLE's reference trainer takes it) keeps the term on the scale of a
     token loss, so the default weights 1.0 / 0.1 balance the two; a sum over H made it ~H times
-    larger and the token loss no longer steered training (BENCHMARKS.md, session 3)."""
+    larger and the token loss no longer steered training."""
     import torch.nn.functional as F
 
     per_position = F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1)

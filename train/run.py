@@ -226,8 +226,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         load_checkpoint(resume)  # weights_only: a hostile or truncated file stops here, before any load
     trainer = build_trainer(cfg, out_dir)  # Trainer errors (bad arguments) come before any load
     # seeded after the Trainer, so that nothing a strategy draws while it is built can change
-    # the drafter's random initialisation (a suspect, not the cause, of the GPU FSDP test's
-    # difference: BENCHMARKS.md, session 13)
+    # the drafter's random initialisation
     L.seed_everything(cfg.seed, workers=True)
 
     target_path = resolve_target(cfg.target)
@@ -263,7 +262,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         from train.joint import heldout_perplexity  # first at the top, the others under "also")
 
         # measured on the device it trains on: Lightning moves the target there only in fit, and
-        # on the CPU this took minutes before a GPU run could start (session 5)
+        # on the CPU it would take minutes before a GPU run could start
         target.to(trainer.strategy.root_device)
         before = {name: heldout_perplexity(target, datamodule._heldout_loader(h)) for name, h in heldouts.items()}
     if trainer.is_global_zero:  # training starts now: the first write into the run folder

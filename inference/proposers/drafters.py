@@ -125,7 +125,7 @@ class Eagle3Proposer(HostLoopInterface):
     def begin_graphed(self, prompts, aux, first):
         """`begin` as one CUDA-graph replay per (rows, width rounded up to PREFILL_BUCKET): an
         eager begin launches about 20 kernels from Python after the prefill, and the GPU waits
-        for each (session 13's trace: 2.3 ms of host time per answer for 0.05 ms of kernels).
+        for each (traced: 2.3 ms of host time per answer for 0.05 ms of kernels).
         The inputs reach the graph's buffers by copies queued behind the prefill (no host sync).
         Positions past a row's prompt get entries from stale features; every one of them is
         overwritten before a query reads it (a chain writes its own positions first)."""
@@ -147,7 +147,7 @@ class Eagle3Proposer(HostLoopInterface):
             run = lambda: self._begin(step["ids"], step["aux"], step["last"], step["first"], step["positions"])  # noqa: E731
             # every begin graph shares one pool: a graph's pool keeps its peak (the attention's
             # scratch over the whole width), and one pool per width grew by gigabytes over a
-            # bench of long prompts on an 8B-shaped drafter (review, session 13). Sharing is safe:
+            # bench of long prompts on an 8B-shaped drafter. Sharing is safe:
             # a begin leaves nothing in the pool (its results go to the proposer's state, its
             # inputs live outside it) and begins never run concurrently
             if self._begin_pool is None:

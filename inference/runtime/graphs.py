@@ -54,8 +54,8 @@ def kernels_mode() -> str:
 def release_workspace(model) -> None:
     """Drop every cache and captured graph kept on the model and hand their memory back to the
     device: a job whose shapes keep changing (regeneration: each turn of each batch has its own
-    rows and widths) would otherwise hold up to WORKSPACE_SLOTS of them (session 12: four
-    regeneration shards on one H200 grew to 40-55 GiB each and ran out of memory)."""
+    rows and widths) would otherwise hold up to WORKSPACE_SLOTS of them (four regeneration
+    shards on one H200 grew to 40-55 GiB each and ran out of memory)."""
     model.__dict__.pop("_workspace", None)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

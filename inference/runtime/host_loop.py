@@ -126,8 +126,8 @@ class GraphedGreedyVerify:
 
         dev = model.embed_tokens.weight.device
         # every tensor the graph reads lives on self: a captured graph holds raw addresses, and a
-        # tensor freed after capture is handed to other allocations (session 11: `offsets` kept
-        # only by the capturing closure was overwritten, and the replays read garbage positions)
+        # tensor freed after capture is handed to other allocations (a tensor kept only by the
+        # capturing closure gets overwritten, and the replays read garbage positions)
         self.cache = cache  # the graph writes into it
         self.packed = torch.zeros(batch, 2 + k, dtype=torch.long, device=dev)
         self.packed[:, 2:] = NO_DRAFT

@@ -153,9 +153,8 @@ class SpecLoop:
         next group behind it, or stops at r = 0 (the GPU waits only when the host takes longer than
         that drafting). The copy and the few launches computing r count as verify time. A row that
         ends at an end-of-sequence token early in a group costs the group's steps after it: at most
-        check_every - 1 (before session 31 the copy was taken before the group's last step and an
-        answer ending at EOS cost 2.5 steps on average with groups of 4; the budget's last steps
-        were read with the GPU drained)."""
+        check_every - 1 (a copy taken before the group's last step would cost an answer ending at
+        EOS 2.5 steps on average with groups of 4)."""
         timing = {"draft": 0.0, "verify": 0.0, "launch": 0.0, "launched": 0, "syncs": 0}
         cuda = self.tokens.device.type == "cuda"
         drafted = False
