@@ -33,11 +33,11 @@ the base is read once per tile, not once per (query, head); the cache is cut int
 run in parallel (flash-decoding; as many as the rows, heads and tiles leave the GPU room for),
 each an online softmax over tiles of keys; the candidate buffer is cut into tiles of at most 64
 nodes, one more split each, under its own mask; a second launch merges the splits into o_proj's
-layout, in float32. (The buffer was one split of one tile once: 264 candidates, depth 5 with
-top-k 8, made it a 64 x 512 tile that took ~30 us a level on an H200, against ~6 us for 200.)
-(Until session 25 the verify step's block was also tiles of this kernel, read from the cache:
-on an H200 at the bench's geometry, 512 slots and 40 nodes, 5.6-5.8 us a call against 5.2-5.6
-through decode_attention's chunks, and a tree verify step 0.992 against 0.977 ms: BENCHMARKS.md.)
+layout, in float32. (One split of one tile for the whole buffer would be slow: 264 candidates,
+depth 5 with top-k 8, made it a 64 x 512 tile that took ~30 us a level on an H200, against ~6 us
+for 200.) The verify step goes through decode_attention's chunks rather than tiles of this
+kernel: on an H200 at the bench's geometry (512 slots, 40 nodes) 5.2-5.6 us a call against
+5.6-5.8.
 """
 from __future__ import annotations
 
@@ -280,7 +280,7 @@ if triton is not None:
         sees are read (the others load as 0): whatever a slot no query sees holds, even inf or
         NaN left by an earlier draft, never reaches the products (no buffer to clear first).
         (Loading every node's keys and values beside the mask rows and zeroing the unseen ones,
-        so that no load waits for the mask, was 0.2-0.3 µs a call slower on an H200: session 23.)"""
+        so that no load waits for the mask, was 0.2-0.3 µs a call slower on an H200.)"""
         node_ok = nodes < N
         seen = tl.load(mask_rows[:, None] + nodes[None, :], mask=real[:, None] & node_ok[None, :], other=0) != 0
         wanted = tl.max(seen.to(tl.int32), 0) > 0  # [BLOCK_N] nodes some row of the tile sees
