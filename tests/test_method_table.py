@@ -1,6 +1,8 @@
 """The method table (models/methods.py) is the one place a method lives: a toy method defined
-here, registered with one row for this test only, trains, predicts, exports, passes
-export.check and drafts through the same public entry points as the shipped methods."""
+here, with its own run-config section (`drafter.toy`, fields no source file names), registered
+through the table's public API (`methods.register`) for this test only, trains, predicts,
+exports, passes export.check and drafts through the same public entry points as the shipped
+methods."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +11,7 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from torch import nn
 from models import methods
 from models.layers import DictConfig
 from models.medusa import ResidualBlocks
+from models.options import MethodOptions, positive_int
 from tests.conftest import tiny_overrides
 
 
@@ -68,9 +72,25 @@ class ToyDrafter(nn.Module):
         return list(x.unflatten(-1, (self.config.num_heads, self.config.draft_vocab_size)).unbind(-2))[:steps]
 
 
+@dataclass
+class ToyOptions(MethodOptions):
+    """The toy's run-config section, `drafter.toy`: its field is named nowhere in the sources."""
+
+    stacked_heads: int = 2
+    """Heads of the toy drafter; head k predicts the token k+1 positions after the last verified one."""
+
+    RANGES: ClassVar[tuple] = (("stacked_heads", positive_int, "a positive integer"),)
+    RENAMED: ClassVar[dict] = {"toy_heads": "stacked_heads"}
+
+    def problems(self, run, key: str) -> list[str]:
+        if run.eval.k > self.stacked_heads:
+            return [f"eval.k: {run.eval.k} drafts need {run.eval.k} toy heads; {key}.stacked_heads is {self.stacked_heads}"]
+        return []
+
+
 def _build(d, hf_config, vd: int, mask_token_id: int) -> ToyDrafter:
     return ToyDrafter(ToyConfig(vocab_size=hf_config.vocab_size, draft_vocab_size=vd, hidden_size=hf_config.hidden_size,
-                                target_num_layers=hf_config.num_hidden_layers))
+                                target_num_layers=hf_config.num_hidden_layers, num_heads=d.options.stacked_heads))
 
 
 def _toy_layout() -> types.ModuleType:
@@ -113,8 +133,14 @@ def _toy_layout() -> types.ModuleType:
 @pytest.fixture()
 def toy_method(monkeypatch):
     monkeypatch.setitem(sys.modules, "toy_layout", _toy_layout())
-    monkeypatch.setitem(methods.METHODS, "toy", methods.Method(
-        ToyConfig, ToyDrafter, _build, "inference.proposers.drafters:medusa_proposer", {"toy": "toy_layout"}, "heads"))
+    methods.register("toy", methods.Method(ToyConfig, ToyDrafter, _build, "inference.proposers.drafters:medusa_proposer",
+                                           {"toy": "toy_layout"}, "heads", options=ToyOptions, display_name="Toy",
+                                           max_drafts=lambda c: c.num_heads))
+    yield
+    del methods.METHODS["toy"]
+
+
+SOURCES = ("train", "models", "export", "inference", "data", "kernels")
 
 
 # ----------------------------------------------------------------------------- the tests
@@ -129,25 +155,36 @@ def test_a_toy_method_trains_predicts_exports_checks_and_drafts_from_one_row(toy
     from models.checkpoint import drafter_from_checkpoint
     from train.__main__ import main as train_main
 
+    root = Path(__file__).resolve().parents[1]
+    named = [str(f.relative_to(root)) for package in SOURCES for f in (root / package).rglob("*.py")
+             if "stacked_heads" in f.read_text()]
+    assert not named  # the toy's field lives in this file alone: no source file had to learn it
+
     run = tmp_path / "run"
-    assert train_main(tiny_overrides(chat_file, run, **{"drafter.method": "toy", "trainer.max_steps": 1,
-                                                        "eval.k": 2})) == 0
+    assert train_main(tiny_overrides(chat_file, run, **{"drafter.method": "toy", "drafter.toy.stacked_heads": 3,
+                                                        "trainer.max_steps": 1, "eval.k": 2})) == 0
+    import yaml
+
+    assert yaml.safe_load((run / "config.yaml").read_text())["drafter"]["toy"] == {"stacked_heads": 3}
     predicted = json.loads((run / "predicted.json").read_text())["predicted"]
     assert predicted["k"] == 2 and predicted["num_chains"] > 0 and 1.0 <= predicted["tau"] <= 3.0
     assert {p["verification"] for p in predicted["sampled"]} == {"standard", "block"}  # the sampled walk ran too
 
     drafter, section = drafter_from_checkpoint(run / "checkpoints" / "last.ckpt")  # the checkpoint describes it
     assert isinstance(drafter, ToyDrafter) and section["method"] == "toy"
+    assert drafter.config.num_heads == 3  # the toy's own field reached its module
+    assert section["run_config"]["drafter"]["toy"] == {"stacked_heads": 3}  # and the resolved config records it
     assert isinstance(drafter, methods.ChainDrafter)
 
     out = tmp_path / "toy-export"
     assert export_main(["--checkpoint", str(run), "--out", str(out), "--dtype", "float32"]) == 0
-    assert json.loads((out / "draftsmith.json").read_text())["format"] == "toy"
+    meta = json.loads((out / "draftsmith.json").read_text())
+    assert meta["format"] == "toy" and meta["drafter_config"]["num_heads"] == 3
     assert check_main([str(out)]) == 0  # keys, served config, parity with the checkpoint, nothing defaulted
 
     rt = RuntimeModel.from_pretrained(tiny_target)
     loaded = load_export(out).eval()
-    assert isinstance(loaded, ToyDrafter)
+    assert isinstance(loaded, ToyDrafter) and loaded.config.num_heads == 3
     torch.manual_seed(0)
     prompts = [torch.randint(0, rt.config.vocab_size, (n,)).tolist() for n in (5, 9)]
     plain, _ = generate(rt, prompts, 16)
@@ -156,6 +193,45 @@ def test_a_toy_method_trains_predicts_exports_checks_and_drafts_from_one_row(toy
     drafted, stats = generate(rt, prompts, 16, proposer=proposer, max_len=64)
     assert drafted == plain  # greedy speculative decoding emits exactly what plain greedy does
     assert stats.k == 2
+
+    from inference.bench import _drafter_ks, _drafter_name
+
+    assert _drafter_name(loaded) == "Toy" and _drafter_ks(loaded, [2, 5]) == [2]  # the bench reads the row
+    with pytest.raises(ValueError, match="draft trees are drafted by EAGLE-3 drafters.*not by this Toy drafter"):
+        from inference.walks.tree import check_tree_drafter
+
+        check_tree_drafter(loaded)
+
+
+def test_a_toy_method_s_own_fields_are_typed_ranged_and_checked_by_its_class(toy_method, chat_file, tmp_path):
+    from train.config import ConfigError, load_config
+
+    def config(**extra):
+        return load_config(None, tiny_overrides(chat_file, tmp_path / "run", **{"drafter.method": "toy", "eval.k": 2,
+                                                                                 **extra}))
+
+    assert config().drafter.options == ToyOptions(stacked_heads=2)  # defaults where the config gives none
+    assert config(**{"drafter.toy.stacked_heads": 5}).to_dict()["drafter"]["toy"] == {"stacked_heads": 5}
+    for extra, message in [({"drafter.toy.stacked_heads": "many"}, "drafter.toy.stacked_heads: expected an integer"),
+                           ({"drafter.toy.stacked_heads": 0}, "drafter.toy.stacked_heads: must be a positive integer, got 0"),
+                           ({"drafter.toy.stacked_heads": 3, "eval.k": 4},
+                            "eval.k: 4 drafts need 4 toy heads; drafter.toy.stacked_heads is 3"),
+                           ({"drafter.toy.stacked_head": 3}, "unknown key 'drafter.toy.stacked_head' .did you mean drafter.toy.stacked_heads"),
+                           ({"drafter.toy_heads": 3}, "unknown key 'drafter.toy_heads' .it is drafter.toy.stacked_heads now"),
+                           ({"drafter.medusa.heads": 3}, "drafter.medusa: a section of method medusa, but drafter.method is toy")]:
+        with pytest.raises(ConfigError, match=message):
+            config(**extra)
+
+
+def test_register_refuses_a_row_the_code_cannot_use(toy_method):
+    row = methods.METHODS["toy"]
+    with pytest.raises(ValueError, match="'toy' is already in the table"):
+        methods.register("toy", row)
+    with pytest.raises(ValueError, match="predictor 'tree' is not one of chain, heads, block"):
+        methods.register("toy2", dataclasses.replace(row, predictor="tree"))
+    with pytest.raises(ValueError, match="options must be a MethodOptions dataclass"):
+        methods.register("toy2", dataclasses.replace(row, options=dict))
+    assert "toy2" not in methods.METHODS
 
 
 def test_every_shipped_drafter_states_its_predictor_s_protocol():
