@@ -103,61 +103,35 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
 
 
 # Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
-# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS). 2,048: session
-# 21's best with COMBINE_HEADS below, within 0.3 % of 512 (at its 1,024-slot cache the key tiles
-# bound the split either way; a longer cache may split into one tile a split for more rows).
+# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
 TARGET_PROGRAMS = 2048
 MAX_SPLITS = 63  # + a candidate buffer's tile: 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
-# Tuning knobs for scripts/bench_attention.py, which times the variants on a GPU: the most score
-# rows a program takes (a verify step of 41 queries x 3 heads per KV head is 123 rows: two tiles
-# of 64, or four of 32), and 16-bit products (16-bit caches: q, k, v and the probabilities in the
-# cache's dtype, float32 sums, as flash attention does) instead of TF32 on float32 copies.
-# Timed on an H200 (BENCHMARKS.md, session 19; partial and merge, µs per call, bf16): 16 rows with
-# 16-bit products was the fastest or within 0.4 µs of it at every shape, e.g. a verify over 40
-# nodes 7.05 against 7.97 for 64 rows in TF32, over 60 nodes 7.40 against 10.22, a drafter level
-# 5.36 against 6.29. Float32 caches keep exact float32 products whatever these say.
-# Products in TF32 since session 32, though 0.3-0.6 µs a call slower: 16-bit products round each
-# probability to the cache's dtype (7 mantissa bits in bf16, against TF32's 10 and the chain's own
-# verify path, kernels/decode_attention.py), and on the bench (session 29's drafter, bf16, H200)
-# six tree shapes drafted tau 1.9 % higher on average in TF32 (-1.1 % to +4.8 %; 3.920 against
-# 3.826 for 6-10-60-4, 2,894.8 against 2,848.5 tok/s side by side): the verify step costs 4-12 µs
-# more, the tree's tok/s rose ~1 % on average (BENCHMARKS.md, session 32).
+# Tuning knobs, timed best on an H200 at the bench's shapes (scripts/bench_attention.py times the
+# variants on another GPU): the most score rows a program takes (a verify step of 41 queries x 3
+# heads per KV head is 123 rows: two tiles of 64, or four of 32), and 16-bit products (q, k, v and
+# the probabilities in the cache's dtype, float32 sums) instead of TF32 on float32 copies. TF32 is
+# the default: 16-bit products round each probability to bf16's 7 mantissa bits and drafted less
+# tau (1.9 % on average over six tree shapes) for 0.3-0.6 µs a call saved. Float32 caches keep
+# exact float32 products whatever these say.
 MAX_BLOCK_Q = 16
 PRODUCTS_16BIT = False
-# Timed in session 20 (scripts/bench_attention.py, H200, weighted as a step calls them): 128 keys
-# a tile (679.9 µs against 692.6 for 64; a verify over 40 nodes 6.47 against 7.18) with 4 warps
-# (8 and 2 lost). Two variants lost at every shape and were removed: the merge done by the last
-# program of each group after an atomic count (7.50 against 5.85 µs a verify over 24 nodes), and
-# one launch whose programs walk the whole cache and tree with no split nor merge (7.68 against
-# 7.31 µs over 60 nodes: the lost parallelism along the cache costs more than the launch saved).
-# Session 24 timed that one-pass form again at the bench's own geometry (512 slots, roots 52-394,
-# 40 nodes): 6.8-9.8 µs against 5.7-6.3 split and merged, and 8.5-11.4 against 5.6-5.7 for a
-# drafter's level over 104 candidates; each key tile walked in turn costs ~1-2 µs. Removed again.
+# Keys a tile and warps a program. One launch with no split nor merge lost at every shape: the
+# parallelism along the cache is worth more than the launch it saves.
 MAX_BLOCK_S = 128
 NUM_WARPS = 4
 # Query heads a merge program takes for its token: 1 launches B*M*nh programs (a verify over 60
-# nodes: 549 small ones), more take a token's heads in fewer, larger programs. Timed in session 21
-# (scripts/bench_attention.py, H200, weighted as a step calls them): all of a token's heads in one
-# program with 2,048 target programs, 670.0 µs against 733.0 for one head a program with 512; a
-# verify over 40 nodes 6.41 against 6.99, over 60 nodes 6.71 against 7.68. In the bench the
-# verify step of a 4-8-40 tree (4 children) went from 0.987 to 0.971 ms.
+# nodes: 549 small ones), more take a token's heads in fewer, larger programs.
 COMBINE_HEADS = 16
 # Splits a merge program sums at once (the rest in further chunks of this many, an online softmax
 # over chunks; a chunk holding no split its row wrote is skipped). Its tile is [COMBINE_HEADS,
-# this, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile: 16 slots) makes
-# one chunk, the tile every timing up to session 22 used. Summed at once, 32 or 64 split slots
-# took 9.3-10.2 and 34-39 µs a call on an H200 against 5.7-7.3 (session 22's sweep: 64- and
-# 32-key tiles at 1,024 slots; the default 128-key tiles split a 2,048- or 4,096-slot cache the
-# same way): a long context would have paid that in each of a verify step's 30 calls.
+# this, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile) makes one chunk;
+# summing 32 or 64 split slots at once took 9-39 µs a call on an H200 against 6-7.
 MERGE_SPLIT_CHUNK = 16
 # The verify step's form, through decode_attention's kernels: CHUNKED_BLOCK_Q score rows a
 # program, CHUNKED_HEADS query heads a merge program, the cache cut into at most
 # CHUNKED_MAX_CHUNKS chunks of 32 slots or more (PRODUCTS_16BIT and MERGE_SPLIT_CHUNK as above).
-# Timed in session 25 (scripts/bench_attention.py, H200, bf16, 40 nodes): 16 rows and a token's
-# heads in one merge program won at 512 and 768 slots (5.1-6.0 us a call); at 512 slots one head
-# a merge program was 0.2-0.8 us slower, 64 rows 0.9-1.5 us and TF32 products 0.3-0.6 us. At
-# 4,096 slots 32 rows came first (the run kept no margin: time it before a long-context serve).
+# Chosen at 512-768 slots; time them before a long-context serve.
 CHUNKED_BLOCK_Q = 16
 CHUNKED_HEADS = 16
 CHUNKED_MAX_CHUNKS = 64
