@@ -145,8 +145,8 @@ def _assert_same_run(a, b, atol=1e-6):
     assert ca["global_step"] == cb["global_step"] and sorted(ca) == sorted(cb)
     assert list(ca["state_dict"]) == list(cb["state_dict"])
     assert all(cb["state_dict"][k].shape == v.shape and cb["state_dict"][k].dtype == v.dtype for k, v in ca["state_dict"].items())
-    # every tensor's largest difference in the message, not only the first one over (a GPU
-    # failure in session 12 named one tensor, which could not say where the runs parted)
+    # every tensor's largest difference in the message, not only the first one over (one tensor
+    # named cannot say where the runs parted)
     diffs = {k: (cb["state_dict"][k].float() - v.float()).abs().max().item() for k, v in ca["state_dict"].items()
              if v.is_floating_point() and v.numel()}
     over = {k: d for k, d in diffs.items()

@@ -217,7 +217,7 @@ def test_graphed_device_loop_equals_the_eager_one_on_a_gpu(tiny_target):
             assert graphed == eager == plain, name
             assert graphed_stats.row_histograms == eager_stats.row_histograms, name
             # memory freed since the capture is handed out again, filled with junk: a graph that
-            # reads a tensor nobody holds (session 11's host-loop bug) now reads junk
+            # reads a tensor nobody holds (kept only by a capturing closure) now reads junk
             junk = [torch.full((size,), 10**6, dtype=torch.long, device="cuda") for size in range(1, 600) for _ in range(2)]
         del junk
     assert any(key[0] == "host-greedy" for key in rt._workspace)  # the host loop's one-graph greedy step ran
