@@ -9,8 +9,8 @@ it), walked over whole answers; the served side is --dataset served greedily thr
 with the drafter (both turns of MT-bench), walked the same way (inference/walks/greedy.py: on
 served greedy answers that walk is the runtime's own). Prints tau per turn and per offset bucket
 for both, and the held-out tau counting only chains before --max-new-tokens: what
-`eval.max_new_tokens` promises. Session 14 found with it why promises over whole answers
-over-promised capped serving (BENCHMARKS.md).
+`eval.max_new_tokens` promises: acceptance climbs along an answer, so a promise over whole
+answers over-promises serving capped at a budget.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults. The draf
 TARGET_PROGRAMS (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32),
 NUM_WARPS, and 32 score rows a program (MAX_BLOCK_Q); the first variant is the defaults with the
 other products (PRODUCTS_16BIT, both forms: 16-bit against the default TF32), a control timed but
-never named best (16-bit products are faster a call and drafted less tau: session 32). The verify step's form
+never named best (16-bit products are faster a call but drafted less tau). The verify step's form
 (decode_attention's chunks under the tree's mask): CHUNKED_BLOCK_Q score rows, CHUNKED_HEADS query
-heads a merge program, CHUNKED_MAX_CHUNKS. (Session 21 swept COMBINE_HEADS: BENCHMARKS.md.)
+heads a merge program, CHUNKED_MAX_CHUNKS.
 The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
 any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
@@ -83,14 +83,9 @@ def main():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
     defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
-    # session 19 timed score rows x 16-bit products (16-bit won per call; session 32 made TF32 the default for the
-    # tree's tau, BENCHMARKS.md: the control is the defaults in 16-bit); session 20 the split's size, its key tiles
-    # and the warps (128 keys and 4 warps won), a merge by the last program and one launch without splits (both
-    # lost, removed from the kernel); session 21 the query heads a merge program takes (16 won); session 22 shorter
-    # key tiles (32) with finer splits, two warps, and 32 score rows again; session 23 the finest splits with 8-slot
-    # merge chunks (the defaults still won at the bench's geometry); session 24 the one-pass form again (no split,
-    # no merge) at the bench's geometry: lost, removed; session 25 the verify step through decode_attention's chunks
-    # (won: the verify's only form since)
+    # the variants around the defaults that could still win on another GPU or geometry: the split's size, its key
+    # tiles and the warps; shorter key tiles with finer splits; 32 score rows; the verify's chunked form's knobs.
+    # The control is the defaults with 16-bit products (faster a call, less tau: never named best)
     variants = [dict(defaults)] + [
         dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
