@@ -7,7 +7,7 @@ The answers are served once in float32 (greedy, through the runtime with the dra
 so they are the target's plain greedy answers) to the first N questions of the data set, first turn
 only, as `inference.bench` serves them; each shape is then walked over them by the predictor that
 training's promise and `inference.validate` use (inference/served.py `replay`). On the GPU the
-bench runs in bf16, whose texts and taus differ a little (sessions 26/27: the runtime's tree taus ran
+bench runs in bf16, whose texts and taus differ a little (on an H200 the runtime's tree taus ran
 about 5-7 % above these). The walks are slow on a CPU: a 4-8-40-4 tree over 20 answers of 256
 tokens takes about 1.5 minutes on two cores, a 6-10-60 tree about 3.5.
 """

@@ -247,7 +247,7 @@ class DrafterModule(L.LightningModule):
         self._tree_hist = {canonical_tree(t): torch.zeros(len(self.eval_names), 2, t[0] + 1, dtype=torch.long)
                            for t in self.evaluation.trees}
         # seconds each part of this walk took (predicted.json's walk_seconds): a final walk that
-        # outlasts its training says where its time went (BENCHMARKS.md, sessions 10 and 15)
+        # outlasts its training says where its time went
         self.walk_seconds = {"greedy": 0.0, "sampled": 0.0, "trees": 0.0}
 
     def _now(self) -> float:
