@@ -83,12 +83,14 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     import torch
     from transformers import AutoConfig
 
+    from export.io import output_lock
     from export.paths import check_export_destination
     from models.checkpoint import drafter_from_checkpoint, load_checkpoint, read_description
 
     ckpt = _checkpoint_file(spec)
-    if out is not None:
-        action = check_export_destination(out, force)  # before anything loads: nothing of the user's is replaced
+    if out is not None:  # before anything loads: nothing of the user's (the checkpoint read included) is replaced
+        output_lock(out)
+        action = check_export_destination(out, force, keep=(ckpt,))
     checkpoint = load_checkpoint(ckpt)  # weights_only=True
     section = read_description(checkpoint, ckpt)
     method = section["method"]
@@ -96,7 +98,8 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     layout = layout_module(method, fmt)  # refuses a layout that cannot carry the method, before the drafter is built
     if out is None:
         out = ckpt.parent / f"{ckpt.stem}-{fmt}"
-        action = check_export_destination(out, force)
+        output_lock(out)
+        action = check_export_destination(out, force, keep=(ckpt,))
     drafter, _ = drafter_from_checkpoint(checkpoint, ckpt)
     state = checkpoint["state_dict"]
     joint = any(k.startswith("target.") for k in state)
@@ -131,6 +134,7 @@ def main(argv=None) -> int:
     ap.add_argument("--force", action="store_true", help="replace --out when it is a draftsmith export (nothing else is ever replaced)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="dtype of the stored weights")
     args = ap.parse_args(argv)
+    from export.io import release_output_locks
     from models.zoo import AssetError
 
     try:
@@ -138,6 +142,11 @@ def main(argv=None) -> int:
     except (ValueError, KeyError, FileNotFoundError, AssetError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the export is built in a hidden temporary folder, removed on the way out
+        print(f"interrupted: nothing was written to {args.out or 'the export folder'}", file=sys.stderr)
+        return 130
+    finally:
+        release_output_locks()
     fmt = args.format or json.loads((Path(out) / "draftsmith.json").read_text())["format"]
     print(f"wrote {out} ({fmt}); check it with: python -m export.check {out}")
     return 0

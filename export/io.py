@@ -18,25 +18,118 @@ from safetensors.torch import save_file
 from models.checkpoint import check_tensors  # noqa: F401  (the readers' strict check, shared with checkpoints)
 
 
+_HELD: dict[str, int] = {}  # lock path -> open descriptor, for the locks this process holds
+
+
+def output_lock(dest: str | Path, flag: str = "--out") -> bool:
+    """Take the lock of an output folder for the rest of this process (an flock on the hidden
+    sibling `.NAME.lock`, released by the OS when the process ends, however it ends): a second
+    command writing the same folder is refused in one line naming the holder. Taking it again
+    in the same process is a no-op. Returns whether this call took it (then release_output_lock
+    gives it back)."""
+    import fcntl
+
+    from export.paths import OutputPathError
+
+    dest = Path(dest).absolute()
+    lock = dest.parent / f".{dest.name}.lock"
+    if str(lock) in _HELD:
+        return False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputPathError(f"{flag}: {dest} is being written by another process (pid {holder}); wait for it to "
+                                  "finish or choose another folder") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # (else the holder before us removed the file between our open and our lock: retry)
+            break
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[str(lock)] = fd
+    return True
+
+
+def release_output_lock(dest: str | Path) -> None:
+    dest = Path(dest).absolute()
+    lock = dest.parent / f".{dest.name}.lock"
+    fd = _HELD.pop(str(lock), None)
+    if fd is not None:
+        lock.unlink(missing_ok=True)  # before the unlock: a waiter that opened it sees another inode and retries
+        os.close(fd)
+
+
+def release_output_locks() -> None:
+    """Every output lock this process holds, given back (a command's last step)."""
+    for lock in list(_HELD):
+        release_output_lock(Path(lock).parent / Path(lock).name[1:].removesuffix(".lock"))
+
+
+def remove_stale_temporaries(dest: str | Path) -> None:
+    """The hidden `.NAME.tmp-*` / `.NAME.old-*` siblings an export or report killed mid-write
+    (SIGKILL, power loss) left; called with the folder's lock held, so no live writer owns one."""
+    dest = Path(dest)
+    if not dest.parent.is_dir():
+        return
+    import glob
+
+    for kind in ("tmp", "old"):
+        for stale in dest.parent.glob(f".{glob.escape(dest.name)}.{kind}-*"):
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def atomic_folder(dest: str | Path):
-    """Yield a temporary folder; on success it replaces `dest`, on failure it is removed."""
+def atomic_folder(dest: str | Path, tool: str = "export", keep: tuple = ()):
+    """Yield a temporary folder; on success it replaces `dest`, on failure it is removed. The
+    folder gets the marker of `tool` (export/paths.py) listing every file in it, and its files
+    the permissions of any file written here (0644 under the usual umask). An existing `dest`
+    is replaced only when it is `tool`'s own output holding nothing else (check_replaceable):
+    this is the one place a folder is removed, so the check is here as well as in the commands.
+    The folder's lock is held (output_lock), and stale temporaries of killed runs are removed."""
+    from export.paths import OutputPathError, check_replaceable, files_under, write_marker
+
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; exports are for sharing
+    took = output_lock(dest)
+    tmp = None
     try:
+        remove_stale_temporaries(dest)
+        if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+            raise OutputPathError(f"{dest} is an existing file; refusing to replace it (choose a new folder)")
+        if dest.is_dir() and any(dest.iterdir()):
+            check_replaceable(dest, tool, keep=keep)
+        tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; exports are for sharing
         yield tmp
+        mode = 0o666 & ~_umask()
+        for rel in files_under(tmp):
+            if not (tmp / rel).is_symlink():
+                os.chmod(tmp / rel, mode)
+        write_marker(tmp, tool, files_under(tmp))
         old = None
         if dest.exists():
+            if dest.is_dir() and any(dest.iterdir()):
+                check_replaceable(dest, tool, keep=keep)  # again: a file may have been added while this one was built
             old = dest.parent / f".{dest.name}.old-{os.getpid()}"
             os.replace(dest, old)
         os.replace(tmp, dest)
+        tmp = None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if took:
+            release_output_lock(dest)
 
 
 def read_json(path: str | Path):

@@ -108,23 +108,39 @@ def check_fits(prompt_tokens: int, max_new_tokens: int, context: int | None, wha
                        f"context window of {context} tokens; shorten it or lower --max-new-tokens")
 
 
-def check_output_folder(out: str, own_file: str | None = None, flag: str = "--out") -> None:
-    """An output folder: absent (created later), empty, or one this command wrote before (it
-    holds `own_file`), and writable; never a file, never a folder of the user's own."""
+def check_output_folder(out: str, own_file: str | None = None, flag: str = "--out", tool: str | None = None,
+                        keep: tuple = (), replaces: bool = True) -> None:
+    """An output folder: absent (created later), empty, or one this command wrote before, and
+    writable; never a file, never a folder of the user's own. tool: the command's name; a
+    non-empty folder must carry its marker (export/paths.py, never a file name) and hold nothing
+    the marker does not list, nor any of `keep` (the command's inputs), since the command
+    replaces it whole (replaces=False: a command that only adds to its own files there, which
+    leaves other files be). own_file (without tool): a command that only adds its own file to the
+    folder; a non-empty folder must hold that file. The folder's lock is taken for the rest of
+    the command (a second command into it is refused)."""
     from pathlib import Path
 
-    from export.paths import OutputPathError, check_writable
+    from export.io import output_lock
+    from export.paths import MARKER, OutputPathError, check_replaceable, check_writable, read_marker
 
     path = Path(out)
-    if path.exists() and not path.is_dir():
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise CliError(f"{flag}: {out} is an existing file, not a folder; refusing to write over it")
-    if own_file and path.is_dir() and any(path.iterdir()) and not (path / own_file).is_file():
-        raise CliError(f"{flag}: {out} is a folder of other files (no {own_file} from an earlier run of this command); "
-                       "refusing to write into it (choose a new folder)")
     try:
         check_writable(Path(out), flag)
+        if tool:
+            output_lock(path, flag)
+            if path.is_dir() and any(path.iterdir()):
+                if replaces:
+                    check_replaceable(path, tool, flag, keep)
+                elif (read_marker(path) or {}).get("tool") != tool:
+                    raise OutputPathError(f"{flag}: {out} is an existing folder not written by {tool} (no {MARKER} "
+                                          f"naming {tool}); refusing to write into it (choose a new folder)")
     except OutputPathError as e:
         raise CliError(str(e)) from None
+    if own_file and not tool and path.is_dir() and any(path.iterdir()) and not (path / own_file).is_file():
+        raise CliError(f"{flag}: {out} is a folder of other files (no {own_file} from an earlier run of this command); "
+                       "refusing to write into it (choose a new folder)")
 
 
 def check_new_tokens_fit(target: str | None, max_new_tokens: int) -> None:

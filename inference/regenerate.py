@@ -111,7 +111,11 @@ def check_settings(out: Path, settings: dict):
             raise ValueError(f"{out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
                              "use a new --out or the same settings")
     else:
+        from export.paths import read_marker, write_marker
+
         out.mkdir(parents=True, exist_ok=True)
+        if read_marker(out) is None:  # what makes the folder regenerate's own (export/paths.py), first
+            write_marker(out, "regenerate", [SETTINGS, OUTPUT])
         tmp = path.with_name(f".{SETTINGS}.tmp")
         tmp.write_text(json.dumps(settings, indent=2))
         os.replace(tmp, path)
@@ -309,6 +313,16 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
 
 
 def main(argv=None) -> int:
+    """The command; the --out lock it takes is given back however it ends."""
+    from export.io import release_output_locks
+
+    try:
+        return _main(argv)
+    finally:
+        release_output_locks()
+
+
+def _main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
         positive, resolve_device
 
@@ -344,7 +358,7 @@ def main(argv=None) -> int:
         if args.heldout_only is not None and args.heldout_only >= 1:
             raise CliError(f"--heldout-only {args.heldout_only:g}: a fraction below 1 (training's data.heldout_fraction)")
         args.device = resolve_device(args.device)
-        check_output_folder(args.out, SETTINGS)
+        check_output_folder(args.out, flag="--out", tool="regenerate", replaces=False)
         if args.continue_from and not Path(args.continue_from).is_file():
             raise CliError(f"--continue-from {args.continue_from}: not a file")
         check_new_tokens_fit(args.target, args.max_new_tokens)

@@ -122,10 +122,12 @@ KEYS = SETTINGS + ("predicted", "measured", "replay_answers", "replay_prompts", 
 
 
 def write_report(report: ValidationReport, dest: Path):
-    """report.json, report.md and the charts, written into a temporary folder renamed into place."""
+    """report.json, report.md and the charts, written into a temporary folder renamed into place
+    (marked as validate's output; an existing --out is replaced only when it is validate's own
+    and holds nothing else, nor the drafter validated)."""
     from export.io import atomic_folder, write_json
 
-    with atomic_folder(dest) as out:
+    with atomic_folder(dest, tool="validate", keep=(report.drafter,)) as out:
         write_json(out / "report.json", report.to_dict())
         _write_markdown(report, out)
         _charts(report, out)

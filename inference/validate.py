@@ -350,6 +350,16 @@ def _export_target(folder: str) -> str | None:
 
 
 def main(argv=None) -> int:
+    """The command; the --out lock it takes is given back however it ends."""
+    from export.io import release_output_locks
+
+    try:
+        return _main(argv)
+    finally:
+        release_output_locks()
+
+
+def _main(argv=None) -> int:
     from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
         parse_tree_spec, positive, resolve_device
 
@@ -391,7 +401,7 @@ def main(argv=None) -> int:
                             "temperature": not_negative})
         tree = None if args.tree is None else parse_tree_spec(args.tree)
         args.device = resolve_device(args.device)
-        check_output_folder(args.out, "report.json")
+        check_output_folder(args.out, tool="validate", keep=(args.drafter,))
         check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)

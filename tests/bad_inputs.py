@@ -173,7 +173,7 @@ CASES = {
     "validate-out-is-a-file": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out", "{userfile}",
                                        phrase="is an existing file, not a folder"),
     "validate-out-user-folder": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out",
-                                         "{userdir}", phrase="is a folder of other files (no report.json"),
+                                         "{userdir}", phrase="is an existing folder not a draftsmith validate output"),
     "validate-new-tokens-beyond-context": validate(*V, "--max-new-tokens", "5000", phrase="beyond the target's context window"),
     "validate-tree-not-three-numbers": validate(*V, "--tree", "2,2", phrase="--tree 2,2: expected DEPTH,TOPK,NODES"),
     "validate-tree-not-promised": validate(*V, "--tree", "2,2,4", phrase="--tree 2,2,4: the export promises no such tree "
@@ -223,7 +223,7 @@ CASES = {
     "regenerate-out-is-a-file": regenerate("--target", "tiny-random-llama", "--dataset", "{chat}", "--device", "cpu",
                                            "--out", "{userfile}", phrase="is an existing file, not a folder"),
     "regenerate-out-user-folder": regenerate("--target", "tiny-random-llama", "--dataset", "{chat}", "--device", "cpu",
-                                             "--out", "{userdir}", phrase="is a folder of other files (no regenerate.json"),
+                                             "--out", "{userdir}", phrase="is an existing folder not written by regenerate"),
     "regenerate-new-tokens-beyond-length": regenerate(*R, "--max-new-tokens", "4000", "--max-length", "2048",
                                                       phrase="leaves no room for a prompt"),
     "regenerate-non-utf8-dataset": regenerate("--target", "tiny-random-llama", "--dataset", "{nonutf8}", "--device", "cpu",

@@ -199,7 +199,12 @@ def run(cfg: RunConfig, resume: str | None = None, prepare_only: bool = False, o
             summary = _run(dataclasses.replace(cfg, out_dir=tmp, eval=rehearsal_eval), resume, False, False)
         print(f"rehearsal (trainer.fast_dev_run) passed; nothing was kept, {cfg.out_dir} is untouched")
         return summary
-    return _run(cfg, resume, prepare_only, overwrite)
+    from export.io import release_output_locks
+
+    try:
+        return _run(cfg, resume, prepare_only, overwrite)
+    finally:
+        release_output_locks()  # out_dir's, taken by check_run_folder
 
 
 def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool) -> dict:
@@ -217,7 +222,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     from models.checkpoint import describe
     from train.checkpoint_io import load_checkpoint, remove_stale_temp_files
     from train.module import DrafterModule
-    from train.run_folder import TrainingInterrupted, check_run_folder, clear_run_outputs
+    from train.run_folder import TrainingInterrupted, check_run_folder, clear_run_outputs, mark_run_folder
 
     out_dir = Path(cfg.out_dir)
     if not prepare_only and not is_launched_rank():
@@ -268,6 +273,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     if trainer.is_global_zero:  # training starts now: the first write into the run folder
         if overwrite and resume is None:
             clear_run_outputs(out_dir)
+        mark_run_folder(out_dir)  # first: what makes the folder a run (train/run_folder.py)
         remove_stale_temp_files(out_dir / "checkpoints")
         atomic_write_text(out_dir / "config.yaml", to_yaml(cfg))
     t0 = time.time()

@@ -1,9 +1,14 @@
 """The run folder (`out_dir`): what a launch may do to it.
 
-A new or empty folder takes a new run. A folder holding a run (its config.yaml) is continued
-with --resume or replaced with --overwrite, never silently; a non-empty folder that is not a
-run is refused. Nothing is written (or removed) until training is about to start, so a launch
-that fails earlier leaves the folder exactly as it was.
+A new or empty folder takes a new run. A folder holding a run is continued with --resume or
+replaced with --overwrite, never silently. A folder holds a run only when it carries the marker
+training writes first (export/paths.py: MARKER naming `train`), never because of a file name
+(a Hydra project's config.yaml is not a run); a non-empty folder without it is refused, with or
+without a flag. --overwrite removes only the entries a run writes, and --resume needs the stored
+config of a run (its target and drafter, compared with the launch's). Nothing is written (or
+removed) until training is about to start, so a launch that fails earlier leaves the folder
+exactly as it was; the folder's lock is held from the check on (a second launch into it is
+refused in one line).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from export.paths import OutputPathError, check_writable
+from export.paths import MARKER, OutputPathError, check_writable, read_marker
 from train.config import ConfigError
 
 # what a run writes into its folder; --overwrite removes these and nothing else
@@ -38,20 +43,38 @@ def describe_run(out_dir: Path) -> str:
     return "a run's config"
 
 
+def is_run_folder(out_dir: Path) -> bool:
+    marker = read_marker(out_dir)
+    return marker is not None and marker["tool"] == "train"
+
+
+def mark_run_folder(out_dir: Path) -> None:
+    """The marker that makes `out_dir` a run (written before anything else of the run)."""
+    from export.paths import write_marker
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    write_marker(out_dir, "train", RUN_ENTRIES)
+
+
 def check_run_folder(out_dir: Path, cfg_dict: dict, resume: str | None, overwrite: bool) -> None:
-    """Refuse a launch that would overwrite what `out_dir` holds (ConfigError naming it)."""
+    """Refuse a launch that would overwrite what `out_dir` holds (ConfigError naming it); take
+    the folder's lock."""
+    from export.io import output_lock
+
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
+    if out_dir.is_symlink() and not out_dir.is_dir() or out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"out_dir: {out_dir} is a file, not a folder")
     try:
         check_writable(out_dir, "out_dir")
+        output_lock(out_dir, "out_dir")
     except OutputPathError as e:
         raise ConfigError(str(e)) from None
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
-    if not (out_dir / "config.yaml").is_file():
-        raise ConfigError(f"out_dir: {out_dir} is a non-empty folder that is not a draftsmith run; "
-                          "refusing to write into it (choose another out_dir)")
+    if not is_run_folder(out_dir):
+        raise ConfigError(f"out_dir: {out_dir} is a non-empty folder that is not a draftsmith run (it carries no "
+                          f"{MARKER} naming train); refusing to write into it, with or without --overwrite or "
+                          "--resume (choose another out_dir)")
     if resume is not None:
         _check_same_run(out_dir, cfg_dict)
         return
@@ -62,13 +85,18 @@ def check_run_folder(out_dir: Path, cfg_dict: dict, resume: str | None, overwrit
 
 
 def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
+    """The run in `out_dir` is the one launched: its stored config names the same target and
+    drafter. A config.yaml that cannot be read, or lacks either, is no run to continue."""
     try:
-        stored = yaml.safe_load((out_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return  # unreadable: the checkpoint's strict load decides
+        stored = yaml.safe_load((out_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ConfigError(f"--resume: {out_dir / 'config.yaml'} cannot be read as a run's config "
+                          f"({type(e).__name__}); refusing to continue into it") from None
+    missing = [key for key in SAME_RUN_KEYS if not isinstance(stored, dict) or key not in stored]
+    if missing:
+        raise ConfigError(f"--resume: {out_dir / 'config.yaml'} is not a draftsmith run's config (no {missing[0]}); "
+                          "refusing to continue into it (choose another out_dir)")
     for key in SAME_RUN_KEYS:
-        if key not in stored:
-            continue
         old, new = stored[key], cfg_dict.get(key)
         if isinstance(old, dict) and isinstance(new, dict):  # a field added since that run is not a difference
             old, new = _flat(old), _flat(new)  # (a method's own section, drafter.<method>, compared field by field)
@@ -100,8 +128,14 @@ def _short(value) -> str:
 
 
 def clear_run_outputs(out_dir: Path) -> None:
-    """--overwrite: remove what an earlier run wrote (only the entries a run writes)."""
+    """--overwrite: remove what an earlier run wrote (only the entries a run writes, and only in a
+    folder marked as a run: anything else in it, the user's notes, stays)."""
+    marker = read_marker(out_dir)
+    if marker is None or marker["tool"] != "train":
+        raise ConfigError(f"out_dir: {out_dir} is not a draftsmith run (no {MARKER} naming train); refusing to clear it")
     for name in RUN_ENTRIES:
+        if name not in marker["files"]:
+            continue
         path = Path(out_dir) / name
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)

@@ -1,0 +1,226 @@
+"""Issue 52's four ways a command destroyed a user's files with exit 0, each now refused.
+
+A folder is draftsmith's output only when it carries draftsmith's own marker
+(export/paths.py: MARKER, naming the command that wrote it and the files it wrote), never
+because of a file name; replacing one removes only what the command wrote there and never the
+command's own input. Each test builds the folder a user had, runs the command as the issue ran
+it, and asserts exit 2, one `error:` line, and every file byte for byte as it was.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import make_conversations, tiny_overrides
+
+
+def _digest(folder: Path) -> dict:
+    return {str(f.relative_to(folder)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(Path(folder).rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A tiny finished run (2 steps) and its chat file."""
+    from train.config import load_config
+    from train.run import run
+
+    root = tmp_path_factory.mktemp("data_loss")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    out = root / "run"
+    run(load_config(None, tiny_overrides(str(chat), out, **{"trainer.max_steps": 2})))
+    return {"run": out, "chat": chat, "ckpt": out / "checkpoints" / "last.ckpt"}
+
+
+def _one_error(err: str, phrase: str):
+    assert "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and phrase in errors[0], err[-2000:]
+
+
+@pytest.mark.parametrize("where", [".", "sub"])
+def test_export_force_never_removes_its_own_checkpoint_or_the_users_notes(finished, tmp_path, capsys, where):
+    """Case 1: `export --checkpoint DIR/mine.ckpt --out DIR --force` (the checkpoint in DIR or
+    in a subfolder of it) once removed DIR whole, the checkpoint and the user's notes in it."""
+    from export.__main__ import main
+
+    out = tmp_path / "DIR"
+    assert main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out)]) == 0
+    (out / where).mkdir(exist_ok=True)
+    mine = out / where / "mine.ckpt"
+    shutil.copy(finished["ckpt"], mine)
+    (out / "notes.txt").write_text("the user's notes\n")
+    before = _digest(out)
+    capsys.readouterr()
+    code = main(["--checkpoint", str(mine), "--format", "speculators", "--out", str(out), "--force"])
+    _, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    _one_error(err, "this command's input")
+    assert _digest(out) == before
+
+
+def test_export_force_keeps_a_file_the_user_added(finished, tmp_path, capsys):
+    """Case 1, the notes alone: an export folder the user added a file to is not replaced."""
+    from export.__main__ import main
+
+    out = tmp_path / "export"
+    assert main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out)]) == 0
+    (out / "notes.txt").write_text("the user's notes\n")
+    before = _digest(out)
+    capsys.readouterr()
+    assert main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out), "--force"]) == 2
+    _one_error(capsys.readouterr().err, "notes.txt that export did not write")
+    assert _digest(out) == before
+
+
+def test_export_force_replaces_its_own_export(finished, tmp_path, capsys):
+    """What --force is for still works: an export holding only what export wrote is replaced,
+    and the new one carries the marker naming its files (model.safetensors 0644 like config.json)."""
+    from export.__main__ import main
+    from export.paths import MARKER, read_marker
+
+    out = tmp_path / "export"
+    args = ["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out)]
+    assert main(args) == 0
+    assert main(args + ["--force", "--dtype", "float32"]) == 0
+    marker = read_marker(out)
+    assert marker["tool"] == "export" and "model.safetensors" in marker["files"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(marker["files"] + [MARKER])
+    assert json.loads((out / "draftsmith.json").read_text())["format"] == "speculators"
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], list(tmp_path.iterdir())
+
+
+def test_export_into_a_folder_named_like_an_export_is_refused(finished, tmp_path, capsys):
+    """A folder holding a draftsmith.json (by name) but no marker is not an export."""
+    from export.__main__ import main
+
+    out = tmp_path / "looks-like-export"
+    out.mkdir()
+    (out / "draftsmith.json").write_text(json.dumps({"method": "eagle3", "format": "speculators"}))
+    (out / "thesis.md").write_text("# years of work\n")
+    before = _digest(out)
+    assert main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out), "--force"]) == 2
+    _one_error(capsys.readouterr().err, "not a draftsmith export")
+    assert _digest(out) == before
+
+
+def test_validate_never_replaces_a_folder_because_it_holds_a_report_json(finished, tmp_path, capsys):
+    """Case 2: `inference.validate --out DIR` where DIR holds another tool's report.json and
+    other files: the folder was replaced whole."""
+    from inference.validate import main
+
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "report.json").write_text(json.dumps({"tool": "another", "score": 0.9}))
+    (out / "run-log.txt").write_text("other results\n")
+    before = _digest(out)
+    code = main(["--drafter", str(finished["run"] / "export"), "--dataset", "mt-bench", "--device", "cpu",
+                 "--num-prompts", "1", "--max-new-tokens", "4", "--max-turns", "1", "--out", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    _one_error(err, "not a draftsmith validate output")
+    assert _digest(out) == before
+
+
+def test_validate_keeps_a_file_the_user_added_to_its_report(tmp_path):
+    """Case 2, this project's own report folder with a file the user added: not replaced."""
+    from export.io import atomic_folder
+    from export.paths import OutputPathError
+
+    out = tmp_path / "validation"
+    with atomic_folder(out, tool="validate") as tmp:
+        (tmp / "report.json").write_text("{}")
+    (out / "my-notes.md").write_text("why it failed\n")
+    before = _digest(out)
+    with pytest.raises(OutputPathError, match="my-notes.md that validate did not write"):
+        with atomic_folder(out, tool="validate") as tmp:
+            (tmp / "report.json").write_text("{}")
+    assert _digest(out) == before
+
+
+def _hydra_folder(root: Path) -> Path:
+    """A Hydra-style project folder: config.yaml, logs/, tb/, export/ of its own."""
+    folder = root / "project"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "tb").mkdir()
+    (folder / "export").mkdir()
+    (folder / "config.yaml").write_text("defaults:\n  - model: llama\nlr: 0.001\n")
+    (folder / "logs" / "train.log").write_text("epoch 1 ...\n")
+    (folder / "tb" / "events.out").write_bytes(b"\x00\x01tensorboard")
+    (folder / "export" / "model.onnx").write_bytes(b"onnx weights")
+    return folder
+
+
+def test_train_overwrite_never_clears_a_folder_because_it_holds_a_config_yaml(finished, tmp_path, capsys):
+    """Case 3: `python -m train out_dir=DIR --overwrite` into a Hydra project folder removed its
+    config.yaml, logs/, tb/ and export/."""
+    from train.__main__ import main
+
+    folder = _hydra_folder(tmp_path)
+    before = _digest(folder)
+    code = main(tiny_overrides(str(finished["chat"]), folder, **{"trainer.max_steps": 1}) + ["--overwrite"])
+    _, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    _one_error(err, "not a draftsmith run")
+    assert _digest(folder) == before
+
+
+def test_train_without_overwrite_does_not_call_a_project_folder_a_run(finished, tmp_path, capsys):
+    """Case 3's refusal without the flag: not "a finished run", and no suggestion of --overwrite."""
+    from train.__main__ import main
+
+    folder = _hydra_folder(tmp_path)
+    assert main(tiny_overrides(str(finished["chat"]), folder, **{"trainer.max_steps": 1})) == 2
+    err = capsys.readouterr().err
+    _one_error(err, "not a draftsmith run")
+    assert "finished run" not in err and "replace it with --overwrite" not in err
+
+
+def test_train_resume_into_a_project_folder_is_refused(finished, tmp_path, capsys):
+    """Case 4: `python -m train out_dir=DIR --resume CKPT` into such a folder overwrote its
+    config.yaml and export/ (the same-run check was skipped: the YAML had no target/drafter)."""
+    from train.__main__ import main
+
+    folder = _hydra_folder(tmp_path)
+    before = _digest(folder)
+    code = main(tiny_overrides(str(finished["chat"]), folder, **{"trainer.max_steps": 3})
+                + ["--resume", str(finished["ckpt"])])
+    _, err = capsys.readouterr()
+    assert code == 2, err[-2000:]
+    _one_error(err, "not a draftsmith run")
+    assert _digest(folder) == before
+
+
+def test_resume_needs_a_runs_config_even_in_a_marked_folder(finished, tmp_path):
+    """Case 4's second half: a run folder whose config.yaml lacks target/drafter is no run to
+    continue (the same-run check is never skipped)."""
+    from train.config import ConfigError
+    from train.run_folder import check_run_folder, mark_run_folder
+    from export.io import release_output_locks
+
+    folder = tmp_path / "run"
+    mark_run_folder(folder)
+    (folder / "config.yaml").write_text("lr: 0.001\n")
+    try:
+        with pytest.raises(ConfigError, match="not a draftsmith run's config"):
+            check_run_folder(folder, {"target": "t", "drafter": {}}, str(finished["ckpt"]), False)
+    finally:
+        release_output_locks()
+
+
+def test_overwrite_removes_only_what_a_run_wrote(finished, tmp_path, capsys):
+    """--overwrite of a real run: its entries go, a file the user added to the folder stays."""
+    from train.__main__ import main
+
+    folder = tmp_path / "run"
+    shutil.copytree(finished["run"], folder)
+    (folder / "notes.txt").write_text("kept\n")
+    assert main(tiny_overrides(str(finished["chat"]), folder, **{"trainer.max_steps": 1}) + ["--overwrite"]) == 0
+    assert (folder / "notes.txt").read_text() == "kept\n"
+    assert not (folder / "checkpoints" / "step2.ckpt").exists()  # the earlier run's step-2 checkpoint went
