@@ -64,6 +64,9 @@ def speculators_config(cfg: Eagle3Config, target_name: str, target_arch: list[st
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": False,
+        # vLLM 0.33 sizes fc as target_hidden_size x num_aux_hidden_states, read from this
+        # layer config (llama_eagle3.py:210-216; absent: 3); the top-level ids do not count
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
     }
     return {
         "architectures": ["Eagle3DraftModel"],
@@ -278,6 +281,8 @@ def served_facts(config: dict) -> dict:
                 **{key: config.get(key) for key in ("aux_hidden_state_layer_ids", "mask_token_id", "block_size",
                                                     "draft_vocab_size", "sample_from_anchor")}}
     return {**facts, "hidden_size": config.get("target_hidden_size", layer.get("target_hidden_size")),
+            # vLLM 0.33 llama_eagle3.py:210-216: fc takes this many aux states, 3 when absent
+            "transformer_layer_config.num_aux_hidden_states": layer.get("num_aux_hidden_states", 3),
             **{key: config.get(key) for key in ("eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc",
                                                 "norm_output", "fc_norm")}}
 
@@ -297,7 +302,9 @@ def expected_facts(method: str, trained: dict, k: int | None) -> dict:
                                                   "the trained output-of-layer ids + 1"),
              **{flag: (trained[flag], "trained") for flag in ("norm_before_residual", "norm_before_fc")},
              # draftsmith feeds the pre-norm output on, one norm before fc at most
-             "norm_output": (False, "draftsmith's EAGLE-3 computes it so"), "fc_norm": (False, "draftsmith's EAGLE-3 computes it so")}
+             "norm_output": (False, "draftsmith's EAGLE-3 computes it so"), "fc_norm": (False, "draftsmith's EAGLE-3 computes it so"),
+             "transformer_layer_config.num_aux_hidden_states": (len(trained["aux_layer_ids"]),
+                                                                "fc reads one state per trained aux layer")}
     if k is not None:
         facts["speculative_tokens"] = (k, "trained and predicted for that k")
     return facts

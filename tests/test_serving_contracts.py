@@ -307,3 +307,38 @@ def test_served_aux_ids_are_the_trained_ones_in_both_servers(hf_config, tmp_path
     v, s = _read(tmp_path / "v")[0], _read(tmp_path / "s")[0]
     assert [i - 1 for i in vllm_captured_hidden_states(v["eagle_aux_hidden_state_layer_ids"])] == d.config.aux_layer_ids
     assert [i - 1 for i in sglang_captured_layers(s["eagle_config"]["eagle_aux_hidden_state_layer_ids"])] == d.config.aux_layer_ids
+
+
+# ---------------------------------------------------------------- row: EAGLE-3's fc width in vLLM
+def vllm_eagle3_fc_input(view: dict) -> int:
+    """llama_eagle3.py:210-221 (vLLM 0.33): fc takes target_hidden_size x num_aux_hidden_states
+    inputs, the count read from the layer config, else from eagle_config's ids, else 3 (the
+    speculators view has no eagle_config: its top-level ids do not count)."""
+    n = view.get("num_aux_hidden_states")
+    if n is None:
+        ids = (view.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        n = len(ids) if ids else 3
+    return view.get("target_hidden_size", view["hidden_size"]) * n
+
+
+@pytest.mark.parametrize("ids", [[0, 1], [0, 1, 2, 3]], ids=["2-aux", "4-aux"])
+def test_eagle3_speculators_export_sizes_vllms_fc_for_its_aux_layers(hf_config, tmp_path, ids):
+    from export.check import served_problems
+    from export.formats import layout_module
+    from export.speculators import export_speculators
+
+    cfg = hf_config.to_dict() | {"num_hidden_layers": 6}
+    d = eagle3(type(hf_config)(**cfg), aux_layer_ids=ids)
+    export_speculators(d, tmp_path / "v", target_name=TARGET, target_arch=["LlamaForCausalLM"], k=3)
+    config, tensors = _read(tmp_path / "v")
+    view = vllm_speculators_view(config)
+    view["target_hidden_size"] = config["target_hidden_size"]
+    assert config["transformer_layer_config"]["num_aux_hidden_states"] == len(ids)
+    assert tensors["fc.weight"].shape[1] == vllm_eagle3_fc_input(view)  # the file's fc loads into vLLM's
+    meta = json.loads((tmp_path / "v" / "draftsmith.json").read_text())
+    layout = layout_module("eagle3", "speculators")
+    assert served_problems(tmp_path / "v", layout, meta, config) == []
+    del config["transformer_layer_config"]["num_aux_hidden_states"]  # as exports before this field: vLLM builds 3
+    assert tensors["fc.weight"].shape[1] != vllm_eagle3_fc_input(vllm_speculators_view(config) | {"target_hidden_size": config["target_hidden_size"]})
+    problems = served_problems(tmp_path / "v", layout, meta, config)
+    assert any("num_aux_hidden_states" in p and f"expected {len(ids)}" in p for p in problems), problems
