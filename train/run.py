@@ -214,8 +214,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     from data.module import ChatDataModule
     from data.templates import apply_template_choice
     from export.io import atomic_write_json, atomic_write_text
-    from export.formats import write_export
-    from models.methods import default_layout
+    from export.formats import auto_layout, write_export
     from models.target import Target
     from models.zoo import resolve_target
     from train.callbacks import Throughput
@@ -327,7 +326,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
                       "training_config": cfg.to_dict(), "predicted_acceptance": summary["predicted"],
                       "target_perplexity": perplexity or None,
                       "checkpoint": str(last_ckpt.resolve()) if last_ckpt.is_file() else None}
-        fmt = default_layout(cfg.drafter.method) if cfg.export_format == "auto" else cfg.export_format
+        fmt = auto_layout(cfg.drafter.method, export_drafter) if cfg.export_format == "auto" else cfg.export_format
         write_export(export_drafter, fmt, export_dir, method=cfg.drafter.method, target_name=cfg.target,
                      hf_config=hf_config, target_model=target.model, joint=cfg.objective.joint, k=cfg.eval.k,
                      provenance=provenance, runtime_only=True)
