@@ -89,8 +89,9 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
 
     ckpt = _checkpoint_file(spec)
     if out is not None:  # before anything loads: nothing of the user's (the checkpoint read included) is replaced
+        check_export_destination(out, force, keep=(ckpt,))
         output_lock(out)
-        action = check_export_destination(out, force, keep=(ckpt,))
+        action = check_export_destination(out, force, keep=(ckpt,))  # again, now that no other run may change it
     checkpoint = load_checkpoint(ckpt)  # weights_only=True
     section = read_description(checkpoint, ckpt)
     method = section["method"]
@@ -98,8 +99,9 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     layout = layout_module(method, fmt)  # refuses a layout that cannot carry the method, before the drafter is built
     if out is None:
         out = ckpt.parent / f"{ckpt.stem}-{fmt}"
+        check_export_destination(out, force, keep=(ckpt,))
         output_lock(out)
-        action = check_export_destination(out, force, keep=(ckpt,))
+        action = check_export_destination(out, force, keep=(ckpt,))  # again, now that no other run may change it
     drafter, _ = drafter_from_checkpoint(checkpoint, ckpt)
     state = checkpoint["state_dict"]
     joint = any(k.startswith("target.") for k in state)

@@ -21,21 +21,29 @@ from models.checkpoint import check_tensors  # noqa: F401  (the readers' strict 
 _HELD: dict[str, int] = {}  # lock path -> open descriptor, for the locks this process holds
 
 
+def _lock_path(dest: str | Path) -> Path:
+    """Where the lock of output folder `dest` lives: in draftsmith's cache, named by the folder's
+    real absolute path, so that nothing is created beside (or above) a folder not yet written."""
+    from models.zoo import cache_dir
+
+    real = os.path.realpath(os.path.abspath(dest))
+    locks = cache_dir() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    return locks / f"{hashlib.sha256(real.encode('utf-8', 'surrogateescape')).hexdigest()[:32]}.lock"
+
+
 def output_lock(dest: str | Path, flag: str = "--out") -> bool:
-    """Take the lock of an output folder for the rest of this process (an flock on the hidden
-    sibling `.NAME.lock`, released by the OS when the process ends, however it ends): a second
-    command writing the same folder is refused in one line naming the holder. Taking it again
-    in the same process is a no-op. Returns whether this call took it (then release_output_lock
-    gives it back)."""
+    """Take the lock of an output folder for as long as this process holds it (an flock, given
+    back by the OS when the process ends, however it ends): a second command writing the same
+    folder is refused in one line naming the holder's pid. Taking it again in the same process
+    is a no-op. Returns whether this call took it (then release_output_lock gives it back)."""
     import fcntl
 
     from export.paths import OutputPathError
 
-    dest = Path(dest).absolute()
-    lock = dest.parent / f".{dest.name}.lock"
+    lock = _lock_path(dest)
     if str(lock) in _HELD:
         return False
-    dest.parent.mkdir(parents=True, exist_ok=True)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -59,18 +67,20 @@ def output_lock(dest: str | Path, flag: str = "--out") -> bool:
 
 
 def release_output_lock(dest: str | Path) -> None:
-    dest = Path(dest).absolute()
-    lock = dest.parent / f".{dest.name}.lock"
-    fd = _HELD.pop(str(lock), None)
+    _release(str(_lock_path(dest)))
+
+
+def _release(lock: str) -> None:
+    fd = _HELD.pop(lock, None)
     if fd is not None:
-        lock.unlink(missing_ok=True)  # before the unlock: a waiter that opened it sees another inode and retries
+        Path(lock).unlink(missing_ok=True)  # before the unlock: a waiter that opened it sees another inode and retries
         os.close(fd)
 
 
 def release_output_locks() -> None:
     """Every output lock this process holds, given back (a command's last step)."""
     for lock in list(_HELD):
-        release_output_lock(Path(lock).parent / Path(lock).name[1:].removesuffix(".lock"))
+        _release(lock)
 
 
 def remove_stale_temporaries(dest: str | Path) -> None:
