@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from export.formats import FORMATS, layout_module, write_export
+from export.formats import FORMATS, auto_layout, launch_lines, layout_module, write_export
 from models.acceptance import Prediction
 
 
@@ -95,7 +95,7 @@ def export_checkpoint(spec: str, fmt: str | None = None, out: str | None = None,
     checkpoint = load_checkpoint(ckpt)  # weights_only=True
     section = read_description(checkpoint, ckpt)
     method = section["method"]
-    fmt = fmt or FORMATS[method][0]
+    fmt = fmt or auto_layout(method, section["drafter_config"])  # EAGLE-1 without an fc bias: eagle-vllm
     layout = layout_module(method, fmt)  # refuses a layout that cannot carry the method, before the drafter is built
     if out is None:
         out = ckpt.parent / f"{ckpt.stem}-{fmt}"
@@ -151,6 +151,9 @@ def main(argv=None) -> int:
         release_output_locks()
     fmt = args.format or json.loads((Path(out) / "draftsmith.json").read_text())["format"]
     print(f"wrote {out} ({fmt}); check it with: python -m export.check {out}")
+    lines = launch_lines(out)  # docs/serving.md; tests/test_launch_lines.py runs them through the servers' code
+    print("serve it with:\n" + "\n".join(f"  {line}" for line in lines) if lines else
+          f"served by draftsmith's runtime only: python -m inference.validate --drafter {out}")
     return 0
 
 

@@ -129,3 +129,16 @@ def expected_facts(method: str, trained: dict, k: int | None) -> dict:
 def taken_from_target(method: str, stored: set) -> set:
     # the embedding is never stored; the head is, as draft rows, only by speculators' layout when Vd < V
     return {"embed_tokens.weight"} | ({"lm_head.weight"} - stored)
+
+
+def launch_lines(folder: str, config: dict, meta: dict) -> list[str]:
+    """vLLM 0.33 (`method: dflash`, B - 1 drafts a step) and SGLang 0.5.23 (`DFLASH`, a verify
+    window of B) both load this layout as trained, non-causal; neither reads d2t, so a draft
+    vocabulary smaller than the target's is served by draftsmith's runtime only."""
+    from export.formats import served_target, sglang_line, vllm_line
+
+    if config.get("draft_vocab_size", config["vocab_size"]) < config["vocab_size"]:
+        return []
+    target, block = served_target(config, meta), int(config["block_size"])
+    return [vllm_line(target, "dflash", folder, block - 1),
+            sglang_line(target, "DFLASH", folder, "--speculative-num-draft-tokens", str(block))]

@@ -5,14 +5,20 @@ the target's head.
 - `eagle` (SGLang 0.5.23 `LlamaForCausalLMEagle`, the EAGLE reference): fc with a bias. No
   `bias` key: SGLang's Llama attention reads `bias` as "attention biases", which the file has
   not, and its fc has a bias whatever the config says. A draft vocabulary smaller than the
-  target's adds `d2t`/`t2d`, which only draftsmith's runtime reads.
+  target's adds `d2t`/`t2d` (draftsmith's runtime) and `hot_token_ids.pt`, the [Vd] int64
+  target id of each draft row: SGLang's EAGLE-1 ignores d2t and drafts over all of V unless
+  launched with `--speculative-token-map DIR/hot_token_ids.pt` (eagle_worker_v2.py: the
+  target's head rows at those ids, draft row i = target token hot[i]), which launch_lines adds.
 - `eagle-vllm` (vLLM 0.33 method `eagle`, `EagleLlamaForCausalLM`): vLLM's fc has no bias and
   its head is the target's whole one, so only a drafter trained with `drafter.fc_bias=false`
-  and Vd = V is written; anything else is refused, naming why (docs/serving.md).
+  and Vd = V is written; anything else is refused, naming why (docs/serving.md), except the
+  training run's own export (`runtime_only`) of an fc without bias and Vd < V, which no server
+  computes and draftsmith's runtime reads (with d2t/t2d).
 """
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import torch
@@ -23,6 +29,7 @@ from models.eagle1 import Eagle1Config, Eagle1Drafter
 
 
 ARCHITECTURES = {"eagle": "LlamaForCausalLMEagle", "eagle-vllm": "EagleLlamaForCausalLM"}
+TOKEN_MAP = "hot_token_ids.pt"  # SGLang's --speculative-token-map for a draft vocabulary (torch.load, weights_only)
 
 
 def eagle1_config(cfg: Eagle1Config, target_name: str, fmt: str = "eagle") -> dict:
@@ -49,10 +56,16 @@ def vllm_problems(cfg: Eagle1Config) -> list[str]:
 
 
 def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: str, dtype: torch.dtype = torch.bfloat16,
-                  provenance: dict | None = None, fmt: str = "eagle") -> Path:
+                  provenance: dict | None = None, fmt: str = "eagle", runtime_only: bool = False) -> Path:
+    """runtime_only: the training run's own export, where an fc without a bias and Vd < V (no
+    server computes it) is written in the eagle-vllm layout with its maps, for draftsmith's runtime."""
     cfg = drafter.config
-    if fmt == "eagle-vllm" and vllm_problems(cfg):
-        raise ValueError("cannot export to eagle-vllm: " + "; ".join(vllm_problems(cfg)) + " (--format eagle serves it in SGLang)")
+    problems = vllm_problems(cfg)
+    runtime_alone = runtime_only and fmt == "eagle-vllm" and not cfg.fc_bias and cfg.draft_vocab_size < cfg.vocab_size
+    if fmt == "eagle-vllm" and problems and not runtime_alone:
+        raise ValueError("cannot export to eagle-vllm: " + "; ".join(problems) + " (--format eagle serves it in SGLang)")
+    if runtime_alone:
+        print(f"note: {out_dir} is served by draftsmith's runtime only: " + "; ".join(problems))
     if fmt == "eagle" and not cfg.fc_bias:
         raise ValueError("cannot export to eagle: SGLang 0.5.23's EAGLE-1 fc always has a bias and this drafter has "
                          "none (--format eagle-vllm serves it in vLLM)")
@@ -62,7 +75,11 @@ def export_eagle1(drafter: Eagle1Drafter, out_dir: str | Path, *, target_name: s
         tensors.pop("d2t"), tensors.pop("t2d")
     with atomic_folder(out_dir) as tmp:
         write_export_files(tmp, tensors, eagle1_config(cfg, target_name, fmt),
-                           {"format": fmt, "method": "eagle1", "drafter_config": cfg.to_dict()}, provenance)
+                           {"format": fmt, "method": "eagle1", "drafter_config": cfg.to_dict(),
+                            "served_by": ["draftsmith"] if runtime_alone else
+                            ["sglang==0.5.23" if fmt == "eagle" else "vllm==0.33", "draftsmith"]}, provenance)
+        if fmt == "eagle" and cfg.draft_vocab_size < cfg.vocab_size:
+            torch.save(drafter.draft_ids().detach().cpu().to(torch.int64), tmp / TOKEN_MAP)
     return Path(out_dir)
 
 
@@ -111,7 +128,21 @@ def load_eagle1(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
 # ---------------------------------------------------------------- the layout's entry points
 # one module, two layouts: eagle (SGLang) and eagle-vllm, told apart by ctx.fmt / the architecture
 def write(drafter, out, ctx) -> Path:
-    return export_eagle1(drafter, out, fmt=ctx.fmt, **ctx.common())
+    return export_eagle1(drafter, out, fmt=ctx.fmt, runtime_only=ctx.runtime_only, **ctx.common())
+
+
+def launch_lines(folder: str, config: dict, meta: dict) -> list[str]:
+    """SGLang's EAGLE chain (with the token map of a draft vocabulary), or vLLM's `eagle` method."""
+    from export.formats import draft_length, served_target, sglang_chain_flags, sglang_line, vllm_line
+
+    target, k = served_target(config, meta), draft_length(config, meta)
+    trained = meta.get("drafter_config") or {}
+    if meta.get("format") == "eagle-vllm":
+        return [] if "vllm==0.33" not in meta.get("served_by", ["vllm==0.33"]) else [vllm_line(target, "eagle", folder, k)]
+    flags = sglang_chain_flags(k)
+    if trained.get("draft_vocab_size", config["vocab_size"]) < config["vocab_size"]:
+        flags += ("--speculative-token-map", shlex.quote(str(Path(folder) / TOKEN_MAP)))
+    return [sglang_line(target, "EAGLE", folder, *flags)]
 
 
 def reads(config: dict) -> bool:

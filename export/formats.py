@@ -33,8 +33,11 @@ per method or layout):
 """
 from __future__ import annotations
 
+import json
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from models import methods
@@ -88,6 +91,17 @@ def layout_module(method: str, fmt: str):
     return methods.resolve(layouts[fmt])
 
 
+def auto_layout(method: str, drafter) -> str:
+    """The layout a run's `export_format: auto` (and `python -m export` without --format) writes
+    for `drafter` (a drafter, or its config as a dict): the method's own, unless that cannot
+    carry this drafter and another of the method's can. EAGLE-1 without an fc bias: SGLang's
+    EAGLE-1 fc always has one (`eagle` refuses it), vLLM's `eagle` never has (`eagle-vllm`)."""
+    config = drafter if isinstance(drafter, dict) else drafter.config.to_dict()
+    if method == "eagle1" and not config.get("fc_bias", True):
+        return "eagle-vllm"
+    return methods.default_layout(method)
+
+
 def layout_modules() -> list:
     """Every layout module of the table, each once, in table order (export/load.py asks each
     whether it reads a folder)."""
@@ -107,3 +121,66 @@ def write_export(drafter, fmt: str, out, *, method: str, target_name: str, hf_co
     ctx = ExportContext(fmt=fmt, target_name=target_name, hf_config=hf_config, target_model=target_model, joint=joint,
                         k=k, provenance=provenance, dtype=dtype or torch.bfloat16, runtime_only=runtime_only)
     return layout.write(drafter, out, ctx)
+
+
+# ---------------------------------------------------------------- how a server launches an export
+# A layout module may provide `launch_lines(folder: str, config: dict, meta: dict) -> list[str]`:
+# the commands that serve the export as written (docs/serving.md). `python -m export` prints
+# them; tests/test_launch_lines.py runs each through the server's own argument code.
+
+def served_target(config: dict, meta: dict) -> str:
+    """The target as a server names it (a hub id, or a local target's absolute path): the
+    speculators verifier when the layout names one, else the run's target through
+    models.zoo.served_target_name."""
+    from models.zoo import served_target_name
+
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if verifier:
+        return verifier
+    name = meta.get("target") or config.get("base_model_name_or_path")
+    if not name:
+        raise ValueError("the export names no target")
+    return served_target_name(name)
+
+
+def draft_length(config: dict, meta: dict) -> int:
+    """The chain length k the drafter was trained and predicted for (the run's eval.k), else the
+    speculators layout's speculative_tokens."""
+    k = ((meta.get("training_config") or {}).get("eval") or {}).get("k")
+    if k is None:
+        k = ((config.get("speculators_config") or {}).get("proposal_methods") or [{}])[0].get("speculative_tokens")
+    if k is None:
+        raise ValueError("the export records no draft length (eval.k)")
+    return int(k)
+
+
+def vllm_line(target: str, method: str, folder: str, tokens: int) -> str:
+    """vLLM 0.33: the target served with the drafter named in --speculative-config. (`vllm serve
+    DIR` of a speculators export works only when its verifier is a hub id: vLLM refuses a local
+    path there, so draftsmith always prints this form.)"""
+    spec = json.dumps({"method": method, "model": folder, "num_speculative_tokens": tokens})
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def sglang_line(target: str, algorithm: str, folder: str, *flags: str) -> str:
+    return (f"python -m sglang.launch_server --model-path {shlex.quote(target)} --speculative-algorithm {algorithm} "
+            f"--speculative-draft-model-path {shlex.quote(folder)} " + " ".join(flags)).rstrip()
+
+
+def sglang_chain_flags(k: int) -> tuple[str, ...]:
+    """A chain of k drafts in SGLang 0.5.23: with --speculative-num-steps given, top-k is not
+    chosen for you (speculative_hook.py:1274 compares None > 1), and a chain verifies k + 1 tokens."""
+    return ("--speculative-num-steps", str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1))
+
+
+def launch_lines(folder) -> list[str]:
+    """The commands that serve the export at `folder` (as the user named it) in the servers that
+    compute it as trained; [] when none does (draftsmith's runtime: inference.validate/generate)."""
+    from export.io import read_json
+
+    path = Path(folder)
+    config, meta = read_json(path / "config.json"), read_json(path / "draftsmith.json")
+    layout = layout_module(meta.get("method"), meta.get("format"))
+    if not hasattr(layout, "launch_lines"):
+        return []
+    return layout.launch_lines(str(folder), config, meta)

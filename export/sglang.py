@@ -156,3 +156,10 @@ def expected_facts(method: str, trained: dict, k: int | None) -> dict:
     norm_before_residual is named by the served config already (SGLang serves it false)."""
     return {"eagle_config.eagle_aux_hidden_state_layer_ids": (trained["aux_layer_ids"], "the trained output-of-layer ids"),
             "norm_before_residual": (False, "SGLang 0.5.23 has no such option (the residual is pre-norm)")}
+
+
+def launch_lines(folder: str, config: dict, meta: dict) -> list[str]:
+    """SGLang 0.5.23's EAGLE3 as a chain of the trained length (d2t is read as its hot token map)."""
+    from export.formats import draft_length, served_target, sglang_chain_flags, sglang_line
+
+    return [sglang_line(served_target(config, meta), "EAGLE3", folder, *sglang_chain_flags(draft_length(config, meta)))]

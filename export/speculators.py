@@ -316,3 +316,13 @@ def taken_from_target(method: str, stored: set) -> set:
 
         return dflash_taken(method, stored)
     return set()
+
+
+def launch_lines(folder: str, config: dict, meta: dict) -> list[str]:
+    """vLLM 0.33 with --speculative-config: DFlash drafts B - 1 tokens a step (vLLM ignores block_size)."""
+    from export.formats import draft_length, served_target, vllm_line
+
+    target = served_target(config, meta)
+    if config.get("speculators_model_type") == "dflash":
+        return [vllm_line(target, "dflash", folder, int(config["block_size"]) - 1)]
+    return [vllm_line(target, "eagle3", folder, draft_length(config, meta))]
