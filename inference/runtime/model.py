@@ -1,4 +1,5 @@
-"""Runtime model for Llama-family targets (Llama, Mistral, Qwen2, Qwen3) with a static KV cache.
+"""Runtime model for Llama-family targets (Llama, Mistral, Qwen2, Qwen3) and Gemma-3 (its parts in
+inference/runtime/gemma.py) with a static KV cache.
 
 gpt-fast style: preallocated cache buffers written by position, one forward for prefill,
 decode and verify alike. Rows of a batch have their own positions, so ragged prompts need no
@@ -22,11 +23,14 @@ from draftsmith_kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask,
                                       grouped_attention_bias, grouped_cache_attention)
 from draftsmith_kernels.rms_norm import head_norm, rms_norm
 from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.settings import KernelSettings
 from draftsmith_kernels.silu_mul import silu_mul
-from draftsmith_kernels.tree_attention import tree_attention, tree_cache_bias, with_root_row
+from draftsmith_kernels.tree_attention import tree_attention, tree_attention_reference, tree_cache_bias, with_root_row
+from inference.runtime.gemma import (GEMMA_KINDS, embed_scale, gemma_fields, gemma_norm_weights, layer_rope,
+                                     prefill_window_mask, sliding_layers, tree_window_bias)
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"} | GEMMA_KINDS
 
 
 @dataclass
@@ -45,13 +49,24 @@ class RuntimeConfig:
     qkv_bias: bool = False  # qwen2
     qk_norm: bool = False  # qwen3
     max_position_embeddings: int | None = None  # the context window (prompt + new tokens), where the config says
+    # sliding-window layers (Gemma-3's local layers, Mistral): a query at p sees keys > p - window
+    sliding_window: int | None = None
+    local_layers: tuple = ()  # the windowed layers' indices
+    local_rope_theta: float | None = None  # their RoPE base where it differs (Gemma-3), else rope_theta's
+    local_rope_scaling: dict | None = None
+    gemma: bool = False  # Gemma-3's layer (inference/runtime/gemma.py)
+    query_scale: float | None = None  # query_pre_attn_scalar ** -0.5 where it is not head_dim ** -0.5
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_hf(cls, hf_config) -> "RuntimeConfig":
         kind = hf_config.model_type
         if kind not in SUPPORTED:
             raise ValueError(f"model_type {kind!r} has no runtime implementation ({', '.join(sorted(SUPPORTED))})")
-        theta, scaling = rope_config(hf_config)
+        gemma = kind in GEMMA_KINDS
+        theta, scaling = layer_rope(hf_config, "full_attention") if gemma else rope_config(hf_config)
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        window, local = sliding_layers(hf_config)
         return cls(
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
@@ -59,15 +74,24 @@ class RuntimeConfig:
             num_layers=hf_config.num_hidden_layers,
             num_heads=hf_config.num_attention_heads,
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
-            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads,
+            head_dim=head_dim,
             rms_norm_eps=hf_config.rms_norm_eps,
             rope_theta=theta,
             rope_scaling=scaling,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=kind == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind == "qwen3" or gemma,
             max_position_embeddings=getattr(hf_config, "max_position_embeddings", None),
+            sliding_window=window,
+            local_layers=local,
+            **(gemma_fields(hf_config, head_dim) if gemma else {}),
         )
+
+    def local_rope(self) -> tuple[float, dict | None]:
+        """RoPE base and scaling of the windowed layers."""
+        if self.local_rope_theta is None:
+            return self.rope_theta, self.rope_scaling
+        return self.local_rope_theta, self.local_rope_scaling
 
 
 class KVCache(nn.Module):
@@ -108,8 +132,9 @@ def tree_verify_operands(positions, tree_mask):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # a sliding-window layer's W (keys at positions > p - W), None for global
         self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         # q, k and v in one matmul: [H] → [(nh + 2 nkv) d]; loaded from q_proj/k_proj/v_proj
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.d, bias=cfg.qkv_bias)
@@ -124,7 +149,9 @@ class Attention(nn.Module):
         `grouped_attention_bias`, or None with causal_prefill (every row at positions 0..q-1
         of an empty cache: plain causal attention over this chunk, flash kernels, no mask).
         tree (a draft tree's verify step): `tree_verify_operands`' (base, mask), bias then its
-        `tree_cache_bias` (None when the kernels run)."""
+        `tree_cache_bias` (None when the kernels run). A windowed layer's bias is built with its
+        window (causal_prefill: a bool [q,q] mask, or None where the window cannot bind; a tree
+        step: `tree_window_bias`, the torch form, as the tree kernel takes no window)."""
         B, n, _ = x.shape
         qkv = self.qkv_proj(x)
         if self.qk_norm:  # Qwen3 normalises each head before RoPE (in place, one launch)
@@ -132,14 +159,16 @@ class Attention(nn.Module):
         if tree is not None:  # K/V written at the tree's slots, then read back from there by the tree kernel
             base, mask = tree
             q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv, tree_block=True)
+            if self.window is not None:
+                return self.o_proj(tree_attention_reference(q, k_cache, v_cache, base, None, None, mask, bias))
             return self.o_proj(tree_attention(q, k_cache, v_cache, base, None, None, mask, bias))
         q = rope_cache(qkv, positions, inv_freq, k_cache, v_cache, self.nh, self.nkv)  # [B,nh,q,d]
         if causal_prefill:
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], is_causal=True,
-                                                 enable_gqa=self.nh != self.nkv)
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=bias,
+                                                 is_causal=bias is None, enable_gqa=self.nh != self.nkv)
             out = out.transpose(1, 2).reshape(B, n, self.nh * self.d)
         elif n <= DECODE_MAX_QUERIES:
-            out = decode_attention(q, k_cache, v_cache, positions, bias)
+            out = decode_attention(q, k_cache, v_cache, positions, bias, window=self.window)
         else:
             out = grouped_cache_attention(q, k_cache, v_cache, bias)
         return self.o_proj(out)
@@ -157,11 +186,20 @@ class FusedMLP(nn.Module):
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
+class GeluMLP(FusedMLP):
+    """Gemma's MLP: gelu_pytorch_tanh(gate) * up, gate and up in one matmul."""
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, -1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: RuntimeConfig):
+    def __init__(self, cfg: RuntimeConfig, window: int | None = None):
         super().__init__()
+        self.local = window is not None  # a sliding-window layer (its own RoPE base and mask)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = FusedMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -175,6 +213,27 @@ class Block(nn.Module):
         x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, tree)
         normed, residual = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps, residual)
         return self.mlp(normed), residual
+
+
+class GemmaBlock(Block):
+    """Gemma-3's layer: a norm on the attention output and norms before and after the GELU MLP
+    (weights stored as 1 + w, gemma.py); the residual adds stay fused into the next norm."""
+
+    def __init__(self, cfg: RuntimeConfig, window: int | None = None):
+        super().__init__(cfg, window)
+        self.mlp = GeluMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, tree=None,
+                sum_out=None):
+        normed, residual = rms_norm(x, self.input_layernorm.weight, self.input_layernorm.eps, residual, sum_out=sum_out)
+        x = self.self_attn(normed, positions, inv_freq, k_cache, v_cache, bias, causal_prefill, tree)
+        x, _ = rms_norm(x, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        normed, residual = rms_norm(x, self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm.eps, residual)
+        x = self.mlp(normed)
+        x, _ = rms_norm(x, self.post_feedforward_layernorm.weight, self.post_feedforward_layernorm.eps)
+        return x, residual
 
 
 def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
@@ -193,6 +252,8 @@ def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
             p + "mlp.gate_proj.weight": (cfg.intermediate_size, H), p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
             p + "mlp.down_proj.weight": (H, cfg.intermediate_size),
         })
+        if cfg.gemma:
+            shapes.update({p + "pre_feedforward_layernorm.weight": (H,), p + "post_feedforward_layernorm.weight": (H,)})
         if cfg.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (cfg.num_heads * d,), p + "self_attn.k_proj.bias": (cfg.num_kv_heads * d,),
                            p + "self_attn.v_proj.bias": (cfg.num_kv_heads * d,)})
@@ -213,20 +274,28 @@ def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(p + f"self_attn.{x}_proj.{kind}") for x in "qkv"])
         out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
-    return out
+    return gemma_norm_weights(out, cfg) if cfg.gemma else out
 
 
 class RuntimeModel(nn.Module):
+    # which kernels run and their tuning (kernels/settings.py), chosen by the caller (a CLI's
+    # --kernels / --tree-attention); `generate` applies them for each generation
+    kernels: KernelSettings = KernelSettings()
+
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.num_layers)])
+        block = GemmaBlock if cfg.gemma else Block
+        self.layers = nn.ModuleList([block(cfg, cfg.sliding_window if i in cfg.local_layers else None)
+                                     for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        # the windowed layers' RoPE frequencies (Gemma-3's local base; the same as inv_freq otherwise)
+        self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, *cfg.local_rope()), persistent=False)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> "RuntimeModel":
@@ -252,10 +321,12 @@ class RuntimeModel(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # off the meta device
+        model.inv_freq_local = rope_inv_freq(cfg.head_dim, *cfg.local_rope())
         model = model.to(device=device, dtype=dtype).eval()
         # RoPE frequencies stay float32 whatever the weights' dtype: bf16-rounded frequencies
         # drift the rotation at large positions (and the kernel would cast them every layer)
         model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        model.inv_freq_local = rope_inv_freq(cfg.head_dim, *cfg.local_rope()).to(device)
         return model
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
@@ -282,6 +353,8 @@ class RuntimeModel(nn.Module):
         B, q = input_ids.shape
         cfg = self.config
         x = self.embed_tokens(input_ids)
+        if cfg.gemma:
+            x = x * embed_scale(cfg.hidden_size, x.dtype)
         # the additive mask of the torch attention path, built once per forward (the decode and
         # tree kernels read positions, base and the tree mask instead)
         tree = None
@@ -292,6 +365,7 @@ class RuntimeModel(nn.Module):
         else:
             bias = None if causal_prefill or (use_kernel(x) and q <= DECODE_MAX_QUERIES) else grouped_attention_bias(
                 positions, cache.max_len, cfg.num_heads // cfg.num_kv_heads, x.dtype)
+        local_bias = self._window_bias(positions, cache.max_len, tree, causal_prefill, x) if cfg.local_layers else None
         residual = None
         # the hidden state after aux layer i is the sum the next norm computes: that norm writes
         # it straight into its slice of the aux features [B,q,n*H] (no add, no cat)
@@ -302,6 +376,10 @@ class RuntimeModel(nn.Module):
         for i, part in zip(aux_layers, slices):
             slot.setdefault(i, part)  # a layer listed twice: its second slice is copied at the end
         for i, layer in enumerate(self.layers):
+            if layer.local:
+                x, residual = layer(x, residual, positions, self.inv_freq_local, cache.k[i], cache.v[i], local_bias,
+                                    causal_prefill, tree, sum_out=slot.get(i - 1))
+                continue
             x, residual = layer(x, residual, positions, self.inv_freq, cache.k[i], cache.v[i], bias, causal_prefill, tree,
                                 sum_out=slot.get(i - 1))
         if cfg.num_layers in aux_layers:
@@ -311,8 +389,8 @@ class RuntimeModel(nn.Module):
                 raise ValueError(f"aux layer {cfg.num_layers} (the final hidden state) cannot be mixed with other layers")
             final, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual)
             if logits_at is None:
-                return self.lm_head(final), final
-            return self.lm_head(final[torch.arange(B, device=x.device), logits_at][:, None]), final
+                return self._capped(self.lm_head(final)), final
+            return self._capped(self.lm_head(final[torch.arange(B, device=x.device), logits_at][:, None])), final
         last = slot.get(cfg.num_layers - 1)  # an aux feature after the last layer: the final norm's sum
         if logits_at is not None:
             rows = torch.arange(B, device=x.device)
@@ -321,10 +399,30 @@ class RuntimeModel(nn.Module):
             x, residual, last = x[rows, logits_at][:, None], residual[rows, logits_at][:, None], None
         x, _ = rms_norm(x, self.norm.weight, self.norm.eps, residual, sum_out=last)
         logits = self.lm_head(x)
+        if cfg.final_logit_softcapping is not None:
+            logits = self._capped(logits)
         for i, part in zip(aux_layers, slices):
             if part is not slot[i]:
                 part.copy_(slot[i])
         return logits, aux
+
+    def _capped(self, logits):
+        """Final logit soft-capping (Gemma), where the config has it: tanh(logits / c) * c."""
+        c = self.config.final_logit_softcapping
+        return logits if c is None else torch.tanh(logits / c) * c
+
+    def _window_bias(self, positions, max_len: int, tree, causal_prefill: bool, x):
+        """The windowed layers' mask for this forward, built once (see Attention.forward): None
+        where the decode kernel applies the window itself or a prefill's window cannot bind."""
+        cfg = self.config
+        groups, window = cfg.num_heads // cfg.num_kv_heads, cfg.sliding_window
+        if tree is not None:
+            return tree_window_bias(positions, with_root_row(tree[1]), max_len, groups, x.dtype, window)
+        if causal_prefill:
+            return prefill_window_mask(positions.shape[1], window, x.device)
+        if use_kernel(x) and positions.shape[1] <= DECODE_MAX_QUERIES:
+            return None
+        return grouped_attention_bias(positions, max_len, groups, x.dtype, window)
 
 
 class GraphedStep:
