@@ -1,4 +1,10 @@
-"""Draft proposers behind one small interface.
+"""Draft proposers behind one small interface, written as typing.Protocols in
+inference/proposers/base.py: `Proposer` (k, aux_layers, begin and the declared capabilities
+on_device / tree / feeds_verify / verify_tokens), `HostProposer` (propose, accepted: the host
+loop), `DeviceProposer` (drafts, draft, advance: the device loop, captured in CUDA graphs),
+`TreeProposer` (draft_tree), and the extras `SampledProposer` (propose_sampled),
+`SampledDeviceProposer` (draft_sampled), `GraphedBegin` (begin_graphed) and `Ending` (end).
+The runtime reads a proposer's `capabilities` once per loop, checked against what it implements.
 
     aux_layers                    target layers whose outputs the proposer needs (may be ())
     begin(prompts, aux, first)    after prefill: prompt tokens, their aux features [B,T,n*Ht],
@@ -7,28 +13,18 @@
     accepted(fed, aux, counts, active)
                                   after verification: the k+1 tokens each row fed [B,k+1],
                                   their aux features [B,k+1,n*Ht], (accepted, bonus) per row,
-                                  and which rows still generate after this step (a row
-                                  that has just finished is not: its state may stay put)
-
-Positions are 0-based. A row holding tokens t_0..t_{N-1} feeds t_{N-1} and its drafts at
-positions N-1.. in the verify step.
-
-Device proposers (`on_device = True`) also provide the loop's own interface, which runs on
-tensors alone, so the engine captures it in CUDA graphs (inference/runtime/spec_loop.py):
-
-    draft() -> drafts [B,k]       greedy drafts (a static buffer; -1 = no draft)
+                                  and which rows still generate after this step
+    draft() -> drafts [B,k]       (device) greedy drafts (a static buffer; -1 = no draft)
     draft_sampled(T, generator) -> (drafts [B,k], q [B,k,V])
-                                  drafts sampled from the proposer's own distribution q
     advance(fed, aux, accepted, bonus, active)
-                                  `accepted` as tensors: fed [B,k+1], aux [B,k+1,n*Ht] or None,
-                                  accepted [B], bonus [B], active [B] bool
-
-These never wait on the host (no .item(), .tolist(), branches on tensor values), keep fixed
-shapes, and update their state tensors in place, so a captured replay sees the same storage.
+                                  (device) `accepted` as tensors
 """
+from inference.proposers.base import (Capabilities, DeviceProposer, Ending, GraphedBegin, HostProposer, Proposer,
+                                      SampledDeviceProposer, SampledProposer, TreeProposer, capabilities)
 from inference.proposers.draft_model import DraftModelProposer, vocab_intersection
 from inference.proposers.drafters import Eagle3Proposer, MedusaProposer, RecomputeProposer, drafter_proposer
 from inference.proposers.model_free import GpuNgramProposer, NgramProposer, SuffixProposer, longest_suffix_match
 
-__all__ = ["DraftModelProposer", "Eagle3Proposer", "GpuNgramProposer", "MedusaProposer", "NgramProposer",
+__all__ = ["Capabilities", "DeviceProposer", "Ending", "GraphedBegin", "HostProposer", "Proposer", "SampledDeviceProposer",
+           "SampledProposer", "TreeProposer", "capabilities", "DraftModelProposer", "Eagle3Proposer", "GpuNgramProposer", "MedusaProposer", "NgramProposer",
            "RecomputeProposer", "SuffixProposer", "drafter_proposer", "longest_suffix_match", "vocab_intersection"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from inference.proposers.base import DeviceProposer, HostProposer
+
 
 def check_drafter_fits(drafter, k: int, target_config) -> None:
     """The MTP / DFlash drafter was trained for this target and drafts at least k tokens."""
@@ -24,7 +26,7 @@ def advance_args(device, fed, aux, counts, active):
             torch.as_tensor([b for _, b in counts], device=device), torch.as_tensor(active, dtype=torch.bool, device=device))
 
 
-class HostLoopInterface:
+class HostLoopInterface(HostProposer, DeviceProposer):
     """`propose`, `propose_sampled` and `accepted` of a device proposer (its `drafts` buffer
     tells the device)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from inference.proposers.base import DeviceProposer, HostProposer
 from inference.proposers.device import advance_args
 from inference.runtime.verify import NO_DRAFT
 
@@ -22,7 +23,7 @@ def vocab_intersection(target_tokenizer, draft_tokenizer) -> torch.Tensor:
     return mapping
 
 
-class DraftModelProposer:
+class DraftModelProposer(HostProposer, DeviceProposer):  # on_device: same vocabulary (set in __init__)
     """A separate small LM drafts k tokens greedily.
 
     Same vocabulary (a device proposer, see inference/proposers/model_free.py): the draft model keeps its

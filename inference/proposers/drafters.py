@@ -8,6 +8,7 @@ import torch
 
 import torch.nn.functional as F
 
+from inference.proposers.base import HostProposer
 from inference.proposers.device import HostLoopInterface, check_drafter_fits
 from inference.runtime.graphs import capture_graph, kernels_mode
 from inference.runtime.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
@@ -329,7 +330,7 @@ class MedusaProposer(HostLoopInterface):
 
 
 
-class RecomputeProposer:
+class RecomputeProposer(HostProposer):
     """Drafting by recomputation, the exact reference of the cached MTP and DFlash proposers
     (inference/proposers/blocks.py): each step runs the drafter over a row's verified prefix and takes the chain at
     its end, with the very function training's predictor uses (`unroll(greedy=True)`, or one

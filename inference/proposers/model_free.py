@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from inference.proposers.base import DeviceProposer, HostProposer
+
 from draftsmith_kernels.ngram import ngram_drafts  # buffer [B,S], lengths [B] → drafts [B,k] (one Triton launch on a GPU)
 
 
@@ -33,7 +35,7 @@ def longest_suffix_match(tokens: list[int], min_n: int, max_n: int) -> tuple[int
     return best_len, n - best_j + best_len - 1
 
 
-class NgramProposer:
+class NgramProposer(HostProposer):
     """Prompt-lookup drafting: continue the longest earlier match of the context's suffix."""
 
     aux_layers: tuple = ()
@@ -57,7 +59,7 @@ class NgramProposer:
         pass
 
 
-class GpuNgramProposer:
+class GpuNgramProposer(HostProposer, DeviceProposer):
     """`NgramProposer` on the device: each row's verified tokens live in a device buffer that
     `advance` extends, and one vectorised search (`ngram_drafts`) serves the batch. A device
     proposer: the engine captures it in its CUDA graphs with the rest of the step."""
@@ -164,7 +166,7 @@ class _SuffixTrie:
         return out
 
 
-class SuffixProposer:
+class SuffixProposer(HostProposer):
     """Suffix decoding: continue the context from a suffix trie over this request's prompt and
     output and over a global cache of earlier responses, following the most frequent path.
 

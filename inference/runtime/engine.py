@@ -17,6 +17,7 @@ import torch
 from torch.profiler import record_function
 
 from inference.walks.greedy import acceptance_from_histogram
+from inference.proposers.base import capabilities
 from inference.runtime.graphs import reuse
 from inference.runtime.host_loop import host_speculation
 from inference.runtime.model import RuntimeModel
@@ -124,11 +125,12 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         k = draft_length(k_table, len(prompts), proposer.k)
         if k == 0:
             proposer = None
-    aux_layers = tuple(getattr(proposer, "aux_layers", ()))
+    caps = capabilities(proposer)  # what it declares, checked once (inference/proposers/base.py)
+    aux_layers = caps.aux_layers
     device = model.embed_tokens.weight.device
     B = len(prompts)
     lengths = [len(p) for p in prompts]
-    need = cache_size(prompts, max_new_tokens, getattr(proposer, "verify_tokens", k))  # a tree verifies more
+    need = cache_size(prompts, max_new_tokens, (k if caps.verify_tokens is None else caps.verify_tokens))  # a tree verifies more
     max_len = max_len or -(-need // CACHE_BUCKET) * CACHE_BUCKET  # few distinct sizes: graphs get reused
     if need > max_len:
         raise ValueError(f"prompt of {max(lengths)} tokens + {max_new_tokens} new + {k + 1} verify slots exceeds the cache of {max_len}")
@@ -156,7 +158,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
         stats.new_tokens = sum(len(o) for o in outputs)
         stats.steps = max(len(o) for o in outputs) - 1
         return outputs, stats
-    if proposer is not None and device_loop and getattr(proposer, "on_device", False) and k == proposer.k:
+    if proposer is not None and device_loop and caps.on_device and k == proposer.k:
         # the first tokens stay on the device (no host sync before the proposer begins)
         outputs = device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
                                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)

@@ -13,6 +13,7 @@ import time
 import torch
 
 from inference.runtime.graphs import kernels_mode, reuse
+from inference.proposers.base import capabilities
 from inference.runtime.model import GraphedStep
 from inference.runtime.verify import NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
 
@@ -30,7 +31,8 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
     and returns the outputs. proposer None (k = 0): plain decoding, one token per step."""
     device = model.embed_tokens.weight.device
     B = len(prompts)
-    aux_layers = tuple(getattr(proposer, "aux_layers", ()))
+    caps = capabilities(proposer)  # what it declares, checked once (inference/proposers/base.py)
+    aux_layers = caps.aux_layers
     if proposer is not None:
         proposer.begin(prompts, aux, nxt)
     step_fn = greedy_step = None
@@ -56,7 +58,7 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
         t0 = time.perf_counter()
         drafts = [[NO_DRAFT] * k for _ in range(B)]
         draft_probs = None
-        if k and temperature > 0 and hasattr(proposer, "propose_sampled"):
+        if k and temperature > 0 and caps.propose_sampled:
             # drafters with distributions sample their drafts and hand q to verification
             proposed, draft_probs = proposer.propose_sampled(tokens, temperature, generator)
             for b, d in enumerate(proposed):
@@ -109,7 +111,7 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
         stats.verify_seconds += t2 - t1
         stats.steps += 1
     stats.histogram = [sum(column) for column in zip(*stats.row_histograms)]
-    if proposer is not None and hasattr(proposer, "end"):
+    if caps.end:
         proposer.end(outputs)  # e.g. suffix decoding caches finished responses
     return outputs
 

@@ -20,6 +20,7 @@ import torch
 from torch.profiler import record_function
 
 from inference.runtime.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
+from inference.proposers.base import capabilities
 from inference.runtime.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
 from draftsmith_kernels.emit import EmitState, emit, feed
 
@@ -32,10 +33,11 @@ class SpecLoop:
                  top_k: int, top_p: float, verification: str, generator, graphed: bool):
         dev = model.embed_tokens.weight.device
         self.model, self.cache, self.proposer, self.k = model, cache, proposer, k
-        self.aux_layers = tuple(getattr(proposer, "aux_layers", ()))
+        self.caps = capabilities(proposer)  # what it declares, checked once per loop (inference/proposers/base.py)
+        self.aux_layers = self.caps.aux_layers
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.verification, self.generator = verification, generator
-        self.sampled = temperature > 0 and not verification.startswith("synthetic:") and hasattr(proposer, "draft_sampled")
+        self.sampled = temperature > 0 and not verification.startswith("synthetic:") and self.caps.draft_sampled
         self.tokens = torch.zeros(batch, max_len, dtype=torch.long, device=dev)
         self.length = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens held per row
         self.n_out = torch.zeros(batch, dtype=torch.long, device=dev)  # tokens emitted per row
@@ -249,7 +251,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     first = torch.as_tensor(first, device=device)  # [B]
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
            id(generator), cuda_graphs, kernels_mode())
-    tree = getattr(proposer, "tree", False)
+    caps = capabilities(proposer)
+    tree = caps.tree
     if tree and verification.startswith("synthetic:"):
         raise ValueError(f"draft trees verify against the target, not {verification!r}")
     if tree and temperature > 0 and verification != "standard":
@@ -260,7 +263,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
                                            verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))
     with record_function("draftsmith.proposer_begin"):
-        if cuda_graphs and device.type == "cuda" and hasattr(proposer, "begin_graphed"):
+        if cuda_graphs and device.type == "cuda" and caps.begin_graphed:
             proposer.begin_graphed(prompts, aux, first)  # one replay, its inputs queued behind the prefill
         else:
             proposer.begin(prompts, aux, first.tolist())
@@ -282,8 +285,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     stats.launched_steps = timing["launched"]
     stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the sync that ends the setup
-    stats.verify_tokens = getattr(proposer, "verify_tokens", None)
-    if hasattr(proposer, "end"):
+    stats.verify_tokens = caps.verify_tokens
+    if caps.end:
         proposer.end(outputs)
     return outputs
 

@@ -223,7 +223,7 @@ class TreeLoop(SpecLoop):
         self.fed_positions = torch.zeros_like(self.fed_ids)
         # a drafter's rerank writes the verify step's input as it writes the tree, and makes the
         # last verify's cache moves (two launches fewer)
-        self.fed_by_draft = getattr(proposer, "feeds_verify", False)
+        self.fed_by_draft = self.caps.feeds_verify  # (SpecLoop read the declared capabilities)
         self.moves = None  # (k, v, src, dst): a verify's cache moves, made by the next draft
 
     def draft_phase(self, moves=None):
