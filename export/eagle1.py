@@ -10,7 +10,7 @@ the target's head.
   launched with `--speculative-token-map DIR/hot_token_ids.pt` (eagle_worker_v2.py: the
   target's head rows at those ids, draft row i = target token hot[i]), which launch_lines adds.
 - `eagle-vllm` (vLLM 0.33 method `eagle`, `EagleLlamaForCausalLM`): vLLM's fc has no bias and
-  its head is the target's whole one, so only a drafter trained with `drafter.fc_bias=false`
+  its head is the target's whole one, so only a drafter trained with `drafter.eagle1.fc_bias=false`
   and Vd = V is written; anything else is refused, naming why (docs/serving.md), except the
   training run's own export (`runtime_only`) of an fc without bias and Vd < V, which no server
   computes and draftsmith's runtime reads (with d2t/t2d).
@@ -48,7 +48,7 @@ def vllm_problems(cfg: Eagle1Config) -> list[str]:
     """Why vLLM 0.33's `eagle` method would not compute this drafter (empty: it would)."""
     problems = []
     if cfg.fc_bias:
-        problems.append("vLLM 0.33's EAGLE-1 fc has no bias and this drafter's has one (train with drafter.fc_bias=false)")
+        problems.append("vLLM 0.33's EAGLE-1 fc has no bias and this drafter's has one (train with drafter.eagle1.fc_bias=false)")
     if cfg.draft_vocab_size != cfg.vocab_size:
         problems.append(f"vLLM 0.33's EAGLE-1 drafts over the target's whole vocabulary and this drafter's "
                         f"draft_vocab_size is {cfg.draft_vocab_size} < {cfg.vocab_size} (train with Vd = V)")

@@ -46,7 +46,7 @@ def check_expressible(cfg: Eagle3Config) -> list[str]:
     """Reasons this drafter cannot be written faithfully in the SGLang layout (empty: it can)."""
     problems = []
     if cfg.norm_before_residual:
-        problems.append("drafter.norm_before_residual=true: SGLang 0.5.23's EAGLE-3 layer always takes the pre-norm "
+        problems.append("drafter.eagle3.norm_before_residual=true: SGLang 0.5.23's EAGLE-3 layer always takes the pre-norm "
                         "hidden state as the residual and has no such option (the speculators layout carries it; "
                         "norm_before_fc alone is served by both)")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
