@@ -93,3 +93,32 @@ def test_trainer_keys_read_from_lightnings_source_are_its_signatures():
 
     from train.config import _trainer_keys_from_source
     assert _trainer_keys_from_source() == set(inspect.signature(lightning.Trainer.__init__).parameters)
+
+
+def test_a_config_stored_with_the_old_flat_method_keys_still_loads_and_resumes(tmp_path):
+    """Checkpoints, exports and run folders written before drafter.<method> sections hold flat
+    keys (drafter.medusa_heads, ... every method's): stored configs are upgraded (the method's
+    own keys moved into its section, the others dropped), while a user's old key is one line
+    naming the new one."""
+    import pytest
+    import yaml
+
+    from train.config import ConfigError, config_from_dict, load_config
+    from train.run_folder import _check_same_run
+
+    flat = {"method": "medusa", "aux_layer_ids": None, "draft_vocab_size": 256, "norm_before_residual": False,
+            "norm_before_fc": False, "fc_bias": True, "medusa_heads": 3, "medusa_layers": 2, "mtp_modules": 3,
+            "dflash_block_size": 8, "dflash_layers": 5, "dflash_mask_token_id": None, "dflash_target_layers": 5}
+    stored = {"target": "tiny-random-llama", "drafter": flat, "eval": {"k": 3}, "trainer": {"max_steps": 1}}
+    cfg = config_from_dict(stored, [])
+    assert cfg.drafter.method == "medusa" and (cfg.drafter.options.heads, cfg.drafter.options.layers) == (3, 2)
+    assert cfg.to_dict()["drafter"] == {"method": "medusa", "aux_layer_ids": None, "draft_vocab_size": 256,
+                                        "medusa": {"heads": 3, "layers": 2}}
+    with pytest.raises(ConfigError, match=r"unknown key 'drafter.medusa_heads' \(it is drafter.medusa.heads now\)"):
+        load_config(None, ["drafter.method=medusa", "drafter.medusa_heads=3"])
+
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(stored))  # a run folder of an older version
+    _check_same_run(tmp_path, cfg.to_dict())  # the same run: resumable
+    other = config_from_dict(stored, ["drafter.medusa.heads=4"]).to_dict()
+    with pytest.raises(ConfigError, match=r"different drafter.medusa.heads \(3 there, 4 now\)"):
+        _check_same_run(tmp_path, other)

@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 from export.paths import MARKER, OutputPathError, check_writable, read_marker
-from train.config import ConfigError
+from train.config import ConfigError, upgrade_stored
 
 # what a run writes into its folder; --overwrite removes these and nothing else
 RUN_ENTRIES = ("config.yaml", "checkpoints", "logs", "tb", "wandb", "predicted.json", "export")
@@ -96,6 +96,7 @@ def _check_same_run(out_dir: Path, cfg_dict: dict) -> None:
     if missing:
         raise ConfigError(f"--resume: {out_dir / 'config.yaml'} is not a draftsmith run's config (no {missing[0]}); "
                           "refusing to continue into it (choose another out_dir)")
+    stored = upgrade_stored(stored)  # a run written before drafter.<method> sections: its flat keys moved there
     for key in SAME_RUN_KEYS:
         old, new = stored[key], cfg_dict.get(key)
         if isinstance(old, dict) and isinstance(new, dict):  # a field added since that run is not a difference
