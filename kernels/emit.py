@@ -48,6 +48,16 @@ class EmitState(NamedTuple):
             raise ValueError("the per-row state tensors must be contiguous")
 
 
+class Feed(NamedTuple):
+    """The verify step's input and what it is made from: the loop's tokens [B,S] and length [B]
+    (read), fed and positions [B,q+1] (written: each row's last token at length - 1, then the
+    drafts). A tree's rerank writes it as an epilogue (kernels/tree_select.py `finalize_triton`)."""
+    tokens: torch.Tensor
+    length: torch.Tensor
+    fed: torch.Tensor
+    positions: torch.Tensor
+
+
 def feed_reference(tokens, length, drafts, fed, positions, draft_positions=None):
     """The verify step's input: each row's last token, then its drafts (an empty slot, -1, fed as
     token 0), at positions length-1 .. length-1+k, or length-1 and then `draft_positions`

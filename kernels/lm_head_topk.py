@@ -6,18 +6,15 @@
 
 Why a kernel: an EAGLE-2 tree drafts one level per drafter step and needs each frontier node's
 best k children with their log-probabilities. In torch that is a norm, a matmul, a float copy, a
-log-softmax and torch.topk, whose radix select over a 16,384-wide row took 60-72 µs on an H200
-(one block per row), four times per depth-4 tree step: more than half the tree's drafting time
-(BENCHMARKS.md, session 17). Here the first launch (as kernels/lm_head_argmax.py's) normalises
-the rows, multiplies them by a BLOCK_V-row slice of the lm_head and keeps, per slice, its
-maximum, its sum of exp(logit - maximum) and its k best logits; the second merges a row's slices:
-the log-sum-exp and the k best of all slices' candidates. The logits never reach memory.
-(One program merging a frontier's 8 rows of 512 candidates and expanding the tree, a launch fewer
-a depth, drafted a depth-4 tree 7-14 µs slower a step on an H200 than 8 merge programs and the
-expansion: BENCHMARKS.md, session 22. Since session 30 the runtime's tree keeps a merge program a
-row and expands inside it and the next launch: kernels/tree_select.py, whose merge is
-`merge_row`; `norm_lm_head_topk_triton` is the head alone, for its tests and
-scripts/bench_heads.py.)
+log-softmax and torch.topk, whose radix select over a 16,384-wide row takes 60-72 µs on an H200
+(one block per row), once per depth: more than half the tree's drafting time. Here the first
+launch (as kernels/lm_head_argmax.py's) normalises the rows, multiplies them by a BLOCK_V-row
+slice of the lm_head and keeps, per slice, its maximum, its sum of exp(logit - maximum) and its
+k best logits; the second merges a row's slices: the log-sum-exp and the k best of all slices'
+candidates. The logits never reach memory. The runtime's tree keeps a merge program a row
+(one program merging a whole frontier is slower on an H200) and expands the tree inside it:
+kernels/tree_select.py, whose merge is `merge_row`; `norm_lm_head_topk_triton` is the head
+alone, for its tests and scripts/bench_heads.py.
 
 Numerics of the torch form (the reference): the norm as kernels/rms_norm.py, each logit rounded
 to the lm_head's dtype as a matmul's output is, then log-softmax in float32. Ranking is by the

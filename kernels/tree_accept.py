@@ -16,15 +16,18 @@ the loop emits, where the cache entries move, and what the proposer takes in nex
       kernels/chain_state.py's `advance_inputs` makes it from fed (else None)
 
 The rules are inference/tree/ops.py's (greedy_tree_verify, compaction_index, compaction_moves): its
-`tree_accept_reference` composes those functions, and `tree_accept` there runs this kernel on CUDA
-tensors. The kernel computes the same in one program per row (it also never matches an empty
+`tree_accept_reference` composes those functions, and inference/tree/plan.py's `tree_accept` runs
+this kernel on CUDA tensors. The kernel computes the same in one program per row (it also never matches an empty
 slot against a choice of -1, which argmax and a draw never give).
 
-The moves themselves (`move_entries_triton`, inference/tree/ops.py's `move_entries` on CUDA tensors):
-one launch for the keys and values of every layer, where a gather and a scatter per cache took
-four launches of ~4 us each on an H200 (BENCHMARKS.md, session 18). An EAGLE-3 tree loop has the
-next draft's rerank make them in programs of its own instead (`move_layer`, kernels/tree_select.py):
-no launch of theirs at all.
+Epilogues of the same launch (each saves a launch of its own): EMIT, the step emitted into the
+loop's state (kernels/emit.py `emit_row`); NEXT, the drafter's next input (kernels/chain_state.py
+`advance_inputs`); FROM_CHUNKS, the merge of the verify logits' argmax chunks (kernels/argmax.py).
+
+The moves themselves (`Moves`; `move_entries_triton`, inference/tree/plan.py's `move_entries` on
+CUDA tensors): one launch for the keys and values of every layer, a program a (layer, row), where
+a gather and a scatter per cache take four. An EAGLE-3 tree loop has the next draft's rerank make
+them in programs of its own instead (`move_layer`, kernels/tree_select.py): no launch of theirs.
 """
 from __future__ import annotations
 
@@ -55,6 +58,27 @@ class TreeAccept(NamedTuple):
     next_tokens: torch.Tensor | None = None  # [B,D+1], given the proposer's last position (else None)
     next_positions: torch.Tensor | None = None  # [B,D+1]
 
+    @staticmethod
+    def empty(batch: int, max_depth: int, device, next_input: bool) -> "TreeAccept":
+        """Buffers for `tree_accept_triton(out=...)` (next_tokens / next_positions when next_input)."""
+        long = dict(dtype=torch.long, device=device)
+        B, D = batch, max_depth
+        pair = (torch.empty(B, D + 1, **long), torch.empty(B, D + 1, **long)) if next_input else (None, None)
+        return TreeAccept(torch.empty(B, D, **long), torch.empty(B, **long), torch.empty(B, **long),
+                          torch.empty(B, D, **long), torch.empty(B, D + 1, **long), torch.empty(B, D + 1, **long),
+                          torch.empty(B, D, **long), torch.empty(B, D, **long), *pair)
+
+
+class Moves(NamedTuple):
+    """Cache entries to move, in place: caches [..., B,nkv,S,d] (a target's layers [L,B,nkv,S,d]
+    at once; one layout for both), entry src[b, j] to dst[b, j] in every leading index, src / dst
+    [B,D] with every slot a move (duplicates write the same value: inference/tree/ops.py
+    `compaction_moves`). All sources are read before any write."""
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    src: torch.Tensor
+    dst: torch.Tensor
+
 
 if triton is not None:
 
@@ -77,8 +101,8 @@ if triton is not None:
         NEXT: the drafter's next input too, from its last position (last_ptr [B]).
         The row's data is loaded first, no load waiting on another's value: all N + 1 choices are
         merged from their chunks, and a node's choice after its parent, the path's tokens and the
-        bonus are picked from registers. (Until session 33 they were loaded as each became known: four
-        round trips to memory one after another, 8.2 µs a call on an H200.)"""
+        bonus are picked from registers (loaded as each became known, they would take four round
+        trips to memory one after another)."""
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK_N)
         in_tree = i < N
@@ -226,13 +250,15 @@ def move_entries_triton(k_cache, v_cache, src, dst):
 
 
 def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
-                       chunks=None, emit_into: EmitState | None = None, last=None) -> TreeAccept:
+                       chunks=None, emit_into: EmitState | None = None, last=None,
+                       out: TreeAccept | None = None) -> TreeAccept:
     """choice [B,N+1]; or, with choice None, chunks = (maxima, columns) [B*(N+1), NSPLIT], the
     verify logits' `argmax_chunks` (kernels/argmax.py), whose merge is done here (a launch fewer).
-    emit_into: the loop's state, into which the step is also emitted (kernels/emit.py's `emit`
-    on the path's tokens, length and bonus; a launch fewer). last [B]: the drafter's last
-    position, from which the drafter's next input is also made (next_tokens, next_positions:
-    kernels/chain_state.py's `advance_inputs` of fed, bonus, length and last; a launch fewer)."""
+    Epilogues: emit_into, the loop's state, into which the step is also emitted (kernels/emit.py's
+    `emit` on the path's tokens, length and bonus); last [B], the drafter's last position, from
+    which the drafter's next input is also made (next_tokens, next_positions: kernels/chain_state.py's
+    `advance_inputs` of fed, bonus, length and last). out: the TreeAccept to write (contiguous,
+    `TreeAccept.empty`; next_tokens / next_positions needed with last), else new tensors."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, N = tree_tokens.shape
@@ -257,16 +283,15 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
     mask = mask.view(torch.uint8) if mask.dtype == torch.bool else mask
     active = active.view(torch.uint8) if active.dtype == torch.bool else active
     active = active.contiguous()  # (base and root may be strided: a column of the verify step's input)
-    dev, long = tree_tokens.device, torch.long
-    path, path_tokens, src, dst = (torch.empty(B, D, dtype=long, device=dev) for _ in range(4))
-    fed, index = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
-    length, bonus = (torch.empty(B, dtype=long, device=dev) for _ in range(2))
-    next_tokens = next_positions = None
-    if last is not None:
-        if last.shape != (B,) or last.dtype != long:
-            raise ValueError(f"tree_accept: last {tuple(last.shape)} {last.dtype}, need [{B}] int64")
-        last = last.contiguous()
-        next_tokens, next_positions = (torch.empty(B, D + 1, dtype=long, device=dev) for _ in range(2))
+    if last is not None and (last.shape != (B,) or last.dtype != torch.long):
+        raise ValueError(f"tree_accept: last {tuple(last.shape)} {last.dtype}, need [{B}] int64")
+    if out is None:
+        out = TreeAccept.empty(B, D, tree_tokens.device, next_input=last is not None)
+    else:
+        _check_out(out, B, D, last is not None)
+    if last is None:
+        out = out._replace(next_tokens=None, next_positions=None)
+    path, length, bonus, path_tokens, fed, index, src, dst, next_tokens, next_positions = out
     if emit_into is not None:
         emit_into.check()
         e = emit_into
@@ -275,15 +300,32 @@ def tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, m
                      e.histogram.stride(0))
     else:  # (unread: any tensors stand in)
         emit_args = (length,) * 9 + (0, 0, 0)
+    next_args = (length,) * 3 if last is None else (last.contiguous(), next_tokens, next_positions)
     if B:
-        _tree_accept_kernel[(B,)](tree_tokens, parents, mask, choice, base, root, active, path, length, bonus,
-                                  path_tokens, fed, index, src, dst, N, D, slots, tree_tokens.stride(0),
-                                  parents.stride(0), mask.stride(0), mask.stride(1), choice.stride(0), D,
-                                  base.stride(0), root.stride(0), columns, nsplit, *emit_args,
-                                  *((length,) * 3 if last is None else (last, next_tokens, next_positions)),
-                                  BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_O=triton.next_power_of_2(N + 1),
-                                  BLOCK_D=triton.next_power_of_2(D + 1),
-                                  FROM_CHUNKS=chunks is not None, BLOCK_S=triton.next_power_of_2(nsplit),
-                                  EMIT=emit_into is not None, HAS_ACTIVE_OUT=emit_into is not None
-                                  and emit_into.active_out is not None, NEXT=last is not None)
-    return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst, next_tokens, next_positions)
+        _tree_accept_kernel[(B,)](
+            # the tree, the target's choices, the rows' roots and activity
+            tree_tokens, parents, mask, choice, base, root, active,
+            # what the step decides (out's rows: D and D + 1 wide)
+            path, length, bonus, path_tokens, fed, index, src, dst,
+            N, D, slots, tree_tokens.stride(0), parents.stride(0), mask.stride(0), mask.stride(1), choice.stride(0),
+            D, base.stride(0), root.stride(0),
+            columns, nsplit,  # FROM_CHUNKS: the argmax chunks' columns
+            *emit_args,  # EMIT: the loop's state
+            *next_args,  # NEXT: the drafter's last position, its next tokens and positions
+            BLOCK_N=triton.next_power_of_2(max(N, 1)), BLOCK_O=triton.next_power_of_2(N + 1),
+            BLOCK_D=triton.next_power_of_2(D + 1),
+            FROM_CHUNKS=chunks is not None, BLOCK_S=triton.next_power_of_2(nsplit),
+            EMIT=emit_into is not None, HAS_ACTIVE_OUT=emit_into is not None and emit_into.active_out is not None,
+            NEXT=last is not None)
+    return out
+
+
+def _check_out(out: TreeAccept, B: int, D: int, next_input: bool):
+    wide = {"fed", "index", "next_tokens", "next_positions"}
+    for name, t in zip(TreeAccept._fields, out):
+        if t is None and name.startswith("next_") and not next_input:
+            continue
+        shape = (B,) if name in ("length", "bonus") else (B, D + 1) if name in wide else (B, D)
+        if t is None or t.shape != shape or t.dtype != torch.long or not t.is_contiguous():
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"tree_accept: out {name} {got}, need {list(shape)} int64, contiguous")

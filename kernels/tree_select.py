@@ -1,8 +1,8 @@
 """EAGLE-2 selection on fixed candidate buffers, inside launches a drafter's depth makes anyway,
 and one for the rerank, instead of about twenty-five and fifteen: what inference/tree/ops.py's
 `expand_depth` and `finalize` compute (its `expand_level_reference` and `finalize_reference`
-compose them on these buffers; its `finalize_candidates` runs the rerank's kernel on CUDA
-tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
+compose them on these buffers; inference/tree/plan.py's `rerank` runs the rerank's kernel on
+CUDA tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
 
     Candidates: tokens [B,C] (target ids), parents [B,C] (candidate index, -1: the root),
     scores [B,C] (cumulative draft log-probability), ancestors [B,C,C] bool; candidate c of a
@@ -18,12 +18,12 @@ tensors), laid out for a drafter that drafts depth by depth in a CUDA graph.
     finalize: the best `total_tokens` candidates by score (ties to the lower index), in
     candidate order: the Tree (inference/tree/ops.py) the target verifies.
 
-A depth's expansion runs inside two launches the drafter makes anyway (inference/
-tree_decoding.py `_expand`): `expand_children_triton`, the head's merge, writes each node's
-children as candidates, and `frontier_norm_pair_triton`, the next layer's input norms, has each
-program rank the depth's children to find its frontier node. One launch of its own a depth
-(sessions 17-29) drafted a 6-10-60-4 tree 9 µs slower a step on an H200 (0.300 against 0.291
-ms, BENCHMARKS.md session 30).
+A depth's expansion runs inside two launches the drafter makes anyway (inference/tree/loop.py
+`_expand`): `expand_children_triton`, the head's merge, writes each node's children as
+candidates (its epilogue), and `frontier_norm_pair_triton`, the next layer's input norms, has
+each program rank the depth's children to find its frontier node (its prologue). The rerank
+(`finalize_triton`) carries two epilogues of the step (inference/tree/plan.py): the verify
+step's input (`Feed`) and the last verify's cache moves (`Moves`, in programs of their own).
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ try:
     from draftsmith_kernels.tree_accept import move_arguments, move_layer
 except ImportError:
     triton = None
+
+from draftsmith_kernels.emit import Feed  # noqa: E402  (the rerank's epilogues)
+from draftsmith_kernels.tree_accept import Moves  # noqa: E402
 
 
 class Candidates(NamedTuple):
@@ -92,15 +95,12 @@ if triton is not None:
         nodes. Every ranking program ranks all C candidates of its row (score descending, ties to the
         lower index; C^2 compares, BLOCK_J columns at a time), so each knows every candidate's node
         (the kept ones before it, counted in registers) with no scratch, barrier or second launch; the
-        row's data is loaded first, no load waiting on another's value. (Until session 33 a rank
-        launch, then one finalize program a row that wrote nodes to scratch and read them back
-        after a barrier: 3.6 and 5.1 µs a 6-10-60-4 tree step on an H200, BENCHMARKS.md session 30.)
-        FEED: also the verify step's input, as kernels/emit.py's `feed` writes it (its own launch
-        before): the row's last token (loop_tokens at loop_length - 1) and that position, then the
-        nodes' tokens and positions. Programs (row, RANK_BLOCKS + layer), where the grid has them,
-        move the target's cache entries after the last verify instead (kernels/tree_accept.py
-        `move_layer`: their own launch before, 1.7 µs a step): nothing reads that cache between the
-        verify and this launch."""
+        row's data is loaded first, no load waiting on another's value.
+        FEED (an epilogue): also the verify step's input, as kernels/emit.py's `feed` writes it: the
+        row's last token (loop_tokens at loop_length - 1) and that position, then the nodes' tokens
+        and positions. Programs (row, RANK_BLOCKS + layer), where the grid has them, move the
+        target's cache entries after the last verify instead (an epilogue: kernels/tree_accept.py
+        `move_layer`): nothing reads that cache between the verify and this launch."""
         row = tl.program_id(0).to(tl.int64)
         layer = tl.program_id(1) - RANK_BLOCKS
         if layer >= 0:
@@ -181,7 +181,7 @@ if triton is not None:
         score and ancestor rows. Ranking them into the next frontier needs every node's children:
         `_frontier_norm_pair_kernel` does it. The node's own data (its index, score and ancestor
         row's first block) is loaded before the merge, which does not wait on it (loaded after it,
-        until session 34: two more round trips to memory one after another)."""
+        two more round trips to memory would follow one another)."""
         r = tl.program_id(0).to(tl.int64)
         b, f = r // F, r % F
         j = tl.arange(0, BLOCK_K)
@@ -236,9 +236,8 @@ if triton is not None:
         (`Frontier`) and normalises the node's token embedding; half 1 its parent's hidden state
         (row child // K of x), also copied to xo: kernels/rms_norm.py's `rms_norm_pair` with x_rows,
         for rows the frontier names as it is chosen. Everything a program may write is loaded
-        first, whatever its rank, so the rank is counted while the rows are on their way (a
-        program a slot, until session 34, learned its node from the rank and then loaded its rows:
-        two more round trips to memory one after another)."""
+        first, whatever its rank, so the rank is counted while the rows are on their way (learning
+        the node from the rank before loading its rows would add two round trips to memory)."""
         pid = tl.program_id(0).to(tl.int64)
         half = tl.program_id(1)
         b, child = pid // N_NEW, pid % N_NEW
@@ -283,10 +282,10 @@ if triton is not None:
 WARPS = {"merge_children": 4, "frontier": 4, "rerank": 8}
 # Candidates a rerank program writes (each ranks all of its row's), and ranked against at a time,
 # fewer past 256 candidates: every [BLOCK_I or BLOCK_J, BLOCK_C] tile holds at most RERANK_TILE.
-# Chosen in session 33 without a GPU, by the SASS ptxas makes for sm_90 (scripts/kernel_registers.py):
-# the C^2 compares are most of the kernel's instructions, so 8 warps share them (214 registers a
-# thread at 256 candidates; 16 columns and 4 warps 230; 32 and 4 spill), and no width to 2,048
-# candidates spills. Not timed yet: scripts/bench_tree_select.py times the knobs on a GPU.
+# Chosen by the SASS ptxas makes for sm_90 (scripts/kernel_registers.py): the C^2 compares are
+# most of the kernel's instructions, so 8 warps share them (214 registers a thread at 256
+# candidates; 16 columns and 4 warps 230; 32 and 4 spill), and no width to 2,048 candidates
+# spills; scripts/bench_tree_select.py times the knobs on a GPU.
 RERANK_ROWS = 16
 RERANK_COLUMNS = 32
 RERANK_TILE = 8192
@@ -374,15 +373,14 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
-                    base_offset: int = 0, feed=None, moves=None):
+                    base_offset: int = 0, feed: Feed | None = None, moves: Moves | None = None):
     """→ (tokens, parents, depths, mask, positions), the fields of inference/tree/ops.py's Tree, node
     positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
-    and the mask [B,N,N] bool) when given. feed: (tokens [B,S], length [B], fed [B,N+1],
-    fed_positions [B,N+1]), a loop's state and its verify step's input, which the launch also
-    writes (kernels/emit.py `feed(tokens, length, tree tokens, fed, fed_positions, tree positions)`).
-    moves: (k_cache, v_cache, src, dst), cache entries the launch also moves, in programs of their
-    own (kernels/tree_accept.py `move_entries_triton(k_cache, v_cache, src, dst)`; their B rows
-    the candidates' rows)."""
+    and the mask [B,N,N] bool) when given. Epilogues: feed (kernels/emit.py `Feed`: the loop's
+    tokens [B,S] and length [B], the verify step's input fed / positions [B,N+1]), written as
+    kernels/emit.py `feed(tokens, length, tree tokens, fed, positions, tree positions)` writes it;
+    moves (kernels/tree_accept.py `Moves`), cache entries the launch also moves, in programs of
+    their own, as `move_entries_triton` moves them (their B rows the candidates' rows)."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     _check_candidates(cand)
@@ -423,12 +421,17 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         block_i = max(1, min(RERANK_ROWS, RERANK_TILE // block_c))
         block_j = max(1, min(RERANK_COLUMNS, RERANK_TILE // block_c))
         blocks = triton.cdiv(C, block_i)
-        _rerank_kernel[(B, blocks + layers)](cand.scores, cand.tokens, cand.parents, cand.ancestors.view(torch.uint8),
-                                             base_positions.contiguous(), tokens, parents, depths,
-                                             mask.view(torch.uint8), positions, C, N, top_k, top_k * k, base_offset,
-                                             cand.tokens.stride(0), cand.ancestors.stride(0), cand.ancestors.stride(1),
-                                             loop_tokens, loop_length, fed, fed_positions, loop_tokens.stride(0),
-                                             fed.stride(0), fed_positions.stride(0), blocks, k_cache, v_cache, src, dst,
-                                             *move_args, BLOCK_C=block_c, BLOCK_I=block_i, BLOCK_J=block_j,
-                                             FEED=feed is not None, **move_constexprs, num_warps=WARPS["rerank"])
+        # programs (row, block of candidates) rank; programs (row, blocks + layer) move
+        _rerank_kernel[(B, blocks + layers)](
+            # the candidates, the roots' positions and the Tree written
+            cand.scores, cand.tokens, cand.parents, cand.ancestors.view(torch.uint8), base_positions.contiguous(),
+            tokens, parents, depths, mask.view(torch.uint8), positions, C, N, top_k, top_k * k, base_offset,
+            cand.tokens.stride(0), cand.ancestors.stride(0), cand.ancestors.stride(1),
+            # FEED: the verify step's input
+            loop_tokens, loop_length, fed, fed_positions, loop_tokens.stride(0), fed.stride(0), fed_positions.stride(0),
+            blocks,
+            # the moves' programs (`move_layer`)
+            k_cache, v_cache, src, dst, *move_args,
+            BLOCK_C=block_c, BLOCK_I=block_i, BLOCK_J=block_j, FEED=feed is not None, **move_constexprs,
+            num_warps=WARPS["rerank"])
     return tokens, parents, depths, mask, positions

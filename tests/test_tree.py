@@ -1,4 +1,4 @@
-"""Draft trees (inference/tree/ops.py): EAGLE-2 selection keeps parents and breaks ties
+"""Draft trees (inference/tree/ops.py, tests/tree_reference.py): EAGLE-2 selection keeps parents and breaks ties
 deterministically, static trees, greedy tree verification against a brute force, KV
 compaction, and tree rejection sampling reproducing the target's distribution (chi-square)."""
 import random
@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from inference.tree.ops import (ancestor_mask, compact_cache, compaction_index, expand_depth, finalize,
-                            greedy_tree_verify, select_tree, start_tree, static_tree, tree_rejection_sample,
-                            tree_rejection_verify)
+from inference.tree.ops import ancestor_mask, compaction_index, expand_depth, finalize, greedy_tree_verify
+from tests.tree_reference import (compact_cache, select_tree, start_tree, static_tree, tree_rejection_sample,
+                                  tree_rejection_verify)
 from draftsmith_kernels.greedy_verify import greedy_verify_reference
 from draftsmith_kernels.rejection_sample import rejection_sample_reference
 from tests.test_sampling import chi_square_p
@@ -296,7 +296,7 @@ def test_sampled_tree_verify_over_fixed_candidates_reproduces_the_target_distrib
     over 120,000 draws for the first token, the second given the most frequent accepted first,
     and the third given both (past the tree's depth: the bonus after a whole path). The
     candidates are the draft's likeliest tokens, so the target's likeliest are often missing."""
-    from inference.tree.ops import sampled_tree_verify
+    from tests.tree_reference import sampled_tree_verify
 
     V, rows = 6, 120_000
     g = torch.Generator().manual_seed(1)

@@ -9,9 +9,10 @@ from transformers import AutoModelForCausalLM
 
 from inference.runtime.engine import cache_size, generate
 from inference.runtime.model import RuntimeModel
-from inference.tree.ops import Tree, static_tree
+from inference.tree.ops import Tree
 from inference.tree.loop import EagleTreeProposer
 from tests.conftest import kernel_device
+from tests.tree_reference import static_tree
 
 
 class OracleTree:
@@ -271,7 +272,7 @@ def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target, monkeypatch):
 
 def test_sampled_tree_decoding_runs_the_tree_loop_and_is_greedy_at_a_tiny_temperature(tiny_target):
     """T > 0: the tree loop matches one draw from the target per node down the tree
-    (inference/tree/ops.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
+    (tests/tree_reference.py: sampled_tree_verify, its chi-square test). At T = 1e-4 the target's distribution is its
     argmax, so the oracle's trees (plain greedy's continuation among the candidates) give plain
     greedy's outputs, accepted two levels deep and more; a random EAGLE-3 tree at T = 1 runs."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()

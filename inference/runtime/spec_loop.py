@@ -258,7 +258,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     if tree and temperature > 0 and verification != "standard":
         raise ValueError(f"draft trees sample with one target draw per node (standard verification), not {verification!r}")
     if tree:
-        from inference.tree.loop import TreeLoop
+        from inference.tree.plan import TreeLoop
     make = TreeLoop if tree else SpecLoop
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
                                            verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))

@@ -1,7 +1,6 @@
-"""Draft trees in the device loop: an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree, the
-target verifies every node in one forward under the tree mask, the longest matching
-root-to-leaf path is accepted (greedy, or at T > 0 along one draw from the target per node),
-and the path's K/V entries move into place in the target's cache.
+"""The EAGLE-3 tree proposer: an EAGLE-3 drafter drafts an EAGLE-2 dynamic tree, depth by depth,
+for the device loop (inference/tree/plan.py: the step's launches in order, `TreeLoop`), and the
+same functions draft training's held-out walk trees (inference/walks/tree.py).
 
 Shapes: B rows, N tree nodes (`total_tokens`), D depth, K nodes kept per depth (`top_k`, also
 the root's children), k children drafted per kept node below depth 1 (`children`, K by default),
@@ -9,39 +8,31 @@ C = K + (D-1) K k candidates drafted, S cache slots, H hidden, Vd draft vocabula
 
 Positions and slots: the root (the row's last verified token) sits at position and slot
 base = length - 1; node i is fed at position base + depth(i) and written at slot base + 1 + i
-until compaction moves the accepted path to slots base + 1 .. base + L. The drafter keeps its
-own cache exactly as for chains (EAGLE's step-0 entries, one position behind the target), and
-its tree nodes' K/V in a per-step candidate buffer; after verification it takes in the accepted
+until the accepted path's moves put it at slots base + 1 .. base + L. The drafter keeps its own
+cache exactly as for chains (EAGLE's step-0 entries, one position behind the target), and its
+tree nodes' K/V in a per-step candidate buffer; after verification it takes in the accepted
 path like a chain of the same length (`Eagle3Proposer.advance`).
 
-The target's verify step runs through the kernels as a chain's does (inference/runtime/model.py,
-`tree_mask=`): RoPE with the cache write at the tree's slots (kernels/rope_cache.py), then
-kernels/tree_attention.py, which reads the tree block straight from the cache slots after the
-root and its own mask row per query, with no dense mask over the cache; on a CPU the torch
-references run instead. The drafter's tree steps run through the same kernels (the
-tree-attention kernel over its cache and its candidate buffer, the fused norms and SwiGLU of
-chains; each depth's selection inside its head's merge and the next step's paired input norms:
-`_expand`), and the tree step runs eagerly unless TREES_GRAPHED
-(inference/runtime/spec_loop.py) says its CUDA graphs were checked on a GPU.
+The drafter's tree steps run through the runtime's kernels on a GPU (the tree-attention kernel
+over its cache and its candidate buffer, the fused norms and SwiGLU of chains; each depth's
+selection inside its head's merge and the next step's paired input norms: `_expand`), the torch
+references elsewhere, bit for bit the same.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from inference.proposers.drafters import Eagle3Proposer
-from inference.runtime.spec_loop import SpecLoop
-from inference.tree.ops import (Tree, expand_level_reference, finalize_candidates, move_entries, sampled_tree_choice,
-                            tree_accept)
-from inference.runtime.verify import sampling_probs
 from draftsmith_kernels.dispatch import use_kernel
-from draftsmith_kernels.emit import feed
 from draftsmith_kernels.lm_head_topk import norm_lm_head_topk_reference
 from draftsmith_kernels.rms_norm import rms_norm, rms_norm_pair
 from draftsmith_kernels.rope_cache import rope_cache
 from draftsmith_kernels.silu_mul import swiglu_into
 from draftsmith_kernels.tree_attention import tree_attention
 from draftsmith_kernels.tree_select import Candidates, expand_children_triton, frontier_norm_pair_triton
+from inference.proposers.drafters import Eagle3Proposer
+from inference.tree.ops import Tree, expand_level_reference
+from inference.tree.plan import rerank
 
 
 class EagleTreeProposer(Eagle3Proposer):
@@ -51,8 +42,9 @@ class EagleTreeProposer(Eagle3Proposer):
     before children)."""
 
     tree = True
-    # TreeLoop: draft_tree(feed=..., moves=...) also prepares the verify step (its input, the last
-    # verify's cache moves), and advance(..., inputs=...) takes the next input the verify made from `last`
+    # TreeLoop (inference/tree/plan.py) reranks `draft_candidates` itself, with the verify's input
+    # and the last verify's cache moves as epilogues, and hands `advance` the next input its
+    # accept launch made
     feeds_verify = True
 
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
@@ -68,13 +60,6 @@ class EagleTreeProposer(Eagle3Proposer):
                              f"depth, top_k, children >= 1)")
         self.top_k, self.children, self.total_tokens, self.candidates = top_k, children, total_tokens, candidates
         self.verify_tokens = total_tokens  # the verify step feeds the root and these nodes
-        # the drafted tree: one set of buffers that every draft writes (the first, eager draft and
-        # each captured step alike), so the verify step always reads the latest tree
-        long = dict(dtype=torch.long, device=self.last.device)
-        self.tree_out = Tree(torch.zeros(batch, total_tokens, **long), torch.zeros(batch, total_tokens, **long),
-                             torch.zeros(batch, total_tokens, **long),
-                             torch.zeros(batch, total_tokens, total_tokens, dtype=torch.bool, device=self.last.device),
-                             torch.zeros(batch, total_tokens, **long))
         # the candidates' K and V [2,B,nkv,C,d], written level by level. No node sees a slot not
         # written this draft (its mask row holds its ancestors and itself); the tree kernel reads
         # only slots some query sees, but the torch path multiplies the others' values by weight
@@ -84,15 +69,18 @@ class EagleTreeProposer(Eagle3Proposer):
         self.cand_kv = self.k_cache.new_zeros(2, B, nkv, candidates, head_dim)
 
     @torch.no_grad()
-    def draft_tree(self, feed=None, moves=None):
-        """The tree below each row's root (inference/tree/ops.py: Tree, positions base + depth).
-        feed: (tokens, length, fed, fed_positions), a loop's state and its verify step's input,
-        written beside the tree; moves: (k_cache, v_cache, src, dst), the target cache's moves
-        after the last verify, made beside it (inference/tree/ops.py `finalize_candidates`)."""
-        return draft_eagle_tree(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
-                                self.total_tokens, out=self.tree_out,
+    def draft_candidates(self) -> Candidates:
+        """Every candidate of the tree below each row's root, depth by depth (the plan's launches
+        1-4): Candidates [B,C], read by the rerank."""
+        return draft_candidates(self, self.hidden, self.last, self.k_cache, self.v_cache, self.k, self.top_k,
                                 cand_kv=self.cand_kv if use_kernel(self.cand_kv) else self.cand_kv.zero_(),
-                                children=self.children, feed=feed, moves=moves)
+                                children=self.children)
+
+    @torch.no_grad()
+    def draft_tree(self) -> Tree:
+        """The tree below each row's root (inference/tree/ops.py: Tree, positions last + 1 + depth),
+        in new tensors: the candidates, then the rerank without the loop's epilogues."""
+        return rerank(self.draft_candidates(), self.children, self.top_k, self.total_tokens, self.last)
 
 
 def tree_candidate_count(depth: int, top_k: int, children: int | None = None) -> int:
@@ -103,18 +91,26 @@ def tree_candidate_count(depth: int, top_k: int, children: int | None = None) ->
 
 @torch.no_grad()
 def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int, total_tokens: int,
-                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None,
-                     feed=None, moves=None):
-    """EAGLE-2 selection with an EAGLE-3 drafter `p` (its weights; its own state is not read):
-    hidden [B,H] the drafter's output at each row's last step-0 entry, last [B] that entry's
-    position, k_cache / v_cache [B,nkv,S,d] its step-0 entries (read up to `last` only, never
-    written). The runtime passes its proposer's state; training's held-out walk
-    (inference/walks/tree.py) passes the entries of a whole text, one row per anchor, so
-    both draft the very same trees. → Tree (inference/tree/ops.py), positions last + 1 + depth
-    (into `out`'s tensors when given). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K and
-    V (new ones when None). children: what each frontier node below the root is expanded into
-    (top_k when None: EAGLE-2's square tree). feed, moves: a loop's verify input, written by the
-    rerank, and the target cache's moves after the last verify, made by it (`finalize_candidates`)."""
+                     out: Tree | None = None, cand_kv: torch.Tensor | None = None, children: int | None = None) -> Tree:
+    """EAGLE-2 selection with an EAGLE-3 drafter `p`: `draft_candidates`, then the rerank
+    (inference/tree/plan.py `rerank`) → Tree (inference/tree/ops.py), positions last + 1 + depth
+    (into `out`'s tensors when given). The runtime's loop launches the same two with the rerank's
+    epilogues; training's held-out walk (inference/walks/tree.py) calls this on the entries of a
+    whole text, one row per anchor, so both draft the very same trees."""
+    children = top_k if children is None else children
+    cand = draft_candidates(p, hidden, last, k_cache, v_cache, depth, top_k, cand_kv, children)
+    return rerank(cand, children, top_k, total_tokens, last, out)
+
+
+@torch.no_grad()
+def draft_candidates(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: int, top_k: int,
+                     cand_kv: torch.Tensor | None = None, children: int | None = None) -> Candidates:
+    """Every candidate of an EAGLE-2 tree, depth by depth, with an EAGLE-3 drafter `p` (its
+    weights; its own state is not read): hidden [B,H] the drafter's output at each row's last
+    step-0 entry, last [B] that entry's position, k_cache / v_cache [B,nkv,S,d] its step-0 entries
+    (read up to `last` only, never written). cand_kv: zeros [2,B,nkv,C,d] for the candidates' K
+    and V (new ones when None). children: what each frontier node below the root is expanded
+    into (top_k when None: EAGLE-2's square tree). → Candidates [B,C]."""
     d = p.drafter
     B = hidden.shape[0]
     cfg = d.config
@@ -140,8 +136,7 @@ def draft_eagle_tree(p: Eagle3Proposer, hidden, last, k_cache, v_cache, depth: i
             drafted_from = h.to(hidden.dtype)
             index, scores, k = frontier.index, frontier.scores, children
     assert drafted == candidates  # every candidate slot written: the rerank reads them all
-    # positions last + 1 + depth
-    return finalize_candidates(cand, children, top_k, total_tokens, last, out, base_offset=1, feed=feed, moves=moves)
+    return cand
 
 
 def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, level: int, last, cand: Candidates,
@@ -153,10 +148,10 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
     [B,top_k,2H] (token embeddings, parents' hidden states) and the parents' hidden states
     [B,top_k,H] (the residual). → (Frontier, pair, parent_hidden), or three Nones.
 
-    On a GPU three launches (two at the last depth): the head's slices, then their merge writing
-    the candidates, then the frontier ranked with the layer's input norms
-    (kernels/tree_select.py), where `norm_lm_head_topk_triton`, an expansion and `rms_norm_pair` took
-    five; the same numbers either way (elsewhere the torch references)."""
+    On a GPU three launches (two at the last depth; inference/tree/plan.py's head, merge and
+    frontier): the head's slices, their merge writing the candidates (its epilogue), then the
+    frontier ranked beside the layer's input norms (kernels/tree_select.py); elsewhere the torch
+    references (the head's, `expand_level_reference`, `rms_norm_pair`), the same bits."""
     d = p.drafter
     layer = d.layers[0]
     B, _, H = drafted_from.shape
@@ -208,79 +203,3 @@ def _draft_top_k(d, hidden, top_k: int):
     top-k in torch (kernels/lm_head_topk.py's reference; on a GPU `_expand` runs the head's
     kernels)."""
     return norm_lm_head_topk_reference(hidden, d.norm.weight, d.norm.eps, d.lm_head.weight, top_k)
-
-
-class TreeLoop(SpecLoop):
-    """The device loop with a tree per step: `k` is the tree's depth (the most drafts a step
-    accepts), drafting is `proposer.draft_tree()`, verification the tree's longest matching
-    path (greedy), or at T > 0 the longest path along one draw from the target after each
-    node (the target's distribution exactly: inference/tree/ops.py, sampled_tree_verify)."""
-
-    def __init__(self, model, cache, proposer, batch: int, *args, **kwargs):
-        super().__init__(model, cache, proposer, batch, *args, **kwargs)
-        # the verify step's input: the root, then the tree's nodes ([B,N+1], N = total_tokens)
-        self.fed_ids = self.fed_ids.new_zeros(batch, proposer.verify_tokens + 1)
-        self.fed_positions = torch.zeros_like(self.fed_ids)
-        # a drafter's rerank writes the verify step's input as it writes the tree, and makes the
-        # last verify's cache moves (two launches fewer)
-        self.fed_by_draft = self.caps.feeds_verify  # (SpecLoop read the declared capabilities)
-        self.moves = None  # (k, v, src, dst): a verify's cache moves, made by the next draft
-
-    def draft_phase(self, moves=None):
-        """The tree, in the proposer's buffers: the first draft and the proposer's step are two
-        graphs, and both write the one Tree that the verify graph reads (and its input, where the
-        proposer feeds it). moves: the last verify's cache moves, which the draft makes (the
-        proposer's step passes them; a generation's first draft follows no verify)."""
-        if self.fed_by_draft:
-            self.tree = self.proposer.draft_tree(feed=(self.tokens, self.length, self.fed_ids, self.fed_positions),
-                                                 moves=moves)
-        else:
-            self.tree = self.proposer.draft_tree()
-
-    def proposer_phase(self):
-        """The proposer takes in the verified path, then drafts the next tree, making the verify's
-        cache moves as it does (where it feeds the verify): nothing reads the target's cache before."""
-        self.advance_phase()
-        self.draft_phase(self.moves)
-
-    def verify_phase(self):
-        tree, cache, fed, positions = self.tree, self.cache, self.fed_ids, self.fed_positions
-        # each row's last token (the root) and the tree's tokens (empty slots fed as 0), at the
-        # root's position and the nodes' (one launch on a GPU: kernels/emit.py's feed), unless the
-        # draft wrote them
-        if not self.fed_by_draft:
-            feed(self.tokens, self.length, tree.tokens, fed, positions, tree.positions)
-        base, root = positions[:, 0], fed[:, 0]  # [B]: the root's position and slot, its token
-        # the root and node i are written at slots base and base + 1 + i; every query sees the
-        # cache up to the root, node i also its ancestors and itself (the model builds the rest)
-        logits, aux = self.model(fed, positions, cache, self.aux_layers, tree_mask=tree.mask)
-        if self.temperature > 0:  # one draw from the target after the root and each node, matched down the tree
-            probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)  # [B,N+1,V]
-            u = torch.rand(probs.shape[:2], device=probs.device, generator=self.generator)
-            choice, greedy_logits = sampled_tree_choice(probs, u), None
-        else:  # the argmax after the root and each node: on a GPU its chunks in parallel (kernels/argmax.py;
-            # torch's one program a row scanned 49,152 logits in ~13 µs on an H200), merged by the next launch
-            choice, greedy_logits = None, logits
-        # the accepted path, what is emitted, the cache's moves and the proposer's next input, and
-        # the emission itself (one launch on a GPU: kernels/tree_accept.py)
-        accepted = tree_accept(tree.tokens, tree.parents, tree.mask, choice, base, root, self.active, self.k,
-                               cache.k.shape[-2], logits=greedy_logits, emit_into=self.emit_state,
-                               last=self.proposer.last if self.fed_by_draft else None)
-        # the accepted path's entries move from their tree slots to the slots after the root: every
-        # layer at once [L,B,nkv,S,d], here or by the next draft (which runs before the next verify)
-        if self.fed_by_draft:
-            self.moves = (cache.k, cache.v, accepted.src, accepted.dst)
-        else:
-            move_entries(cache.k, cache.v, accepted.src, accepted.dst)
-        # the proposer takes in the path like a chain: [root, path tokens] with their features, rows
-        # accepted.index of aux [B*(N+1),W], which its input norm gathers as it reads them; for a
-        # proposer that feeds the verify, the same launch made its next tokens and positions from its
-        # last position (another makes them itself)
-        self.fed, self.aux, self.aux_rows = accepted.fed, aux, accepted.index
-        self.accepted, self.bonus = accepted.length, accepted.bonus
-        self.next_inputs = None if accepted.next_tokens is None else (accepted.next_tokens, accepted.next_positions)
-
-    def advance_phase(self):
-        made = {} if self.next_inputs is None else {"inputs": self.next_inputs}
-        self.proposer.advance(self.fed, self.aux, self.accepted, self.bonus, self.active, aux_rows=self.aux_rows,
-                              **made)

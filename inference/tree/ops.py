@@ -1,6 +1,9 @@
-"""Draft trees: EAGLE-2 dynamic selection, static (Medusa-style) trees, tree verification and
-KV compaction, as small pure functions on fixed-shape tensors (no host syncs, so a step built
-from them can be captured in a CUDA graph).
+"""Draft trees as pure torch functions on fixed-shape tensors (no host syncs, so a step built from
+them can be captured in a CUDA graph): EAGLE-2 dynamic selection, greedy tree verification (at
+T > 0 on one draw from the target per node) and KV compaction. These are the references the
+tree step's kernels are tested against (tests/test_tree_select.py, tests/test_tree_accept.py)
+and what the step runs where the kernels do not (a CPU); inference/tree/plan.py launches one or
+the other. References only the tests use sit in tests/tree_reference.py.
 
 A tree hangs below the root, the row's last verified token (the bonus token) at cache position
 `base`. Its N nodes are laid out parents before children (parents[b, i] < i), and described by
@@ -11,26 +14,23 @@ A tree hangs below the root, the row's last verified token (the bonus token) at 
     mask      [B,N,N] bool, mask[b, i, j]: node i attends to node j (itself and its ancestors)
     positions [B,N] base + depth, the position each node's token is fed at
 
-The verify forward feeds the N nodes, attending to the row's cache at positions <= base and
-to the tree block under `mask` (kernels/tree_attention.py); node i's K/V are kept at cache slot
-base + 1 + i until `compact_cache` moves the accepted path to base + 1 .. base + L.
+The verify forward feeds the root and the N nodes, attending to the row's cache at positions
+<= base and to the tree block under `mask` (kernels/tree_attention.py); node i's K/V are kept at
+cache slot base + 1 + i until the accepted path's moves (`compaction_moves`,
+`move_entries_reference`) put it at base + 1 .. base + L.
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from draftsmith_kernels.dispatch import use_kernel
-from draftsmith_kernels.argmax import argmax_chunks
 from draftsmith_kernels.chain_state import advance_inputs_reference
-from draftsmith_kernels.emit import EmitState, emit_reference, feed_reference
 from draftsmith_kernels.rejection_sample import inverse_cdf
-from draftsmith_kernels.tree_accept import TreeAccept, move_entries_triton, tree_accept_triton
-from draftsmith_kernels.tree_select import Candidates, Frontier, candidate_depths, finalize_triton, \
-    root_frontier
+from draftsmith_kernels.tree_accept import TreeAccept
+from draftsmith_kernels.tree_select import Candidates, Frontier, candidate_depths, root_frontier
 
 
 class Tree(NamedTuple):
@@ -69,18 +69,7 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     return step
 
 
-def _tree(tokens, parents, depths, base_positions) -> Tree:
-    return Tree(tokens, parents, depths, ancestor_mask(parents), base_positions[:, None] + depths)
-
-
 # ---------------------------------------------------------------------------- EAGLE-2 trees
-def start_tree(batch: int, device=None) -> TreeCandidates:
-    """No candidates yet; the frontier is the root with score 0."""
-    empty = torch.zeros(batch, 0, dtype=torch.long, device=device)
-    return TreeCandidates(empty, empty, empty.float(), empty,
-                          torch.full((batch, 1), -1, dtype=torch.long, device=device),
-                          torch.zeros(batch, 1, device=device),
-                          torch.zeros(batch, 0, 0, dtype=torch.bool, device=device))
 
 
 def expand_depth(state: TreeCandidates, child_tokens, child_logprobs, top_k: int) -> TreeCandidates:
@@ -146,25 +135,10 @@ def finalize(state: TreeCandidates, total_tokens: int, base_positions: torch.Ten
     return Tree(state.tokens.gather(1, kept), parents, depths, mask, base_positions[:, None] + depths)
 
 
-def select_tree(root_logprobs, child_logprobs_fn, depth: int, top_k: int, total_tokens: int,
-                base_positions) -> Tree:
-    """The whole EAGLE-2 selection. root_logprobs [B,V] is the drafter's log-distribution after
-    the root; child_logprobs_fn(state) → [B,F,V], its log-distribution after each frontier node
-    of `state` (the caller runs its drafter there, under the frontier's ancestor mask)."""
-    state = start_tree(root_logprobs.shape[0], root_logprobs.device)
-    logprobs = root_logprobs[:, None]
-    for d in range(depth):
-        if d:
-            logprobs = child_logprobs_fn(state)
-        top = logprobs.topk(top_k, dim=-1)  # [B,F,top_k]
-        state = expand_depth(state, top.indices, top.values, top_k)
-    return finalize(state, total_tokens, base_positions)
-
-
 # ---------------------------------------------------------------------------- the same on fixed buffers
 # A drafter drafting in CUDA graphs keeps its candidates in fixed buffers (kernels/tree_select.py:
 # Candidates, the layout, and the kernels); these references compose expand_depth and finalize
-# on them, and the dispatchers run the kernels on CUDA tensors (unless DRAFTSMITH_KERNELS=0).
+# on them, bit for bit what the kernels write.
 def expand_level_reference(child_ids, child_logprobs, draft_ids, frontier, frontier_scores, off: int, level: int,
                            last, cand: Candidates, top_k: int) -> Frontier:
     """One depth: child_ids [B,F,k] (rows of the draft vocabulary, mapped by draft_ids [Vd]) and
@@ -200,56 +174,6 @@ def finalize_reference(cand: Candidates, k: int, top_k: int, total_tokens: int, 
     return finalize(state, total_tokens, base_positions)
 
 
-def finalize_candidates(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions,
-                        out: Tree | None = None, base_offset: int = 0, feed=None, moves=None) -> Tree:
-    """`finalize_reference` (node positions base_positions + base_offset + depth), through one
-    kernel launch on CUDA tensors; into `out`'s tensors when given (a drafter drafting in CUDA
-    graphs keeps one Tree that every graph writes). feed: (tokens [B,S], length [B], fed [B,N+1],
-    fed_positions [B,N+1]), a loop's state and the verify step's input, written as
-    kernels/emit.py's `feed` writes it; moves: (k_cache, v_cache, src, dst), the last verify's
-    cache moves (`move_entries`); both inside the same launch on CUDA tensors."""
-    if use_kernel(cand.tokens):  # (the offset added in the kernel: no launch of its own)
-        return Tree(*finalize_triton(cand, k, top_k, total_tokens, base_positions, out, base_offset, feed, moves))
-    if moves is not None:
-        move_entries_reference(*moves)
-    tree = finalize_reference(cand, k, top_k, total_tokens, base_positions + base_offset)
-    if out is not None:
-        for buffer, value in zip(out, tree):
-            buffer.copy_(value)
-        tree = out
-    if feed is not None:
-        loop_tokens, loop_length, fed, fed_positions = feed
-        feed_reference(loop_tokens, loop_length, tree.tokens, fed, fed_positions, tree.positions)
-    return tree
-
-
-# ---------------------------------------------------------------------------- static trees
-def static_tree_structure(paths: Sequence[Sequence[int]]):
-    """Medusa-style paths, each a tuple of choice ranks from the root ((0,), (1,), (0, 0), ...)
-    → (parents [N], depths [N], choices [N]) on the host, nodes ordered by depth then path.
-    Every prefix of a path must be a path too."""
-    ordered = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
-    index = {p: i for i, p in enumerate(ordered)}
-    parents = []
-    for p in ordered:
-        if not p:
-            raise ValueError("an empty path names the root, which is not a tree node")
-        if len(p) > 1 and p[:-1] not in index:
-            raise ValueError(f"path {p} has no parent path {p[:-1]}")
-        parents.append(index[p[:-1]] if len(p) > 1 else -1)
-    return (torch.tensor(parents), torch.tensor([len(p) for p in ordered]),
-            torch.tensor([p[-1] for p in ordered]))
-
-
-def static_tree(paths, candidates: torch.Tensor, base_positions: torch.Tensor) -> Tree:
-    """A fixed tree filled from per-depth candidates [B,D,K] (Medusa: head d's top-K tokens):
-    the node at path (c_1, .., c_d) holds candidates[b, d-1, c_d]."""
-    parents, depths, choices = (t.to(candidates.device) for t in static_tree_structure(paths))
-    B = candidates.shape[0]
-    tokens = candidates[:, depths - 1, choices]  # [B,N]
-    return _tree(tokens, parents.expand(B, -1), depths.expand(B, -1), base_positions)
-
-
 # ---------------------------------------------------------------------------- verification
 def _path_of(leaf, on_path, depths, max_depth: int):
     """[B] leaf, [B,N] nodes on its root path, [B,N] depths → [B,max_depth] node at each
@@ -283,99 +207,11 @@ def greedy_tree_verify(tree_tokens, parents, target_choice, max_depth: int | Non
     return _path_of(leaf, on_path, depths, max_depth), length, bonus
 
 
-def sampled_tree_verify(tree_tokens, parents, target_probs, u, max_depth: int | None = None, ancestors=None):
-    """Exact sampling from the target over a tree of fixed candidates (chosen from the draft
-    alone: an EAGLE-2 tree, top-k by score, reranked, pruned): one draw from the target after
-    the root and after every node, then the longest path whose every node is its parent's draw.
-
-    target_probs [B,N+1,V] (after the root, then after node i at i+1), u [B,N+1] uniforms.
-    At the root the draw s ~ p_root is the next token whatever the tree holds; when s is one
-    of the root's children the step moves there and its own draw comes next, otherwise s is
-    the bonus: the target sampled token by token, the tree only saying how far one verify
-    step reaches. Needs distinct sibling tokens (top-k ids are): with two equal siblings the
-    deeper match would be preferred. Returns (path [B,max_depth], length [B], bonus [B]), as
-    `greedy_tree_verify`, whose matching it is."""
-    return greedy_tree_verify(tree_tokens, parents, sampled_tree_choice(target_probs, u), max_depth, ancestors)
-
-
 def sampled_tree_choice(target_probs, u):
     """target_probs [B,N+1,V], u [B,N+1] → [B,N+1]: one draw from the target after the root and
     after each node (inverse CDF), the `choice` greedy matching reads."""
     B, N1, V = target_probs.shape
     return inverse_cdf(target_probs.reshape(B * N1, V).float(), u.reshape(B * N1)).view(B, N1)
-
-
-def tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_accept, u_sample):
-    """Multi-candidate speculative sampling over a tree from given uniforms (SpecInfer-style
-    recursive rejection), exact for the target's distribution when each node's children were
-    drawn, in index order and without replacement, from that node's draft distribution.
-
-    draft_probs / target_probs [B,N+1,V]: q and p after the root (index 0) and after node i
-    (index i+1). u_accept [B,D,K] (D: depths tried, K: children tried per node), u_sample [B].
-    At the current node the children are tried in order: child x is accepted when
-    u * q(x) < p(x) (probability min(1, p/q)); on rejection p <- normalize(max(p - q, 0)) and
-    q <- q without x, renormalised (the distribution the next sibling was drawn from). With
-    every child rejected, or at a leaf, the next token is drawn from p. Returns
-    (path [B,D], length [B], next_token [B]), as `greedy_tree_verify`.
-
-    Exactness needs the kept siblings to be a prefix of their draw order: a rerank that drops
-    an earlier-drawn sibling but keeps a later one (finalize by score) biases the result, so a
-    sampled tree must be pruned by whole draw-order suffixes."""
-    B, N = tree_tokens.shape
-    D, K = u_accept.shape[1], u_accept.shape[2]
-    rows = torch.arange(B, device=tree_tokens.device)
-    cur = torch.full((B,), -1, dtype=torch.long, device=tree_tokens.device)
-    alive = torch.ones(B, dtype=torch.bool, device=tree_tokens.device)  # still descending
-    path = torch.full((B, D), -1, dtype=torch.long, device=tree_tokens.device)
-    source = target_probs[:, 0].float()  # [B,V] where the next token comes from
-    for d in range(D):
-        p, q = target_probs[rows, cur + 1].float(), draft_probs[rows, cur + 1].float()
-        children = (parents == cur[:, None]) & alive[:, None]  # [B,N]
-        rank = children.long().cumsum(1) - 1
-        moved = torch.zeros_like(alive)
-        nxt = cur
-        for r in range(K):
-            is_r = children & (rank == r)
-            child = is_r.long().argmax(1)
-            token = tree_tokens.gather(1, child[:, None])  # [B,1]
-            tried = is_r.any(1) & ~moved & (token[:, 0] >= 0)  # empty slots are skipped
-            x = token.clamp_min(0)
-            ok = tried & (u_accept[:, d, r] * q.gather(1, x).squeeze(1) < p.gather(1, x).squeeze(1))
-            nxt, moved = torch.where(ok, child, nxt), moved | ok
-            rejected = (tried & ~ok)[:, None]
-            p, q = torch.where(rejected, _residual(p, q), p), torch.where(rejected, _without(q, x), q)
-        stop = alive & ~moved
-        source = torch.where(stop[:, None], p, source)
-        path[:, d] = torch.where(moved, nxt, -1)
-        cur, alive = nxt, moved
-    # rows that accepted D nodes take the bonus from the target after the last one
-    source = torch.where(alive[:, None], target_probs[rows, cur + 1].float(), source)
-    return path, (path >= 0).sum(1), inverse_cdf(source, u_sample)
-
-
-def _residual(p, q):
-    """normalize(max(p - q, 0)), or p itself where that vanishes (p == q: never rejected)."""
-    r = (p - q).clamp_min(0)
-    total = r.sum(-1, keepdim=True)
-    return torch.where(total > 0, r / total.clamp_min(1e-30), p)
-
-
-def _without(q, x):
-    """q with token x [B,1] removed, renormalised: the distribution of the next sibling drawn
-    without replacement."""
-    q = q.scatter(1, x, 0.0)
-    return q / q.sum(-1, keepdim=True).clamp_min(1e-30)
-
-
-def tree_rejection_verify(tree_tokens, parents, draft_probs, target_probs, generator=None,
-                          max_depth: int | None = None, max_children: int | None = None):
-    """`tree_rejection_sample` with uniforms drawn from `generator`. max_depth / max_children
-    (default N) bound the loops: the tree's depth and the widest node's child count."""
-    B, N = tree_tokens.shape
-    D, K = max_depth or N, max_children or N
-    u_accept = torch.rand(B, D, K, device=tree_tokens.device, generator=generator)
-    u_sample = torch.rand(B, device=tree_tokens.device, generator=generator)
-    return tree_rejection_sample(tree_tokens, parents, draft_probs, target_probs, u_accept, u_sample)
 
 
 # ---------------------------------------------------------------------------- KV compaction
@@ -401,30 +237,17 @@ def compaction_moves(src_positions, dst_positions, valid, slots: int):
     return torch.where(valid, src_positions, fill_src), torch.where(valid, dst_positions, fill_dst)
 
 
-def move_entries(k_cache, v_cache, src, dst):
-    """`move_entries_reference`, in one kernel launch on CUDA tensors (kernels/tree_accept.py)."""
-    fn = move_entries_triton if use_kernel(k_cache) else move_entries_reference
-    return fn(k_cache, v_cache, src, dst)
-
-
 def move_entries_reference(k_cache, v_cache, src, dst):
     """Cache entries [..., B,nkv,S,d] moved by position, in place: entry src[b, j] → dst[b, j]
     in every leading index (a target's layers [L,B,nkv,S,d] at once: one gather and one
-    scatter per cache, where a loop over 30 layers launched ~450 kernels and cost ~1.2 ms of a
-    verify step on an H200). All sources are read before any write; src, dst [B,D] as
-    `compaction_moves` leaves them."""
+    scatter per cache, not a loop over layers). All sources are read before any write; src, dst
+    [B,D] as `compaction_moves` leaves them."""
     L = src.shape[1]
     for cache in (k_cache, v_cache):
         shape = (*cache.shape[:-2], L, cache.shape[-1])  # [..., B, nkv, L, d]
         moved = cache.gather(-2, src[:, None, :, None].expand(shape))
         cache.scatter_(-2, dst[:, None, :, None].expand(shape), moved)
     return k_cache, v_cache
-
-
-def compact_cache(k_cache, v_cache, src_positions, dst_positions, valid):
-    """Move cache entries [..., B,nkv,S,d] by position, in place: entry src[b, j] → dst[b, j]
-    where valid[b, j]; nothing else changes (`compaction_moves`, then `move_entries`)."""
-    return move_entries(k_cache, v_cache, *compaction_moves(src_positions, dst_positions, valid, k_cache.shape[-2]))
 
 
 # ---------------------------------------------------------------------------- a verified tree's bookkeeping
@@ -446,23 +269,3 @@ def tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active
     return TreeAccept(path, length, bonus, path_tokens, fed, index, src, dst, *following)
 
 
-def tree_accept(tree_tokens, parents, mask, choice, base, root, active, max_depth: int, slots: int, *,
-                logits=None, emit_into: EmitState | None = None, last=None) -> TreeAccept:
-    """`tree_accept_reference`, through one kernel launch on CUDA tensors. logits [B,N+1,V]
-    instead of choice (None): the target's greedy choices, its argmax after the root and each node
-    (on CUDA the argmax's chunk launch, its merge inside the kernel). emit_into: the step is also
-    emitted into the loop's state (kernels/emit.py `emit`; inside the kernel on CUDA). last [B]:
-    the drafter's last position, for its next input (next_tokens, next_positions)."""
-    if use_kernel(tree_tokens):
-        chunks = None
-        if logits is not None:
-            maxima, columns, _ = argmax_chunks(logits.flatten(0, 1))
-            chunks = (maxima, columns)
-        return tree_accept_triton(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots,
-                                  chunks=chunks, emit_into=emit_into, last=last)
-    if logits is not None:
-        choice = logits.argmax(-1)  # [B,N+1] (ties: the lowest id, as the kernels break them)
-    accepted = tree_accept_reference(tree_tokens, parents, mask, choice, base, root, active, max_depth, slots, last)
-    if emit_into is not None:
-        emit_reference(accepted.path_tokens, accepted.length, accepted.bonus, *emit_into)
-    return accepted
