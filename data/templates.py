@@ -15,9 +15,15 @@ NAMED_TEMPLATES = {
     # ChatML as Qwen and SmolLM write it: <|im_start|>role\ncontent<|im_end|>\n
     "chatml": ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
                "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"),
-    # a role-tagged plain layout, for base models with no special chat tokens
-    "plain": ("{% for message in messages %}{{ message['role'] | capitalize + ': ' + message['content'] + '\n\n' }}"
-              "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"),
+    # a role-tagged plain layout, for base models with no special chat tokens: "Role:\n" then the
+    # text, so that an answer's first token is the same whether the text follows (training) or the
+    # model writes it after the generation prompt (after "Assistant: " the space would be merged
+    # into the answer's first token in training and stand alone at inference). It opens with the
+    # tokenizer's begin token where it has one: rendered text is tokenized without special
+    # tokens, and a base model such as Gemma-3 is off its training distribution without it.
+    "plain": ("{{ bos_token if bos_token else '' }}{% for message in messages %}"
+              "{{ message['role'] | capitalize + ':\n' + message['content'] + '\n\n' }}"
+              "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:\n' }}{% endif %}"),
 }
 
 NO_TEMPLATE_HINT = ("set data.chat_template to a Jinja file or a named template ({}) for chat data, or "
