@@ -40,19 +40,7 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def _without_kernels(fn):
-    """Run fn with every runtime kernel replaced by its torch reference (same graphs otherwise)."""
-    import os
-
-    saved = os.environ.get("DRAFTSMITH_KERNELS")
-    os.environ["DRAFTSMITH_KERNELS"] = "0"
-    try:
-        return fn()
-    finally:
-        if saved is None:
-            del os.environ["DRAFTSMITH_KERNELS"]
-        else:
-            os.environ["DRAFTSMITH_KERNELS"] = saved
+TORCH_OPS_ROW = "runtime plain, torch ops (--kernels off)"
 
 
 def _drafter_name(module) -> str:
@@ -124,7 +112,11 @@ def _best_tree_line(best: dict) -> str:
 
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
-              trees: list[tuple[int, int, int]] = (), repeats: int = 1) -> dict:
+              trees: list[tuple[int, int, int]] = (), repeats: int = 1, kernels=None) -> dict:
+    """kernels: the runtime's kernel settings (kernels/settings.py KernelSettings; default: the
+    defaults), recorded in bench.json; the "torch ops" row runs the same with the mode "off"."""
+    import dataclasses
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -133,7 +125,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from inference.runtime.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
     from inference.runtime.fallback import load_runtime
     from inference.proposers import GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
-    from draftsmith_kernels.tree_attention import tuning_spec
+    from draftsmith_kernels.settings import KernelSettings
     from models.methods import drafts_trees
     from models.zoo import resolve_target
 
@@ -149,7 +141,9 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     for q, p in zip(questions, prompts):  # every prompt + its new tokens inside the context window
         check_fits(len(p), max_new, context, f"prompt {q['id']} of {prompts_spec}")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    rt = load_runtime(path, dtype=dtype, device=device)
+    kernels = kernels or KernelSettings()
+    torch_ops = dataclasses.replace(kernels, mode="off")  # every kernel's torch reference, the same graphs otherwise
+    rt = load_runtime(path, dtype=dtype, device=device, kernels=kernels)
     k_max = max([*ks, *(t[2] for t in trees)])  # a tree verifies its N nodes after the root
     # one cache length for every prompt and row: each row captures its graphs once, in the warm-up
     max_len = -(-cache_size(prompts, max_new, k_max) // CACHE_BUCKET) * CACHE_BUCKET
@@ -175,15 +169,16 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
 
     new_tokens = [max_new]  # what runtime rows generate per prompt (the warm-up asks for a few)
 
-    def runtime(proposer, batch: int = 1):
+    def runtime(proposer, batch: int = 1, settings=None):
         """Every prompt through the runtime, `batch` at a time, with one proposer (built for
-        that batch and reused: its graphs are captured once). Returns outputs and the summed stats."""
+        that batch and reused: its graphs are captured once), under the kernel settings `settings`
+        (default: the runtime's). Returns outputs and the summed stats."""
         outs, total = [], GenerationStats(k=proposer.k if proposer is not None else 0)
         for i in range(0, len(prompts), batch):
             chunk = prompts[i : i + batch]
             if len(chunk) != batch:
                 continue  # a batched row serves whole batches only (its proposer is built for B rows)
-            o, stats = generate(rt, chunk, new_tokens[0], proposer=proposer, eos_ids=eos, max_len=max_len)
+            o, stats = generate(rt, chunk, new_tokens[0], proposer=proposer, eos_ids=eos, max_len=max_len, kernels=settings)
             outs.extend(o)
             total.steps += stats.steps
             total.new_tokens += stats.new_tokens
@@ -195,7 +190,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             total.setup_seconds += stats.setup_seconds
             total.launch_seconds += stats.launch_seconds
             total.launched_steps += stats.launched_steps
-            total.device_loop, total.verify_tokens = stats.device_loop, stats.verify_tokens
+            total.device_loop, total.verify_tokens, total.graphed = stats.device_loop, stats.verify_tokens, stats.graphed
         return outs, total
 
     def suffix_row():
@@ -207,7 +202,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         "transformers generate": lambda: hf_generate(),
         "transformers prompt lookup": lambda: hf_generate(prompt_lookup_num_tokens=10),
         "runtime plain": lambda: runtime(None),
-        "runtime plain, torch ops (DRAFTSMITH_KERNELS=0)": lambda: _without_kernels(lambda: runtime(None)),
+        TORCH_OPS_ROW: lambda: runtime(None, settings=torch_ops),
     }
     if hf_static:
         rows["transformers static cache (compiled)"] = lambda: hf_generate(cache_implementation="static")
@@ -238,13 +233,13 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
 
     # every prefill shape once, outside the timing (a GPU captures each padded prompt length
     # once), with the kernels and with torch ops
-    def prefill_all():
+    def prefill_all(settings=None):
         for batch in sorted({1, batch_size or 1}):
             for i in range(0, len(prompts) - batch + 1, batch):
-                generate(rt, prompts[i : i + batch], 1, eos_ids=eos, max_len=max_len)
+                generate(rt, prompts[i : i + batch], 1, eos_ids=eos, max_len=max_len, kernels=settings)
 
     prefill_all()
-    _without_kernels(prefill_all)
+    prefill_all(torch_ops)
     # outside the timing, every row once: transformers on its prompts; the runtime's rows on
     # every prompt for a few tokens (each prompt length's prefill graph with the row's aux
     # layers, the proposer's setup kernels, the step's graphs), then one whole answer (a whole
@@ -279,7 +274,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
                              "verify_tokens_per_step": None if stats is None else (
                                  1 + (getattr(stats, "verify_tokens", None) or stats.k)),
                              "batch": batch_size if name.endswith(f"batch {batch_size}") else 1,
-                             "prompts": len(outs)}
+                             "prompts": len(outs), "kernels": (torch_ops if name == TORCH_OPS_ROW else kernels).mode}
         if len(speeds) > 1:
             r["tokens_per_s_passes"] = speeds
         line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"
@@ -289,7 +284,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             split = stats.summary()
             r["split"] = {key: split[key] for key in ("steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
                                                        "host_launch_ms_per_step", "setup_seconds", "launched_steps",
-                                                       "host_syncs_per_token", "device_loop")}
+                                                       "host_syncs_per_token", "device_loop", "graphed")}
             line += (f"  draft {split['draft_ms_per_step']:.3f} / verify {split['verify_ms_per_step']:.3f} / other "
                      f"{split['other_ms_per_step']:.3f} ms per step, {split['host_syncs_per_token']:.3f} syncs per token")
             if split["device_loop"]:  # what "other" holds: the setup, and the host's launch time to compare
@@ -311,7 +306,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         "target": target, "prompts": prompts_spec, "num_prompts": len(prompts), "max_new_tokens": max_new,
         "k": ks, "transformers_prompts": len(hf_subset), "batch_size": batch_size,
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
-        "tree_attention": tuning_spec(),  # the tree-attention kernel's knobs in effect (DRAFTSMITH_TREE_ATTENTION)
+        **kernels.record(),  # the kernels' mode and the tree-attention tuning (--kernels, --tree-attention)
         "rows": {name: {kk: vv for kk, vv in r.items() if kk != "outputs"} for name, r in results.items()},
     }
     # the sweep's best tree for this target and device, beside the same drafter's chain
@@ -355,8 +350,8 @@ def _chart(summary: dict, path: Path):
 
 
 def main(argv=None) -> int:
-    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        parse_tree_spec, positive, resolve_device
+    from inference.cli import CliError, Parser, add_kernel_flags, check_new_tokens_fit, check_output_folder, \
+        check_ranges, kernel_settings, not_negative, parse_tree_spec, positive, resolve_device
 
     ap = Parser(prog="python -m inference.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
@@ -378,6 +373,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="time the runtime's rows this many times, every row in "
                     "turn each pass, and report each row's median pass (its passes in bench.json)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    add_kernel_flags(ap, tuning=True)
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
     try:
@@ -389,6 +385,7 @@ def main(argv=None) -> int:
             raise CliError(f"--batch-size {args.batch_size} is larger than --num-prompts {args.num_prompts}")
         trees = [parse_tree_spec(spec) for spec in args.tree]
         device = resolve_device(args.device)
+        kernels = kernel_settings(args, device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
     except CliError as e:
@@ -405,7 +402,7 @@ def main(argv=None) -> int:
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
-                  trees=trees, repeats=args.repeats)
+                  trees=trees, repeats=args.repeats, kernels=kernels)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

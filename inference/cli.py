@@ -49,6 +49,35 @@ def positive(v):
 positive.what = "positive"
 
 
+def add_kernel_flags(ap: argparse.ArgumentParser, tuning: bool = False) -> None:
+    """--kernels (and with `tuning`, --tree-attention): the runtime's kernel settings
+    (kernels/settings.py), read back by `kernel_settings`."""
+    from draftsmith_kernels.settings import KERNEL_MODES
+
+    ap.add_argument("--kernels", default="auto", choices=KERNEL_MODES,
+                    help="the runtime's Triton kernels: auto (on CUDA, torch elsewhere), off (torch everywhere), "
+                         "force (every device; a CPU needs TRITON_INTERPRET=1)")
+    if tuning:
+        ap.add_argument("--tree-attention", default="", metavar="NAME=VALUE,...",
+                        help="the tree-attention kernel's launch settings over their defaults "
+                             "(kernels/settings.py TreeAttentionTuning; scripts/bench_attention.py prints the best)")
+
+
+def kernel_settings(args, device: str):
+    """The KernelSettings of `add_kernel_flags`' flags for a run on `device`; CliError on a bad
+    --tree-attention, or kernels forced onto a CPU without Triton's interpreter."""
+    from draftsmith_kernels.dispatch import INTERPRETED
+    from draftsmith_kernels.settings import KernelSettings, TreeAttentionTuning
+
+    if args.kernels == "force" and not str(device).startswith("cuda") and not INTERPRETED:
+        raise CliError("--kernels force: the kernels run on a CPU only under Triton's interpreter (TRITON_INTERPRET=1)")
+    try:
+        return KernelSettings(mode=args.kernels,
+                              tree_attention=TreeAttentionTuning.parse(getattr(args, "tree_attention", "") or ""))
+    except ValueError as e:
+        raise CliError(f"--tree-attention: {e}") from None
+
+
 def check_ranges(args, table: dict) -> None:
     """table: {attribute: check}; CliError naming the first flag out of range."""
     for name, check in table.items():

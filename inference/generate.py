@@ -2,10 +2,10 @@
 
     python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|drafter|none]
         [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
-        [--chat chat.json] [--stats]
+        [--chat chat.json] [--stats] [--kernels auto|off|force]
 
-The answer is printed to stdout; with --stats, tokens/s, the draft/verify time split and the
-acceptance (a_i, tau) go to stderr as JSON. Bad input is one error line and exit code 2.
+The answer is printed to stdout; with --stats, tokens/s, the draft/verify time split, the
+acceptance (a_i, tau) and the kernels' mode go to stderr as JSON. Bad input is one error line and exit code 2.
 """
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from inference.cli import CliError, Parser, check_fits, check_output_file, check_ranges, context_window, \
-    fail as _fail, not_negative, positive, resolve_device
+from inference.cli import CliError, Parser, add_kernel_flags, check_fits, check_output_file, check_ranges, \
+    context_window, fail as _fail, kernel_settings, not_negative, positive, resolve_device
 
 DRAFTER_PROPOSERS = ("drafter", "eagle3", "medusa")
 
@@ -42,12 +42,14 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
     ap.add_argument("--prometheus", metavar="FILE", help="write the speculative-decoding counters there (text format)")
+    add_kernel_flags(ap)
     args = ap.parse_args(argv)
 
     try:
         args.proposer = choose_proposer(args.proposer, args.drafter, args.draft_model)
         check_ranges(args, {"temperature": not_negative, "top_k": not_negative, "max_new_tokens": positive})
         device = resolve_device(args.device)
+        kernels = kernel_settings(args, device)
         if args.prometheus:  # a metrics file of ours is rewritten; any other file is the user's
             check_output_file(args.prometheus, "# HELP draftsmith_spec_decode", "--prometheus")
     except CliError as e:
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     except (AssetError, DataError, ValueError, KeyError, OSError) as e:
         return _fail(f"--target: {e}")
     try:
-        model = load_runtime(path, dtype=dtype, device=device)
+        model = load_runtime(path, dtype=dtype, device=device, kernels=kernels)
     except (AssetError, ValueError, KeyError, OSError) as e:
         return _fail(f"--target: {e}")
     k = 0 if args.proposer == "none" else args.k
@@ -110,7 +112,7 @@ def main(argv=None) -> int:
             return _fail("--draft-model: the draft-model proposer needs a model")
         try:
             draft_path = resolve_target(args.draft_model)
-            draft = load_runtime(draft_path, dtype=dtype, device=device)
+            draft = load_runtime(draft_path, dtype=dtype, device=device, kernels=kernels)
             draft_tok = AutoTokenizer.from_pretrained(draft_path)
         except (AssetError, ValueError, KeyError, OSError) as e:
             return _fail(f"--draft-model: {e}")
@@ -131,7 +133,7 @@ def main(argv=None) -> int:
                               top_k=args.top_k, top_p=args.top_p, verification=args.verification)
     print(tokenizer.decode(outputs[0], skip_special_tokens=True))
     if args.stats:
-        print(json.dumps(stats.summary()), file=sys.stderr)
+        print(json.dumps({**stats.summary(), "kernels": kernels.mode}), file=sys.stderr)
     if args.prometheus:
         Path(args.prometheus).write_text(stats.prometheus())
     return 0

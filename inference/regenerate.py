@@ -105,7 +105,8 @@ def check_settings(out: Path, settings: dict):
     """A resumed run must use the settings that wrote the finished lines."""
     path = out / SETTINGS
     if path.exists():
-        old = {"shard": "0/1", **json.loads(path.read_text())}  # folders written before --shard existed
+        # folders written before --shard / --kernels existed
+        old = {"shard": "0/1", "kernels": "auto", **json.loads(path.read_text())}
         changed = [k for k in settings if old.get(k) != settings[k]]
         if changed:
             raise ValueError(f"{out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in changed)}); "
@@ -240,16 +241,19 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
                max_new_tokens: int = 512, max_length: int = 2048, max_minutes: float | None = None,
                device: str | None = None, generate_fn=None, keep_loops: bool = False,
                shard: tuple[int, int] = (0, 1), continue_from: Path | None = None, temperature: float = 0.0,
-               seed: int = 0, heldout_only: float | None = None) -> dict:
+               seed: int = 0, heldout_only: float | None = None, kernels=None) -> dict:
     """Answer the conversations (the module's docstring). temperature > 0: answers sampled at
     that temperature (seeded; a resumed run draws on from a fresh seed, so it is reproducible
     only when run whole). heldout_only: only the conversations training holds out at that
-    data.heldout_fraction (by prompt hash), e.g. answers sampled at T for the promise at T."""
+    data.heldout_fraction (by prompt hash), e.g. answers sampled at T for the promise at T.
+    kernels: the runtime's kernel settings (kernels/settings.py KernelSettings; default: the
+    defaults), recorded in regenerate.json."""
     import torch
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from data.sources import PROMPT_SETS, load_conversations, prompt_conversations
+    from draftsmith_kernels.settings import KernelSettings
     from inference.runtime.fallback import load_runtime
     from models.zoo import resolve_target
 
@@ -257,6 +261,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     settings = {"target": target, "dataset": dataset, "limit": limit, "max_new_tokens": max_new_tokens,
                 "max_length": max_length, "decoding": f"sampled at T = {temperature:g}, seed {seed}" if temperature else "greedy",
                 "loops": "kept" if keep_loops else "cut to one copy", "shard": f"{shard[0]}/{shard[1]}",
+                "kernels": (kernels or KernelSettings()).mode,
                 **({"heldout_only": heldout_only} if heldout_only else {})}
     # a wrong --dataset fails here, before --out is written; a benchmark's questions get answers
     conversations = prompt_conversations(dataset, limit) if dataset in PROMPT_SETS else load_conversations(dataset, limit)
@@ -280,7 +285,7 @@ def regenerate(target: str, dataset: str, out: Path, limit: int | None = None, b
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     folder = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = load_runtime(folder, dtype=dtype, device=device)
+    model = load_runtime(folder, dtype=dtype, device=device, kernels=kernels)
     sampling = {"temperature": temperature, "generator": torch.Generator(device=device).manual_seed(seed)} \
         if temperature > 0 else None
     t0 = time.time()
@@ -323,8 +328,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        positive, resolve_device
+    from inference.cli import CliError, Parser, add_kernel_flags, check_new_tokens_fit, check_output_folder, \
+        check_ranges, kernel_settings, not_negative, positive, resolve_device
 
     ap = Parser(prog="python -m inference.regenerate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m-instruct", help="zoo name, HF folder, GGUF file or hub id")
@@ -347,6 +352,7 @@ def _main(argv=None) -> int:
     ap.add_argument("--heldout-only", type=float, default=None, metavar="FRACTION",
                     help="only the conversations training holds out at this data.heldout_fraction (e.g. 0.02)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
+    add_kernel_flags(ap)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from data.sources import DataError
@@ -358,6 +364,7 @@ def _main(argv=None) -> int:
         if args.heldout_only is not None and args.heldout_only >= 1:
             raise CliError(f"--heldout-only {args.heldout_only:g}: a fraction below 1 (training's data.heldout_fraction)")
         args.device = resolve_device(args.device)
+        kernels = kernel_settings(args, args.device)
         check_output_folder(args.out, flag="--out", tool="regenerate", replaces=False)
         if args.continue_from and not Path(args.continue_from).is_file():
             raise CliError(f"--continue-from {args.continue_from}: not a file")
@@ -384,7 +391,7 @@ def _main(argv=None) -> int:
         regenerate(args.target, args.dataset, Path(args.out), args.limit, batch, args.max_new_tokens,
                    args.max_length, args.max_minutes, args.device, keep_loops=args.keep_loops, shard=shard,
                    continue_from=Path(args.continue_from) if args.continue_from else None,
-                   temperature=args.temperature, seed=args.seed, heldout_only=args.heldout_only)
+                   temperature=args.temperature, seed=args.seed, heldout_only=args.heldout_only, kernels=kernels)
     except (DataError, AssetError, ValueError, OSError, KeyError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -88,6 +88,7 @@ class ValidationReport:
     references: dict[str, Measured]
     tree: dict | None  # {depth, top_k, total_tokens[, children], verify_tokens_per_step} when trees were served
     diagnosis: tuple[str, ...] = ()
+    kernels: dict | None = None  # the runtime's kernel settings (KernelSettings.record; None: a report from before them)
 
     def to_dict(self) -> dict:
         return {**{name: getattr(self, name) for name in SETTINGS},
@@ -97,7 +98,7 @@ class ValidationReport:
                 "per_turn": {t: s.to_dict() for t, s in self.per_turn.items()}, "turns": self.turns,
                 "relative_gap": self.relative_gap, "tolerance": self.tolerance, "pass": self.passed,
                 "references": {name: r.to_dict() for name, r in self.references.items()}, "tree": self.tree,
-                "diagnosis": list(self.diagnosis)}
+                "diagnosis": list(self.diagnosis), "kernels": self.kernels}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "report.json") -> ValidationReport:
@@ -111,7 +112,7 @@ class ValidationReport:
                    per_turn={int(t): Acceptance.from_dict(s, f"{where}: per_turn {t}") for t, s in d["per_turn"].items()},
                    turns=d["turns"], relative_gap=d["relative_gap"], tolerance=d["tolerance"], passed=d["pass"],
                    references={n: Measured.from_dict(r, f"{where}: references {n}") for n, r in d["references"].items()},
-                   tree=d["tree"], diagnosis=tuple(d["diagnosis"]))
+                   tree=d["tree"], diagnosis=tuple(d["diagnosis"]), kernels=d.get("kernels"))
 
 
 # the served setting and counts, written as they are

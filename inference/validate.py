@@ -142,12 +142,13 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
              batch_size: int | None = None, tree: tuple[int, ...] | None = None,
-             promise_set: str | None = None) -> dict:
+             promise_set: str | None = None, kernels=None) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
     total_tokens[, children]): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
     promise (`trees` in its predicted acceptance, inference/walks/tree.py). promise_set: the
     held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
-    the first; the questions that set holds are left out of serving."""
+    the first; the questions that set holds are left out of serving. kernels: the runtime's
+    kernel settings (kernels/settings.py KernelSettings; default: the defaults), in report.json."""
     import time
 
     import torch
@@ -206,7 +207,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         tree_promised = tree_promise(predicted, tree)
     path = resolve_target(target)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    rt = load_runtime(path, dtype=dtype, device=device)
+    rt = load_runtime(path, dtype=dtype, device=device, kernels=kernels)
     if tree is not None:
         from inference.walks.tree import tree_proposers
 
@@ -246,6 +247,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         hist = sum((torch.as_tensor(r["histogram"]) for r in ref), torch.zeros(k + 1, dtype=torch.long))
         references[name] = Measured(Acceptance.from_histogram(hist), _tokens_per_s(ref))
 
+    rt_kernels = rt.kernels.record()
     del rt
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
     # every served chain: the walk then is the runtime's own
@@ -271,7 +273,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
                                  (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
-                                 str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)))
+                                 str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)),
+        kernels=rt_kernels)
     write_report(report, Path(out))
     return report.to_dict()
 
@@ -360,8 +363,8 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    from inference.cli import CliError, Parser, check_new_tokens_fit, check_output_folder, check_ranges, not_negative, \
-        parse_tree_spec, positive, resolve_device
+    from inference.cli import CliError, Parser, add_kernel_flags, check_new_tokens_fit, check_output_folder, \
+        check_ranges, kernel_settings, not_negative, parse_tree_spec, positive, resolve_device
 
     ap = Parser(prog="python -m inference.validate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--drafter", required=True, help="export folder (draftsmith's, or one made elsewhere in a layout it reads)")
@@ -390,6 +393,7 @@ def _main(argv=None) -> int:
                          "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
                          "0.5`); the questions that set holds are not served (unset: the first set's promise)")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
+    add_kernel_flags(ap, tuning=True)
     ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
     args = ap.parse_args(argv)
     from data.sources import DataError
@@ -401,6 +405,7 @@ def _main(argv=None) -> int:
                             "temperature": not_negative})
         tree = None if args.tree is None else parse_tree_spec(args.tree)
         args.device = resolve_device(args.device)
+        kernels = kernel_settings(args, args.device)
         check_output_folder(args.out, tool="validate", keep=(args.drafter,))
         check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
     except CliError as e:
@@ -411,7 +416,7 @@ def _main(argv=None) -> int:
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
                           max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree,
-                          promise_set=args.promise_set)
+                          promise_set=args.promise_set, kernels=kernels)
     except (DataError, AssetError, ValueError, KeyError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -109,6 +109,6 @@ def merge_chunks_into(best: torch.Tensor, index: torch.Tensor, out: torch.Tensor
 
 
 def argmax_rows(x: torch.Tensor, out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = argmax_rows_triton if use_kernel(x) else argmax_rows_reference
     return fn(x, out, ids)

@@ -155,6 +155,6 @@ def block_sample_triton(drafts, draft_probs, target_probs, eta, u_sample):
 
 
 def block_sample(drafts, draft_probs, target_probs, eta, u_sample):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = block_sample_triton if use_kernel(target_probs) else block_sample_reference
     return fn(drafts, draft_probs, target_probs, eta, u_sample)

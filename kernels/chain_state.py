@@ -111,11 +111,11 @@ def keep_entry_triton(out, positions, accepted, active, hidden, last, chain_posi
 
 
 def advance_inputs(fed, bonus, accepted, last):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     return (advance_inputs_triton if use_kernel(fed) else advance_inputs_reference)(fed, bonus, accepted, last)
 
 
 def keep_entry(out, positions, accepted, active, hidden, last, chain_positions):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = keep_entry_triton if use_kernel(out) else keep_entry_reference
     return fn(out, positions, accepted, active, hidden, last, chain_positions)

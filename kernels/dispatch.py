@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 
+from draftsmith_kernels.settings import active
+
 try:
     import triton  # noqa: F401
 
@@ -22,7 +24,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_kernel(t) -> bool:
-    mode = os.environ.get("DRAFTSMITH_KERNELS", "1")
-    if not HAVE_TRITON or mode == "0":
+    """Whether a dispatcher runs its Triton kernel on tensor t: by the mode of the kernel settings
+    in effect (kernels/settings.py: "auto" on CUDA tensors, "off" never, "force" on any device)."""
+    mode = active().mode
+    if not HAVE_TRITON or mode == "off":
         return False
     return mode == "force" or t.is_cuda

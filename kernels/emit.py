@@ -176,7 +176,7 @@ def feed_triton(tokens, length, drafts, fed, positions, draft_positions=None):
 
 
 def feed(tokens, length, drafts, fed, positions, draft_positions=None):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     from draftsmith_kernels.dispatch import use_kernel
 
     (feed_triton if use_kernel(tokens) else feed_reference)(tokens, length, drafts, fed, positions, draft_positions)
@@ -200,7 +200,7 @@ def emit_triton(drafts, accepted, bonus, eos, budget, tokens, length, n_out, don
 
 
 def emit(drafts, accepted, bonus, eos, budget, tokens, length, n_out, done, histogram, row_steps, active_out=None):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere.
+    """The kernel on CUDA tensors, the reference elsewhere.
     active_out [B] bool (optional): set to ~done after the step, for the launches that follow (the
     proposer's advance, the next verify's bookkeeping), which then need no `~done` of their own."""
     from draftsmith_kernels.dispatch import use_kernel

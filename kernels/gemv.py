@@ -22,8 +22,6 @@ Numerics: products summed in float32 (in another order than cuBLAS: last-bit dif
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -105,23 +103,14 @@ def swiglu_gemv_triton(gate_up, weight, residual=None, out=None):
     return _launch(gate_up, weight, residual, out, swiglu=True)
 
 
-# DRAFTSMITH_GEMV=0 leaves one-row products to cuBLAS (a side-by-side measurement of these kernels)
-ENABLED = os.environ.get("DRAFTSMITH_GEMV", "1") != "0"
-
-
-def one_row_mode() -> bool:
-    """Whether the one-row kernels are on (part of a captured graph's identity)."""
-    return ENABLED
-
-
 def one_row(x: torch.Tensor) -> bool:
     """Whether x [..., K] is a single row on a device where the kernels run."""
-    return ENABLED and x.numel() == x.shape[-1] and use_kernel(x)
+    return x.numel() == x.shape[-1] and use_kernel(x)
 
 
 def gemv(x, weight, residual=None, out=None):
-    """x @ weight.T (+ residual) for one row: the kernel on CUDA (unless DRAFTSMITH_KERNELS=0),
-    the reference elsewhere. `out` may be `residual` (an in-place residual sum)."""
+    """x @ weight.T (+ residual) for one row: the kernel on CUDA, the reference elsewhere. `out`
+    may be `residual` (an in-place residual sum)."""
     if one_row(x):
         return gemv_triton(x, weight, residual, out)
     y = gemv_reference(x, weight, residual)

@@ -124,6 +124,6 @@ def norm_lm_head_argmax_triton(hidden: torch.Tensor, norm_weight: torch.Tensor, 
 
 def norm_lm_head_argmax(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                         out: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = norm_lm_head_argmax_triton if use_kernel(hidden) else norm_lm_head_argmax_reference
     return fn(hidden, norm_weight, eps, weight, out, ids)

@@ -91,7 +91,7 @@ def ngram_drafts_triton(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min
 
 
 def ngram_drafts(buffer: torch.Tensor, lengths: torch.Tensor, k: int, min_n: int, max_n: int) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     from draftsmith_kernels.dispatch import use_kernel
 
     fn = ngram_drafts_triton if use_kernel(buffer) else ngram_drafts_reference

@@ -162,6 +162,6 @@ def rejection_sample_triton(drafts, draft_probs, target_probs, u_accept, u_sampl
 
 
 def rejection_sample(drafts, draft_probs, target_probs, u_accept, u_sample):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = rejection_sample_triton if use_kernel(target_probs) else rejection_sample_reference
     return fn(drafts, draft_probs, target_probs, u_accept, u_sample)

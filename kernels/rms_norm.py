@@ -123,7 +123,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, **where):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere;
+    """The kernel on CUDA tensors, the reference elsewhere;
     `where`: out= / sum_out= / ids= (see rms_norm_triton)."""
     if use_kernel(x):
         return rms_norm_triton(x, weight, eps, residual, **where)
@@ -222,7 +222,7 @@ def rms_norm_pair_triton(table, ids, table_weight, x, x_weight, eps, x_rows=None
 
 
 def rms_norm_pair(table, ids, table_weight, x, x_weight, eps, x_rows=None, x_out=None) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere: one
+    """The kernel on CUDA tensors, the reference elsewhere: one
     launch for the two norms an EAGLE-3 layer starts with (and a draft tree's gather of its
     parents' hidden states, x_rows / x_out)."""
     fn = rms_norm_pair_triton if use_kernel(x) else rms_norm_pair_reference
@@ -277,7 +277,7 @@ def head_norm_triton(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int,
 
 
 def head_norm(qkv: torch.Tensor, q_weight, k_weight, eps: float, nh: int, nkv: int) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere: one
+    """The kernel on CUDA tensors, the reference elsewhere: one
     launch for every head of a step, where the torch form needs a split, copies and a cat."""
     fn = head_norm_triton if use_kernel(qkv) else head_norm_reference
     return fn(qkv, q_weight, k_weight, eps, nh, nkv)

@@ -114,6 +114,6 @@ def rope_cache_triton(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int
 
 def rope_cache(qkv, positions, inv_freq, k_cache, v_cache, num_heads: int, num_kv_heads: int, slots=None,
                tree_block: bool = False):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     fn = rope_cache_triton if use_kernel(qkv) else rope_cache_reference
     return fn(qkv, positions, inv_freq, k_cache, v_cache, num_heads, num_kv_heads, slots=slots, tree_block=tree_block)

@@ -54,7 +54,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
+    """The kernel on CUDA tensors, the reference elsewhere."""
     if use_kernel(gate_up):
         return silu_mul_triton(gate_up)
     return silu_mul_reference(gate_up)

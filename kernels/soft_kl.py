@@ -120,7 +120,7 @@ def soft_kl_triton(student_logits, teacher_probs, mask) -> torch.Tensor:
 
 
 def soft_kl(student_logits, teacher_probs, mask) -> torch.Tensor:
-    """The kernel on CUDA tensors, the reference elsewhere (DRAFTSMITH_KERNELS=0 forces it)."""
+    """The kernel on CUDA tensors, the reference elsewhere (kernels/dispatch.py use_kernel)."""
     from draftsmith_kernels.dispatch import use_kernel
 
     return (soft_kl_triton if use_kernel(student_logits) else soft_kl_reference)(student_logits, teacher_probs, mask)

@@ -41,12 +41,11 @@ kernel: on an H200 at the bench's geometry (512 slots, 40 nodes) 5.2-5.6 us a ca
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from draftsmith_kernels.dispatch import INTERPRETED, use_kernel
+from draftsmith_kernels.settings import TreeAttentionTuning, active
 from draftsmith_kernels.decode_attention import decode_attention_triton, grouped_cache_attention
 
 try:
@@ -102,78 +101,10 @@ def tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v
     return out.unflatten(2, (g, M)).permute(0, 3, 1, 2, 4).reshape(B, M, nh * d)
 
 
-# Programs per launch the cache split aims at (an H200 has 132 SMs): rows x KV heads x score-row
-# tiles that already fill it need few splits, a lone row many (up to MAX_SPLITS).
-TARGET_PROGRAMS = 2048
-MAX_SPLITS = 63  # + a candidate buffer's tile: 64 split slots, a power of two for the merge
+MAX_SPLITS = 63  # cache splits at most; + a candidate buffer's tile: 64 split slots, a power of two for the merge
 MAX_TREE_TILE = 64  # tree nodes a split scores at once (BLOCK_Q x this scores in registers)
-# Tuning knobs, timed best on an H200 at the bench's shapes (scripts/bench_attention.py times the
-# variants on another GPU): the most score rows a program takes (a verify step of 41 queries x 3
-# heads per KV head is 123 rows: two tiles of 64, or four of 32), and 16-bit products (q, k, v and
-# the probabilities in the cache's dtype, float32 sums) instead of TF32 on float32 copies. TF32 is
-# the default: 16-bit products round each probability to bf16's 7 mantissa bits and drafted less
-# tau (1.9 % on average over six tree shapes) for 0.3-0.6 µs a call saved. Float32 caches keep
-# exact float32 products whatever these say.
-MAX_BLOCK_Q = 16
-PRODUCTS_16BIT = False
-# Keys a tile and warps a program. One launch with no split nor merge lost at every shape: the
-# parallelism along the cache is worth more than the launch it saves.
-MAX_BLOCK_S = 128
-NUM_WARPS = 4
-# Query heads a merge program takes for its token: 1 launches B*M*nh programs (a verify over 60
-# nodes: 549 small ones), more take a token's heads in fewer, larger programs.
-COMBINE_HEADS = 16
-# Splits a merge program sums at once (the rest in further chunks of this many, an online softmax
-# over chunks; a chunk holding no split its row wrote is skipped). Its tile is [COMBINE_HEADS,
-# this, head dim]: a 1,024-slot cache (8 splits of 128 keys and the tree's tile) makes one chunk;
-# summing 32 or 64 split slots at once took 9-39 µs a call on an H200 against 6-7.
-MERGE_SPLIT_CHUNK = 16
-# The verify step's form, through decode_attention's kernels: CHUNKED_BLOCK_Q score rows a
-# program, CHUNKED_HEADS query heads a merge program, the cache cut into at most
-# CHUNKED_MAX_CHUNKS chunks of 32 slots or more (PRODUCTS_16BIT and MERGE_SPLIT_CHUNK as above).
-# Chosen at 512-768 slots; time them before a long-context serve.
-CHUNKED_BLOCK_Q = 16
-CHUNKED_HEADS = 16
-CHUNKED_MAX_CHUNKS = 64
-# the values each knob may take (powers of two where a tile's size follows them; tl.dot's tiles
-# are at least 16 wide)
-TUNING = {"MAX_BLOCK_Q": (16, 32, 64), "PRODUCTS_16BIT": (0, 1), "TARGET_PROGRAMS": range(1, 1 << 20),
-          "MAX_BLOCK_S": (16, 32, 64, 128), "NUM_WARPS": (1, 2, 4, 8), "COMBINE_HEADS": (1, 2, 4, 8, 16),
-          "MERGE_SPLIT_CHUNK": (4, 8, 16, 32, 64), "CHUNKED_BLOCK_Q": (16, 32, 64),
-          "CHUNKED_HEADS": (1, 2, 4, 8, 16), "CHUNKED_MAX_CHUNKS": (8, 16, 32, 64)}
-
-
-def apply_tuning(spec: str) -> dict:
-    """Set the knobs above from "KNOB=VALUE,KNOB=VALUE" (DRAFTSMITH_TREE_ATTENTION, read at
-    import; scripts/bench_attention.py prints the best such line for the GPU it runs on). An
-    unknown knob or a value out of its range is a ValueError naming it. → the knobs set."""
-    chosen = {}
-    for item in filter(None, (part.strip() for part in spec.split(","))):
-        name, _, value = item.partition("=")
-        if name not in TUNING:
-            raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: unknown knob {name!r} (known: {', '.join(TUNING)})")
-        try:
-            number = int(value)
-        except ValueError:
-            number = None
-        allowed = TUNING[name]
-        if number not in allowed:
-            shown = f"{allowed.start}..{allowed.stop - 1}" if isinstance(allowed, range) else ", ".join(map(str, allowed))
-            raise ValueError(f"DRAFTSMITH_TREE_ATTENTION: {name}={value!r} is not one of {shown}")
-        chosen[name] = bool(number) if name == "PRODUCTS_16BIT" else number
-    globals().update(chosen)
-    return chosen
-
-
-def tuning_spec() -> str:
-    """The knobs as they stand, in apply_tuning's form."""
-    return ",".join(f"{name}={int(globals()[name])}" for name in TUNING)
-
-
-try:
-    apply_tuning(os.environ.get("DRAFTSMITH_TREE_ATTENTION", ""))
-except ValueError as error:  # a bad setting stops the process with one line, before any model loads
-    raise SystemExit(f"error: {error}") from None
+# the launch settings (score rows a program, key tiles, warps, products, merges) are the caller's:
+# kernels/settings.py TreeAttentionTuning
 
 
 if triton is not None:
@@ -316,9 +247,9 @@ if triton is not None:
         """One (query token, block of BLOCK_H query heads): merge the statistics of the cache splits
         up to the base and of the tree block's tiles (splits tree_split .. tree_end-1). The split
         slots are walked SPLIT_CHUNK at a time, a [BLOCK_H, SPLIT_CHUNK, BLOCK_D] tile whatever
-        the cache's length (MERGE_SPLIT_CHUNK says why), and a chunk that holds no split this row
-        wrote (past the base, before the tree's tiles) is skipped: a row early in a long cache
-        merges its few splits, not the cache's every slot."""
+        the cache's length (TreeAttentionTuning.merge_split_chunk says why), and a chunk that holds
+        no split this row wrote (past the base, before the tree's tiles) is skipped: a row early in
+        a long cache merges its few splits, not the cache's every slot."""
         token = tl.program_id(0).to(tl.int64)  # b * M + t
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
         head_ok = heads < NH
@@ -340,12 +271,13 @@ if triton is not None:
 
 
 def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None,
-                          max_splits: int = MAX_SPLITS):
+                          max_splits: int = MAX_SPLITS, tuning: TreeAttentionTuning = TreeAttentionTuning()):
     """Two launches whatever the tree. The verify step's form (tree_k None): decode_attention's
     partial and merge kernels under the tree's mask. A drafter's: the partial kernel over (B, nkv
     * score-row tiles, cache splits + candidate tiles) and the merge over (B*M, blocks of query
     heads). `bias` is the torch path's and is ignored; max_splits caps a drafter's cache splits
-    (tests lower it so that one split loops over several tiles)."""
+    (tests lower it so that one split loops over several tiles); `tuning`: the launch settings."""
+    t = tuning
     if triton is None:
         raise RuntimeError("triton is not installed")
     B, nh, M, d = q.shape
@@ -362,9 +294,9 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         raise ValueError("q and the caches need a contiguous last dimension, k and v one layout")
     if tree_k is None:  # the verify step's form: decode_attention's chunks, the mask read beside the keys
         return decode_attention_triton(q, k_cache, v_cache, base_positions, tree_mask=tree_mask,
-                                       max_block_q=CHUNKED_BLOCK_Q, low_products=PRODUCTS_16BIT,
-                                       combine_heads=CHUNKED_HEADS, merge_chunk=MERGE_SPLIT_CHUNK,
-                                       max_chunks=CHUNKED_MAX_CHUNKS)
+                                       max_block_q=t.chunked_block_q, low_products=t.products_16bit,
+                                       combine_heads=t.chunked_heads, merge_chunk=t.merge_split_chunk,
+                                       max_chunks=t.chunked_max_chunks)
     tree_k, tree_v = tree_k.contiguous(), tree_v.contiguous()
     # bool pointers load as int1; a byte view is plainer and costs no launch
     mask = tree_mask.contiguous()
@@ -376,17 +308,17 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
     G = nh // nkv
     # score rows per program: up to 64 (a tree of 15 nodes times G = 4 heads is one tile), so few
     # variants compile; tl.dot needs inner sizes of at least 16: small heads and trees are padded
-    block_q = min(MAX_BLOCK_Q, max(16, triton.next_power_of_2(M * G)))
-    low = PRODUCTS_16BIT and q.dtype != torch.float32
+    block_q = min(t.max_block_q, max(16, triton.next_power_of_2(M * G)))
+    low = t.products_16bit and q.dtype != torch.float32
     tiles = triton.cdiv(M * G, block_q)
-    block_s, block_d = min(MAX_BLOCK_S, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
+    block_s, block_d = min(t.max_block_s, max(16, triton.next_power_of_2(S))), max(16, triton.next_power_of_2(d))
     block_n = min(MAX_TREE_TILE, max(16, triton.next_power_of_2(N)))
     tree_tiles = triton.cdiv(N, block_n) if N else 0
     # the cache split: as many splits as keep the GPU busy, each a whole number of key tiles
     # (and few enough that with the tree's tiles they fit 64 split slots: a power of two past 64
     # would double the merge's tile)
     splits = max(1, min(max_splits, MAX_SPLITS, 64 - tree_tiles, triton.cdiv(S, block_s),
-                        triton.cdiv(TARGET_PROGRAMS, B * nkv * tiles)))
+                        triton.cdiv(t.target_programs, B * nkv * tiles)))
     span = block_s * triton.cdiv(triton.cdiv(S, splits), block_s)
     tree_split = triton.cdiv(S, span)  # the tree block's first split index, after the cache's
     block_splits = triton.next_power_of_2(tree_split + tree_tiles)
@@ -400,16 +332,19 @@ def tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, t
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         tree_k.stride(0), tree_k.stride(1), tree_k.stride(2), mask.stride(0), mask.stride(1),
         D=d, BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_SPLITS=block_splits, BLOCK_Q=block_q,
-        IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=NUM_WARPS)
-    block_h = min(COMBINE_HEADS, triton.next_power_of_2(nh))
+        IEEE=q.dtype == torch.float32, LOW=low and not INTERPRETED, ROUND_P=low, num_warps=t.num_warps)
+    block_h = min(t.combine_heads, triton.next_power_of_2(nh))
     _tree_combine_kernel[(B * M, triton.cdiv(nh, block_h))](base, m, l, acc, out, M, nh, span, tree_split,
                                                             tree_split + tree_tiles, out.stride(1), D=d, BLOCK_D=block_d,
                                                             BLOCK_SPLITS=block_splits, BLOCK_H=block_h,
-                                                            SPLIT_CHUNK=min(block_splits, MERGE_SPLIT_CHUNK))
+                                                            SPLIT_CHUNK=min(block_splits, t.merge_split_chunk))
     return out
 
 
 def tree_attention(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias=None):
-    """The kernel on CUDA tensors (unless DRAFTSMITH_KERNELS=0), the reference elsewhere."""
-    fn = tree_attention_triton if use_kernel(q) else tree_attention_reference
-    return fn(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias)
+    """The kernel on CUDA tensors, the reference elsewhere; the kernel launched with the tuning of
+    the kernel settings in effect (kernels/settings.py)."""
+    if use_kernel(q):
+        return tree_attention_triton(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask,
+                                     tuning=active().tree_attention)
+    return tree_attention_reference(q, k_cache, v_cache, base_positions, tree_k, tree_v, tree_mask, bias)

@@ -7,15 +7,16 @@ tree of N nodes, and a drafter's level (8 frontier queries over its cache and a 
     (a long context: --cache 4096 --base 3000; the bench's MT-bench geometry, 20 first turns at
     256 new tokens with a 4-8-40-4 tree: --cache 512 --base 100,200,300,380 --nodes 40 --candidates 104)
 
-Variants: kernels/tree_attention.py's knobs (TUNING) from the defaults. The drafter's form:
-TARGET_PROGRAMS (how finely the cache is split), MAX_BLOCK_S (cache keys per tile, down to 32),
-NUM_WARPS, and 32 score rows a program (MAX_BLOCK_Q); the first variant is the defaults with the
-other products (PRODUCTS_16BIT, both forms: 16-bit against the default TF32), a control timed but
+Variants: kernels/settings.py TreeAttentionTuning around its defaults. The drafter's form:
+target_programs (how finely the cache is split), max_block_s (cache keys per tile, down to 32),
+num_warps, and 32 score rows a program (max_block_q); the first variant is the defaults with the
+other products (products_16bit, both forms: 16-bit against the default TF32), a control timed but
 never named best (16-bit products are faster a call but drafted less tau). The verify step's form
-(decode_attention's chunks under the tree's mask): CHUNKED_BLOCK_Q score rows, CHUNKED_HEADS query
-heads a merge program, CHUNKED_MAX_CHUNKS.
-The last line names the best variant as DRAFTSMITH_TREE_ATTENTION=..., which sets those knobs in
-any later process (kernels/tree_attention.py apply_tuning). Each variant is checked against the torch
+(decode_attention's chunks under the tree's mask): chunked_block_q score rows, chunked_heads query
+heads a merge program, chunked_max_chunks.
+The last line names the best variant as `--tree-attention NAME=VALUE,...`, the flag of
+`python -m inference.bench` and `inference.validate` that runs the tree with it (recorded in
+bench.json / report.json). Each variant is checked against the torch
 reference, then timed by triton.testing.do_bench_cudagraph (launches replayed from a CUDA graph,
 as the runtime runs them; medians in microseconds). A verify step calls the kernel once per
 layer (30), a drafter level once: multiply before comparing with a step's milliseconds.
@@ -25,12 +26,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from triton.testing import do_bench_cudagraph
 
 import draftsmith_kernels.tree_attention as ta
+from draftsmith_kernels.settings import TreeAttentionTuning
 from inference.tree.ops import ancestor_mask
 from draftsmith_kernels.decode_attention import decode_attention_triton
 
@@ -82,30 +85,26 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("error: bench_attention.py times kernels on a GPU; none is visible")
     rows = []
-    defaults = {knob: getattr(ta, knob) for knob in ta.TUNING}
+    defaults = TreeAttentionTuning()
     # the variants around the defaults that could still win on another GPU or geometry: the split's size, its key
-    # tiles and the warps; shorter key tiles with finer splits; 32 score rows; the verify's chunked form's knobs.
-    # The control is the defaults with 16-bit products (faster a call, less tau: never named best)
-    variants = [dict(defaults)] + [
-        dict(defaults, TARGET_PROGRAMS=programs, MAX_BLOCK_S=block_s, NUM_WARPS=warps)
+    # tiles and the warps; shorter key tiles with finer splits; 32 score rows; the verify's chunked form's settings.
+    # The control is the defaults with the other products (16-bit: faster a call, less tau; never named best)
+    control = replace(defaults, products_16bit=not defaults.products_16bit)
+    variants = [control] + [
+        replace(defaults, target_programs=programs, max_block_s=block_s, num_warps=warps)
         for programs, block_s, warps in itertools.product((2048, 8192), (32, 64, 128), (2, 4))] + [
-        dict(defaults, MAX_BLOCK_Q=32, MAX_BLOCK_S=block_s) for block_s in (64, 128)] + [
-        dict(defaults, TARGET_PROGRAMS=8192, MAX_BLOCK_S=block_s, NUM_WARPS=warps, MERGE_SPLIT_CHUNK=8)
+        replace(defaults, max_block_q=32, max_block_s=block_s) for block_s in (64, 128)] + [
+        replace(defaults, target_programs=8192, max_block_s=block_s, num_warps=warps, merge_split_chunk=8)
         for block_s, warps in itertools.product((32, 64), (2, 4))] + [
-        dict(defaults, CHUNKED_BLOCK_Q=block_q, CHUNKED_HEADS=heads, CHUNKED_MAX_CHUNKS=chunks)
+        replace(defaults, chunked_block_q=block_q, chunked_heads=heads, chunked_max_chunks=chunks)
         for block_q, heads, chunks in itertools.product((16, 32), (4, 16), (16, 64))]
-    variants[0]["PRODUCTS_16BIT"] = not defaults["PRODUCTS_16BIT"]  # the control: the defaults' other products
     if args.defaults_only:
-        variants = [dict(defaults)]
+        variants = [defaults]
 
-    def use(knobs):  # the kernel reads its knobs at each call
-        for knob, value in knobs.items():
-            setattr(ta, knob, value)
-
-    def label(v):
-        return (f"q{v['MAX_BLOCK_Q']}{'' if v['PRODUCTS_16BIT'] else ' tf32'} p{v['TARGET_PROGRAMS']} "
-                f"s{v['MAX_BLOCK_S']} w{v['NUM_WARPS']} h{v['COMBINE_HEADS']} c{v['MERGE_SPLIT_CHUNK']} "
-                f"verify q{v['CHUNKED_BLOCK_Q']} h{v['CHUNKED_HEADS']} n{v['CHUNKED_MAX_CHUNKS']}")
+    def label(v: TreeAttentionTuning) -> str:
+        return (f"q{v.max_block_q}{'' if v.products_16bit else ' tf32'} p{v.target_programs} s{v.max_block_s} "
+                f"w{v.num_warps} h{v.combine_heads} c{v.merge_split_chunk} "
+                f"verify q{v.chunked_block_q} h{v.chunked_heads} n{v.chunked_max_chunks}")
 
     all_cases = [(f"{name} (base {base})" if len(bases) > 1 else name, *operands)
                  for base in bases for name, *operands in cases(args.cache, base, nodes, candidates)]
@@ -113,20 +112,20 @@ def main():
         reference = ta.tree_attention_reference(*operands).float()
         row = {"case": name}
         for variant in variants:
-            use(variant)
-            got = ta.tree_attention_triton(*operands).float()
+            got = ta.tree_attention_triton(*operands, tuning=variant).float()
             try:
                 torch.testing.assert_close(got, reference, rtol=2e-2, atol=2e-2)
             except AssertionError as error:  # a wrong variant is reported and never chosen
                 print(f"{name}: {label(variant)} is WRONG, not timed: {str(error).splitlines()[0]}", flush=True)
                 row[label(variant)] = float("inf")
                 continue
-            row[label(variant)] = do_bench_cudagraph(lambda: ta.tree_attention_triton(*operands), rep=50) * 1000
+            row[label(variant)] = do_bench_cudagraph(lambda v=variant: ta.tree_attention_triton(*operands, tuning=v),
+                                                     rep=50) * 1000
         rows.append(row)
         best = min((k for k in row if k != "case"), key=row.get)
-        control = "" if args.defaults_only else (f", {'16-bit' if variants[0]['PRODUCTS_16BIT'] else 'TF32'} "
-                                                 f"products {row[label(variants[0])]:.2f} µs")
-        print(f"{name}: defaults {row.get(label(defaults), float('nan')):.2f} µs{control}; best {best}: "
+        shown = "" if args.defaults_only else (f", {'16-bit' if control.products_16bit else 'TF32'} "
+                                               f"products {row[label(control)]:.2f} µs")
+        print(f"{name}: defaults {row.get(label(defaults), float('nan')):.2f} µs{shown}; best {best}: "
               f"{row[best]:.2f} µs", flush=True)
     # one number per variant, as a step weighs them: 30 calls of each verify case (one per layer),
     # 5 of each drafter case (one per level)
@@ -135,10 +134,9 @@ def main():
         print(f"  weighted (30 x each verify case + 5 x each drafter case): {k}: {totals[k]:.1f} µs "
               f"(defaults: {totals.get(label(defaults), float('nan')):.1f})")
     # the best named for later runs keeps the default products (the control's are never chosen)
-    eligible = {k: v for k, v in totals.items() if args.defaults_only or k != label(variants[0])}
-    use(next(v for v in variants if label(v) == min(eligible, key=eligible.get)))
-    print(f"best on this GPU: DRAFTSMITH_TREE_ATTENTION={ta.tuning_spec()}")
-    use(defaults)
+    eligible = {k: v for k, v in totals.items() if args.defaults_only or k != label(control)}
+    best = next(v for v in variants if label(v) == min(eligible, key=eligible.get))
+    print(f"best on this GPU: --tree-attention {best.spec()}")
     # the chain's verify for comparison: 5 queries at positions base .. base + 4
     for base in bases:
         _, q, k_cache, v_cache, *_ = next(cases(args.cache, base, nodes or (8,), ()))

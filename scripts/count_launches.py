@@ -4,8 +4,8 @@ GPU, where a small model's step is bound by its number of kernels (2-4 µs each)
     python scripts/count_launches.py [--k 3] [--only eagle3-tree]   # --only: one proposer, every op listed
     python scripts/count_launches.py --json --proposers eagle3,mtp  # these proposers alone
 
-Runs the device loop on the tiny random target (float32, `TRITON_INTERPRET=1
-DRAFTSMITH_KERNELS=force`, so every runtime kernel runs as on a GPU) with random drafters of
+Runs the device loop on the tiny random target (float32, `TRITON_INTERPRET=1` and the kernels'
+mode "force", so every runtime kernel runs as on a GPU) with random drafters of
 each family and an EAGLE-2 tree (depth 4, top-k 4, 24 nodes), and counts, in one verify phase and one proposer phase (advance, then draft),
 the aten ops that launch work and the Triton kernel launches.
 """
@@ -15,8 +15,7 @@ import argparse
 import os
 from collections import Counter
 
-os.environ["TRITON_INTERPRET"] = "1"
-os.environ["DRAFTSMITH_KERNELS"] = "force"
+os.environ["TRITON_INTERPRET"] = "1"  # (before triton is first imported)
 
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
@@ -72,6 +71,7 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     import inference.runtime.spec_loop as spec_loop
+    from draftsmith_kernels.settings import KernelSettings
     from inference.runtime.engine import cache_size, generate
     from inference.runtime.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
@@ -83,6 +83,7 @@ def main(argv=None):
     folder = resolve_target("tiny-random-llama")
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rt = RuntimeModel.from_pretrained(folder)
+    rt.kernels = KernelSettings(mode="force")  # every generation below runs the kernels (interpreted)
     prompts = [[5, 6, 7, 8, 9, 10, 5, 6]]
     max_len = cache_size(prompts, 16, args.k)
     rows = {}

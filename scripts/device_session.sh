@@ -279,9 +279,6 @@ wait)
     python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py tests/test_chain_kernels.py tests/test_tree_attention.py -k "kernel or tree" 2>&1 | tail -2 | tee -a $R/regression.log
     # the tree's own kernels (head top-k, selection, bookkeeping and cache moves) on CUDA
     python3 -m pytest -q -p no:cacheprovider tests/test_lm_head_topk.py tests/test_tree_select.py tests/test_tree_accept.py 2>&1 | tail -2 | tee -a $R/regression.log
-    # draft trees in CUDA graphs: where the captured tree step equals the eager one (a case of -m gpu),
-    # the bench graphs them
-    grep -q "PASSED tests/test_tree_decoding.py::test_graphed_tree" /tmp/gpu-tests.log && touch /tmp/trees-graph-ok
     touch /tmp/regression-checked
   fi
   while pgrep -f "^python3 -m train " > /dev/null && [ $((SECONDS - t0)) -lt "$limit" ]; do sleep 10; done
@@ -313,23 +310,22 @@ bench)
   # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
   # a training still running (its final walk) is stopped; a run with no export yet is exported
   # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
-  [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
   pkill -f "^python3 -m train " && sleep 3
   if [ "${TUNE_ATTENTION:-0}" = 1 ]; then  # time the tree-attention variants first, bench with the best
     python3 scripts/bench_attention.py --out $R ${ATTN_ARGS:-} 2>&1 | tee $R/bench_attention.log | tail -12
-    spec=$(grep -a "^best on this GPU" $R/bench_attention.log | sed 's/.*DRAFTSMITH_TREE_ATTENTION=//')
-    [ -n "$spec" ] && export DRAFTSMITH_TREE_ATTENTION=$spec && echo "tree attention: $spec"
+    spec=$(grep -a "^best on this GPU" $R/bench_attention.log | sed 's/.*--tree-attention //')
+    [ -n "$spec" ] && attention="--tree-attention $spec" && echo "tree attention: $spec"
   fi
   for d in /tmp/run-*; do
     [ -d "$d/export" ] || [ ! -f "$d/checkpoints/last.ckpt" ] || python3 -m export --checkpoint "$d" --out "$d/export" 2>&1 | tail -1
   done
   # BENCH_ONLY=NAME: that export alone; tree-promise copies (run-NAME-tree) are the same weights
   drafters=$(ls -d /tmp/run-${BENCH_ONLY:-*}/export 2> /dev/null | grep -v -- '-tree/export' | tr '\n' ' ')
-  # EAGLE-3 trees: a sweep where they run graphed (eager trees are slow: one setting). Session 19's
-  # best was the deepest tried (6-10-60 over 4-8-40 with the recipe's drafter): deeper and wider too
-  trees=${BENCH_TREES-$([ -f /tmp/trees-graph-ok ] && echo "4,8,40 5,10,50 6,10,60 6,10,80 7,10,70 8,10,80" || echo "4,4,24")}
+  # EAGLE-3 trees (graphed, as chains are): a sweep around the best known (6-10-60 over 4-8-40
+  # with the recipe's drafter), deeper and wider too
+  trees=${BENCH_TREES-4,8,40 5,10,50 6,10,60 6,10,80 7,10,70 8,10,80}
   python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k ${BENCH_K:-4 7} ${drafters:+--drafter $drafters} \
-    --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
+    ${attention:-} --batch-size ${BENCH_BATCH:-16} --hf-prompts ${HF_PROMPTS:-2} $(for t in $trees; do echo --tree $t; done) \
     --out $R/bench 2>&1 | grep -v -i "warn\|Loading weights" | tail -45
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
@@ -406,8 +402,6 @@ profile-tree)  # a tree step's cost against a chain's before any drafter is trai
   python3 -m pytest -q -p no:cacheprovider -m gpu -rA tests/test_tree_decoding.py > /tmp/tree-gpu.log 2>&1
   grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" /tmp/tree-gpu.log | tail -4 | tee -a $R/tree-kernels.log
   tail -c 100000 /tmp/tree-gpu.log > $R/tree-gpu.log
-  grep -q "PASSED tests/test_tree_decoding.py::test_graphed_tree" /tmp/tree-gpu.log && touch /tmp/trees-graph-ok
-  [ -f /tmp/trees-graph-ok ] && export DRAFTSMITH_TREES_GRAPHED=1 && echo "draft trees: graphed"
   # the tree-attention kernel's tuning variants, timed alone (kernels/tree_attention.py MAX_BLOCK_Q, PRODUCTS_16BIT)
   python3 scripts/bench_attention.py --out $R 2>&1 | tee $R/bench_attention.log | tail -8
   trees=${PROFILE_TREES:-4,4,24 6,8,48}

@@ -19,7 +19,6 @@ set -uo pipefail
 bash scripts/device_session.sh unpack
 source scripts/device_setup.sh
 set +e
-export DRAFTSMITH_TREES_GRAPHED=1
 log=$OUT/tree-check.log
 date -u +'start %H:%M:%S' | tee $log
 python3 -m pytest -q -p no:cacheprovider ${KERNEL_TESTS:-tests/test_tree_select.py tests/test_tree_accept.py \
@@ -39,9 +38,9 @@ if [ "${KNOBS:-1}" != 0 ]; then
 fi
 if [ -d .ab/old ]; then
   date -u +'A/B %H:%M:%S' | tee -a $log
-  # AB_EXTRA: more variants, one NAME=PYTHON a line (~45 s each; with the .ab checkouts at most two beside old
-  # and new: a call brings back 8 files), e.g.
-  # AB_EXTRA='bv64=import draftsmith_kernels.lm_head_topk as h; h.TOPK_BLOCK_V = 64'
+  # AB_EXTRA: more variants, one NAME=FLAGS a line (profile_spec.py's kernel settings; ~45 s each; with the .ab
+  # checkouts at most two beside old and new: a call brings back 8 files), e.g.
+  # AB_EXTRA='q32=--tree-attention max_block_q=32'
   extra=()
   for dir in .ab/*/; do
     name=$(basename "$dir")

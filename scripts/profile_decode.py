@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from draftsmith_kernels.settings import KernelSettings, applied
 from inference.runtime.engine import GreedyDecodeStep
 from inference.runtime.model import RuntimeModel
 from scripts.profile_train_step import SMOLLM2
@@ -67,17 +67,17 @@ def main():
     LlamaForCausalLM(LlamaConfig(**SMOLLM2)).to(torch.bfloat16).save_pretrained(folder)
     rt = RuntimeModel.from_pretrained(folder, dtype=torch.bfloat16, device="cuda")
     report = {"gpu": torch.cuda.get_device_name(), "cache": args.cache}
-    for mode in ("1", "0"):  # Triton kernels on, then the torch ops
-        os.environ["DRAFTSMITH_KERNELS"] = mode
-        cache = rt.new_cache(1, args.cache)
-        graphed = GreedyDecodeStep(rt, cache, 1, graphed=True)
-        eager = GreedyDecodeStep(rt, cache, 1, graphed=False)
-        for s in (graphed, eager):
-            s.positions.fill_(300)
-        ms_graph = step_ms(graphed)
-        ms_eager = step_ms(eager, 50)
-        kernel_ms, rows = kernel_table(eager)
-        name = "triton" if mode == "1" else "torch"
+    for mode in ("auto", "off"):  # Triton kernels on, then the torch ops
+        with applied(KernelSettings(mode=mode)):  # (the steps are built and timed here, outside `generate`)
+            cache = rt.new_cache(1, args.cache)
+            graphed = GreedyDecodeStep(rt, cache, 1, graphed=True)
+            eager = GreedyDecodeStep(rt, cache, 1, graphed=False)
+            for s in (graphed, eager):
+                s.positions.fill_(300)
+            ms_graph = step_ms(graphed)
+            ms_eager = step_ms(eager, 50)
+            kernel_ms, rows = kernel_table(eager)
+        name = "triton" if mode == "auto" else "torch"
         report[name] = {"graph_step_ms": round(ms_graph, 4), "eager_step_ms": round(ms_eager, 4),
                         "kernel_sum_ms": round(kernel_ms, 4), "kernels_per_step": sum(r[1] for r in rows),
                         "top": [{"kernel": n, "per_step": c, "us": round(u, 1)} for n, c, u in rows[:25]]}

@@ -3,6 +3,7 @@ like SmolLM2-135M (bf16), random drafters of the real shapes, drafts accepted at
 (`synthetic:RATE` verification), so the step's cost is measured at a known acceptance.
 
     python scripts/profile_spec.py [--rate 0.75] [--prompts 6] [--max-new 256] [--out DIR]
+        [--kernels auto|off|force] [--tree-attention NAME=VALUE,...]
 
 Prints, per row: tok/s, ratio to plain (same process), tau, draft / verify / other ms per step,
 host syncs per token; writes profile_spec.json to --out.
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from inference.cli import CliError, add_kernel_flags, kernel_settings
 
 
 def smollm2_shaped(folder: Path):
@@ -46,7 +49,12 @@ def main(argv=None):
     ap.add_argument("--tree", dest="trees", action="append", default=[], metavar="DEPTH,TOPK,NODES[,CHILDREN]",
                     help="add an EAGLE-2 tree row (repeatable), e.g. --tree 4,4,24; CHILDREN: what each kept node "
                          "below the root is expanded into (TOPK by default)")
+    add_kernel_flags(ap, tuning=True)
     args = ap.parse_args(argv)
+    try:
+        kernels = kernel_settings(args, args.device)
+    except CliError as error:
+        raise SystemExit(f"error: {error}") from None
     from inference.runtime.engine import CACHE_BUCKET, cache_size, generate
     from inference.runtime.model import RuntimeModel
     from inference.proposers import GpuNgramProposer, drafter_proposer
@@ -61,6 +69,7 @@ def main(argv=None):
     folder = Path(tempfile.mkdtemp())
     hf = smollm2_shaped(folder)
     rt = RuntimeModel.from_pretrained(folder, dtype=torch.bfloat16, device=dev)
+    rt.kernels = kernels  # every generation below runs with them
     V = hf.config.vocab_size
     keep = (torch.zeros(16384, dtype=torch.long), torch.zeros(V, dtype=torch.bool).index_fill_(0, torch.arange(16384), True))
     eagle = Eagle3Drafter(Eagle3Config.from_target(hf.config, 16384, norm_before_fc=True, norm_before_residual=True))
@@ -87,7 +96,7 @@ def main(argv=None):
     rows["MTP k=3"] = drafter_proposer(mtp, 3, 1, max_len, rt.config)
     rows["DFlash k=7"] = drafter_proposer(dflash, 7, 1, max_len, rt.config)
     # EAGLE-2 trees (verified greedily whatever --rate says: a step's cost depends on its
-    # shapes, not on what it accepts; DRAFTSMITH_TREES_GRAPHED=1 graphs them)
+    # shapes, not on what it accepts; graphed as chains are)
     for tree in args.trees:
         depth, top_k, total, *children = (int(x) for x in tree.split(","))
         rows[f"EAGLE-3 tree {tree.replace(',', '-')}"] = EagleTreeProposer(eagle, depth, top_k, total, 1, max_len, rt.config,
@@ -143,7 +152,7 @@ def main(argv=None):
         for name in (n for n in args.trace_rows.split(",") if n in rows):
             trace(rows[name], name, prompts[0], rt, args, max_len, verification_of(rows[name]))
     (Path(args.out) / "profile_spec.json").write_text(json.dumps({"device": torch.cuda.get_device_name() if dev == "cuda" else dev, "rate": args.rate,
-                                                                 "rows": results}, indent=2))
+                                                                 **kernels.record(), "rows": results}, indent=2))
 
 
 def trace(proposer, name, prompt, rt, args, max_len, verification):

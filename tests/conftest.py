@@ -21,6 +21,22 @@ except ImportError:
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--rehearse-recipes", action="store_true",
+                     help="also run the `rehearse` tests: every recipe end to end (minutes per recipe on 2 cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`rehearse` tests are skipped unless --rehearse-recipes asks for them (a command-line
+    choice, not a variable of the environment)."""
+    if config.getoption("--rehearse-recipes"):
+        return
+    skip = pytest.mark.skip(reason="minutes per recipe on 2 cores: run with --rehearse-recipes")
+    for item in items:
+        if "rehearse" in item.keywords:
+            item.add_marker(skip)
+
+
 def kernel_device() -> str:
     """Where the Triton kernels run: "cuda", or "cpu" under TRITON_INTERPRET=1; skips otherwise."""
     if torch.cuda.is_available():

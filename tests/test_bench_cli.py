@@ -69,9 +69,40 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     assert best["chain"]["row"] == "runtime EAGLE-3 (k=2)" and best["chain"]["verify_tokens_per_step"] == 3
     assert best["verify_tokens_per_step"] == fastest[2] + 1 and len(best["swept"]) == 3
     assert best["device"] == "cpu" and best["target"] == "tiny-random-llama"
-    # the tree-attention knobs in effect are recorded (DRAFTSMITH_TREE_ATTENTION's form)
-    from draftsmith_kernels.tree_attention import apply_tuning
-    assert summary["tree_attention"].startswith("MAX_BLOCK_Q=") and apply_tuning(summary["tree_attention"])
+    # the kernel settings are recorded: the mode, for the run and each row, and the tree-attention
+    # tuning in --tree-attention's form (here the defaults)
+    from draftsmith_kernels.settings import TreeAttentionTuning
+    assert summary["kernels"] == "auto" and TreeAttentionTuning.parse(summary["tree_attention"]) == TreeAttentionTuning()
+    assert rows["runtime plain, torch ops (--kernels off)"]["kernels"] == "off" and rows["runtime plain"]["kernels"] == "auto"
+
+
+def test_bench_kernel_flags_are_checked_before_any_model_loads(tmp_path, capsys):
+    """A bad --tree-attention or --kernels is one error line and exit code 2, nothing written."""
+    out = tmp_path / "bench"
+    assert main(["--tree-attention", "num_warps=3", "--device", "cpu", "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "error: --tree-attention: tree attention: num_warps=3 is not one of 1, 2, 4, 8"
+    with pytest.raises(SystemExit) as exit_:
+        main(["--kernels", "on", "--device", "cpu", "--out", str(out)])
+    assert exit_.value.code == 2 and "--kernels" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_bench_graphs_the_tree_by_default_on_a_gpu(tmp_path):
+    """`python -m inference.bench --tree ...` as the README gives it, with nothing set beyond its
+    command line: on a GPU the tree row replays CUDA graphs as the chain rows do, through the
+    kernels, and bench.json says so."""
+    out = tmp_path / "bench"
+    eagle3 = _random_exports(tmp_path)[0]
+    assert main(["--target", "tiny-random-llama", "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cuda",
+                 "-k", "2", "--drafter", eagle3, "--hf-prompts", "1", "--tree", "2,2,4", "--out", str(out)]) == 0
+    summary = json.loads((out / "bench.json").read_text())
+    rows = summary["rows"]
+    tree, chain = rows["runtime EAGLE-3 tree (depth 2, top-k 2, 4 nodes)"], rows["runtime EAGLE-3 (k=2)"]
+    assert tree["split"]["device_loop"] and tree["split"]["graphed"] and tree["kernels"] == "auto"
+    assert chain["split"]["graphed"] and rows["runtime plain"]["split"]["graphed"]
+    assert summary["kernels"] == "auto"
 
 
 def test_best_tree_is_the_fastest_swept_beside_the_chain_at_its_depth():

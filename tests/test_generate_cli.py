@@ -26,6 +26,7 @@ def test_generate_prints_text_and_stats(tiny_target, temperature, tmp_path):
     assert "draftsmith_spec_decode_num_draft_tokens_total" in metrics.read_text()
     stats = json.loads(res.stderr.strip().splitlines()[-1])
     assert stats["new_tokens"] == 8 and stats["k"] == 4 and "acceptance" in stats
+    assert stats["kernels"] == "auto"  # the kernel setting the answer was made with (--kernels)
 
 
 @pytest.mark.parametrize("args,message", [

@@ -1,10 +1,10 @@
 """Every recipe runs anywhere: `accelerator: auto` and `precision: auto` resolve to the CPU and
 full precision where there is no GPU (and to bf16-mixed on one), so a fast_dev_run rehearsal of
 any recipe needs no override. The end-to-end rehearsal on the real zoo assets takes minutes per
-recipe on 2 cores; it runs with DRAFTSMITH_REHEARSE_RECIPES=1."""
+recipe on 2 cores; it runs with `python -m pytest tests/test_recipes.py --rehearse-recipes`
+(tests/conftest.py)."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,7 +38,7 @@ def test_every_recipe_builds_its_trainer_on_this_machine(recipe, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("DRAFTSMITH_REHEARSE_RECIPES") != "1", reason="minutes per recipe on 2 cores")
+@pytest.mark.rehearse
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_every_recipe_rehearses_on_the_cpu_without_overrides(recipe):
     res = subprocess.run([sys.executable, "-m", "train", "--config", f"configs/{recipe}", "trainer.fast_dev_run=true"],

@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith_kernels.settings import KernelSettings, applied
 from inference.runtime.model import RuntimeModel
 from tests.conftest import kernel_device
 
@@ -80,7 +81,7 @@ def test_cuda_graph_step_equals_eager(tiny_target):
     assert graphed == eager
 
 
-def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+def test_forward_through_the_kernels_equals_the_torch_path(tiny_target):
     """The whole model with every runtime kernel (Triton interpreter on CPU) gives the logits
     and cache of the torch references, for a ragged prefill and a decode step."""
     device = kernel_device()
@@ -88,10 +89,9 @@ def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypa
     torch.manual_seed(2)
     ids = torch.randint(0, 40000, (2, 7), device=device)
     results = []
-    for mode in ("0", "force"):
-        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+    for mode in ("off", "force"):
         cache = rt.new_cache(2, 16)
-        with torch.no_grad():
+        with torch.no_grad(), applied(KernelSettings(mode=mode)):
             a, aux_a = rt(ids, torch.arange(7, device=device).expand(2, 7), cache, (0,), causal_prefill=True)
             b, aux_b = rt(ids[:, :2], torch.tensor([[7, 8], [5, 6]], device=device), cache, (1,))
         results.append((a, aux_a, b, aux_b, cache.k.clone(), cache.v.clone()))
@@ -99,7 +99,7 @@ def test_forward_through_the_kernels_equals_the_torch_path(tiny_target, monkeypa
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chains(tiny_target, monkeypatch):
+def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chains(tiny_target):
     """A tree verify step (`tree_mask=`: root at slot base, node i at base + 1 + i) over a ragged
     cache: through the kernels (RoPE at the tree's slots, tree attention reading the block from
     the cache) it gives the torch path's logits, aux features and cache; and each root-to-leaf
@@ -119,23 +119,21 @@ def test_tree_verify_forward_through_the_kernels_equals_the_torch_path_and_chain
         prefilled = rt.new_cache(2, 16)
         rt(prompt, torch.arange(7, device=device).expand(2, 7), prefilled, causal_prefill=True)
     results = []
-    for mode in ("0", "force"):
-        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+    for mode in ("off", "force"):
         cache = rt.new_cache(2, 16)
         cache.k.copy_(prefilled.k)
         cache.v.copy_(prefilled.v)
-        with torch.no_grad():
+        with torch.no_grad(), applied(KernelSettings(mode=mode)):
             logits, aux = rt(fed, positions, cache, (0, 1), tree_mask=ancestor_mask(parents))
         results.append((logits, aux, cache.k.clone(), cache.v.clone()))
     for ref, got in zip(*results):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv("DRAFTSMITH_KERNELS", "0")
     for path in ([0, 2, 4], [0, 3], [1]):
         index = torch.tensor([0] + [1 + i for i in path], device=device)  # the root, then the path's nodes
         cache = rt.new_cache(2, 16)
         cache.k.copy_(prefilled.k)
         cache.v.copy_(prefilled.v)
-        with torch.no_grad():
+        with torch.no_grad(), applied(KernelSettings(mode="off")):
             chain, _ = rt(fed[:, index], base[:, None] + torch.arange(len(index), device=device), cache)
         torch.testing.assert_close(results[1][0][:, index], chain, rtol=1e-5, atol=1e-5)
 
@@ -197,8 +195,8 @@ def test_unsupported_architecture_runs_on_the_transformers_slow_path(tmp_path, c
     assert spec == plain and sum(stats.histogram) > 0
 
 
-@pytest.mark.parametrize("kernels", ["0", "force"])
-def test_qwen3_with_per_head_norms_matches_transformers(tmp_path, monkeypatch, kernels):
+@pytest.mark.parametrize("kernels", ["off", "force"])
+def test_qwen3_with_per_head_norms_matches_transformers(tmp_path, kernels):
     """Qwen3 normalises each query and key head before RoPE (`head_norm`, in place): a tiny random
     Qwen3 matches transformers' logits, through the torch path and through the kernels."""
     import os
@@ -216,5 +214,28 @@ def test_qwen3_with_per_head_norms_matches_transformers(tmp_path, monkeypatch, k
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(tmp_path)
-    monkeypatch.setenv("DRAFTSMITH_KERNELS", kernels)
-    _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 11)], atol=1e-4)
+    with applied(KernelSettings(mode=kernels)):
+        _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 11)], atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels", ["off", "force"])
+def test_mistral_with_a_sliding_window_matches_transformers(tmp_path, kernels):
+    """Mistral windows every layer (config.sliding_window, no layer_types): with a window shorter
+    than the prompts, a tiny random Mistral matches transformers' logits through the masked cache
+    path and the windowed decode kernel."""
+    import os
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from draftsmith_kernels.settings import KernelSettings, applied
+
+    if kernels == "force" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=128, sliding_window=5, tie_word_embeddings=False)
+    MistralForCausalLM(cfg).save_pretrained(tmp_path)
+    rt = RuntimeModel.from_pretrained(tmp_path)
+    assert rt.config.sliding_window == 5 and rt.config.local_layers == (0, 1)
+    with applied(KernelSettings(mode=kernels)):
+        _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 13)], atol=1e-4)

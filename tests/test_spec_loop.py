@@ -13,6 +13,7 @@ from inference.runtime.engine import cache_size, generate
 from inference.runtime.model import RuntimeModel
 from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, drafter_proposer
 from inference.runtime.verify import NO_DRAFT
+from draftsmith_kernels.settings import KernelSettings, applied
 from tests.conftest import kernel_device
 from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
 
@@ -268,7 +269,7 @@ def kernel_case(tiny_target, k: int):
     return device, hf, rt, prompts, max_new, eos, n, plain
 
 
-def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
+def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target):
     """float32, every runtime kernel on (the Triton interpreter on a CPU): the device loop with
     the EAGLE-3, MTP and DFlash proposers (RoPE written at slots, decode attention, fused emission)
     emits what it emits through the torch references, with the same histograms."""
@@ -280,9 +281,9 @@ def test_device_loop_through_the_kernels_equals_the_torch_path(tiny_target, monk
     accepted = 0
     for name, make in makers.items():
         results = []
-        for mode in ("0", "force"):
-            monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
-            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
+        for mode in ("off", "force"):
+            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False,
+                                   kernels=KernelSettings(mode=mode))
             results.append((outs, stats.row_histograms))
         assert results[0] == results[1], name
         assert results[0][0] == plain, name
@@ -308,13 +309,13 @@ def test_eagle3_chain_step_through_the_one_row_kernels_equals_the_torch_path(tin
     tokens = torch.tensor([[17]], device=device)
     hidden = torch.randn(1, 1, drafter.config.hidden_size, generator=g).to(device)
     results = []
-    for mode in ("0", "force"):
-        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
-        p = drafter_proposer(drafter, 3, 1, 16, None)
-        assert p.one_row_kernels
-        torch.manual_seed(1)
-        p.k_cache.normal_(), p.v_cache.normal_()  # earlier entries the step attends to
-        out = _eagle3_layer(p, tokens, hidden.clone(), torch.tensor([[5]], device=device))
+    for mode in ("off", "force"):
+        with applied(KernelSettings(mode=mode)):
+            p = drafter_proposer(drafter, 3, 1, 16, None)
+            assert p.one_row_kernels
+            torch.manual_seed(1)
+            p.k_cache.normal_(), p.v_cache.normal_()  # earlier entries the step attends to
+            out = _eagle3_layer(p, tokens, hidden.clone(), torch.tensor([[5]], device=device))
         results.append((out, p.k_cache.clone(), p.v_cache.clone()))
     assert launches == [False, False, False, True]  # q/k/v, o, gate_up, then down with silu(gate) * up
     for a, b in zip(*results):

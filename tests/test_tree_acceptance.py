@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith_kernels.settings import KernelSettings
 from inference.runtime.engine import cache_size, generate
 from inference.runtime.model import RuntimeModel
 from inference.walks.tree import predicted_tree_histograms, tree_lengths, text_states
@@ -57,7 +58,7 @@ def _measured(served, tree) -> list[int]:
     return stats.histogram
 
 
-def test_the_loop_through_the_kernels_accepts_and_moves_as_the_torch_path_does(served, tiny_target, monkeypatch):
+def test_the_loop_through_the_kernels_accepts_and_moves_as_the_torch_path_does(served, tiny_target):
     """Every runtime kernel on (the Triton interpreter on a CPU), two of the prompts, trees
     accepted at every depth: the tree loop emits plain greedy's answers with the histogram of the
     torch path, whose cache moves and next drafter inputs come from separate torch steps. Here the
@@ -76,13 +77,13 @@ def test_the_loop_through_the_kernels_accepts_and_moves_as_the_torch_path_does(s
     tree = (3, 2, 8)
     n = cache_size(prompts, MAX_NEW, tree[2])
     runs = []
-    for mode in ("0", "force"):
-        monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+    for mode in ("off", "force"):
         on_dev = mode == "force" and dev != "cpu"
         model = RuntimeModel.from_pretrained(tiny_target, device=dev) if on_dev else rt
         proposer = EagleTreeProposer(copy.deepcopy(drafter).to(dev) if on_dev else drafter, *tree, batch=2, max_len=n,
                                      target_config=rt.config)
-        outs, stats = generate(model, prompts, MAX_NEW, proposer=proposer, max_len=n, cuda_graphs=False)
+        outs, stats = generate(model, prompts, MAX_NEW, proposer=proposer, max_len=n, cuda_graphs=False,
+                               kernels=KernelSettings(mode=mode))
         runs.append((outs, stats.histogram))
     assert runs[1] == runs[0]
     assert runs[0][0] == plain

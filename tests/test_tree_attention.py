@@ -3,12 +3,12 @@ set in conftest), over odd shapes, GQA and each dtype, with the tree block apart
 candidates) and in the cache after the root (the target's verify step); small shapes keep the
 interpreter fast."""
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from inference.tree.ops import ancestor_mask
+from draftsmith_kernels.settings import TreeAttentionTuning
 from draftsmith_kernels.tree_attention import tree_attention_reference, tree_attention_triton, with_root_row
 
 needs_triton_backend = pytest.mark.skipif(
@@ -100,20 +100,17 @@ def test_a_split_that_loops_over_several_key_tiles_matches_reference(max_splits,
 @pytest.mark.parametrize("block_q,heads,max_chunks,merge_chunk,dtype", [
     (16, 16, 64, 16, torch.float32), (32, 4, 64, 4, torch.bfloat16), (64, 1, 2, 4, torch.float32),
     (16, 2, 64, 4, torch.bfloat16)])
-def test_the_verify_forms_chunks_and_merges_match_reference(monkeypatch, block_q, heads, max_chunks, merge_chunk,
-                                                            dtype):
+def test_the_verify_forms_chunks_and_merges_match_reference(block_q, heads, max_chunks, merge_chunk, dtype):
     """The verify step through decode_attention's chunks, at each of its knobs: score rows a
     program, query heads a merge program (9 heads: blocks of 4, 4 and 1, 2 ... and 1, or 16 with
     7 idle), the cache cut into 7 chunks of 32 (200 slots) or 2 of 128, merged 4 or 16 at a time
     (so the merge's online softmax runs over two rounds): a tree of 40 nodes spanning two or
     three chunks, rows from base 0 to the block ending at the last slot."""
-    import draftsmith_kernels.tree_attention as ta
-    for knob, value in (("CHUNKED_BLOCK_Q", block_q), ("CHUNKED_HEADS", heads), ("CHUNKED_MAX_CHUNKS", max_chunks),
-                        ("MERGE_SPLIT_CHUNK", merge_chunk)):
-        monkeypatch.setattr(ta, knob, value)
+    tuning = TreeAttentionTuning(chunked_block_q=block_q, chunked_heads=heads, chunked_max_chunks=max_chunks,
+                                 merge_split_chunk=merge_chunk)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 40, 200, 9, 3, 64, dtype, seed=block_q + heads)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
-    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask, tuning=tuning)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
@@ -207,69 +204,67 @@ def test_reference_equals_plain_attention_over_the_path():
 @pytest.mark.parametrize("max_block_q,products_16bit,target_programs,max_block_s,num_warps,combine_heads",
                          [(16, False, 512, 64, 4, 1), (32, True, 16, 32, 2, 4), (16, True, 2048, 32, 4, 16),
                           (64, False, 512, 128, 8, 2)])
-def test_the_tuning_variants_match_reference(monkeypatch, max_block_q, products_16bit, target_programs, max_block_s,
-                                             num_warps, combine_heads):
+def test_the_tuning_variants_match_reference(max_block_q, products_16bit, target_programs, max_block_s, num_warps,
+                                             combine_heads):
     """scripts/bench_attention.py's variants of the drafter's form (score rows per program,
     16-bit products, cache splits coarse and fine, key tiles, warps, query heads a merge program
     takes) compute the same attention: 40 queries over a ragged cache and 40 candidates (9 heads:
     merge programs of 4, 4 and 1, or one of 16 with 7 idle), and 22 over 22 (6 heads). (150 slots
     in tiles of 32 make 5 splits at most: 16 programs leave one split looping over every tile,
     2,048 one tile a split.)"""
-    import draftsmith_kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "COMBINE_HEADS", combine_heads)
-    monkeypatch.setattr(ta, "MAX_BLOCK_Q", max_block_q)
-    monkeypatch.setattr(ta, "PRODUCTS_16BIT", products_16bit)
-    monkeypatch.setattr(ta, "TARGET_PROGRAMS", target_programs)
-    monkeypatch.setattr(ta, "MAX_BLOCK_S", max_block_s)
-    monkeypatch.setattr(ta, "NUM_WARPS", num_warps)
+    tuning = TreeAttentionTuning(max_block_q=max_block_q, products_16bit=products_16bit,
+                                 target_programs=target_programs, max_block_s=max_block_s, num_warps=num_warps,
+                                 combine_heads=combine_heads)
     for args in (operands(2, 40, 150, 9, 3, 64, torch.bfloat16, seed=3), operands(2, 22, 150, 6, 2, 64, torch.bfloat16,
                                                                                seed=4)):
-        torch.testing.assert_close(tree_attention_triton(*args).float(), tree_attention_reference(*args).float(),
-                                   rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(tree_attention_triton(*args, tuning=tuning).float(),
+                                   tree_attention_reference(*args).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_tuning_knobs_from_a_setting_line(monkeypatch):
-    """DRAFTSMITH_TREE_ATTENTION's form sets the knobs the kernel reads at each call; an unknown
-    knob or a value out of range is an error naming it, and nothing is set."""
-    import draftsmith_kernels.tree_attention as ta
-    for knob in ta.TUNING:
-        monkeypatch.setattr(ta, knob, getattr(ta, knob))  # restored after the test
-    assert ta.apply_tuning("MAX_BLOCK_S=32, NUM_WARPS=2,PRODUCTS_16BIT=0") == dict(
-        MAX_BLOCK_S=32, NUM_WARPS=2, PRODUCTS_16BIT=False)
-    assert (ta.MAX_BLOCK_S, ta.NUM_WARPS, ta.PRODUCTS_16BIT) == (32, 2, False)
-    assert ta.apply_tuning(ta.tuning_spec()) and "MAX_BLOCK_S=32" in ta.tuning_spec()
-    ta.apply_tuning("MAX_BLOCK_Q=32")
-    for bad, named in [("NUM_WARPS=3", "NUM_WARPS"), ("BLOCK_Q=16", "BLOCK_Q"), ("MAX_BLOCK_Q=64,TARGET_PROGRAMS=0",
-                                                                                    "TARGET_PROGRAMS"),
-                       ("PRODUCTS_16BIT=True", "PRODUCTS_16BIT"), ("MAX_BLOCK_S", "MAX_BLOCK_S")]:
+def test_tuning_from_a_setting_line():
+    """`--tree-attention`'s form: named settings over the defaults, and `spec` writes a line that
+    parses back to the same tuning; an unknown name or a value out of range is an error naming it."""
+    tuning = TreeAttentionTuning.parse("max_block_s=32, num_warps=2,products_16bit=1")
+    assert tuning == TreeAttentionTuning(max_block_s=32, num_warps=2, products_16bit=True)
+    assert TreeAttentionTuning.parse(tuning.spec()) == tuning and "max_block_s=32" in tuning.spec()
+    assert TreeAttentionTuning.parse("") == TreeAttentionTuning()
+    for bad, named in [("num_warps=3", "num_warps=3"), ("block_q=16", "'block_q'"),
+                       ("max_block_q=64,target_programs=0", "target_programs"),
+                       ("products_16bit=True", "products_16bit"), ("products_16bit=2", "products_16bit"),
+                       ("max_block_s", "max_block_s")]:
         with pytest.raises(ValueError, match=named):
-            ta.apply_tuning(bad)
-    assert ta.MAX_BLOCK_Q == 32  # the failed line's valid first knob was not set
+            TreeAttentionTuning.parse(bad)
 
 
-def test_a_bad_tuning_setting_stops_the_process_with_one_line():
-    import subprocess
-    import sys
-    env = dict(os.environ, DRAFTSMITH_TREE_ATTENTION="NUM_WARPS=3")
-    run = subprocess.run([sys.executable, "-c", "import draftsmith_kernels.tree_attention"], env=env, capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[1])
-    assert run.returncode != 0
-    assert run.stderr.strip() == "error: DRAFTSMITH_TREE_ATTENTION: NUM_WARPS='3' is not one of 1, 2, 4, 8"
+def test_the_dispatcher_launches_with_the_tuning_in_effect(monkeypatch):
+    """The kernel settings applied by the caller reach the launcher: the tree-attention dispatcher
+    passes their tuning, and runs the reference when the mode is off."""
+    import draftsmith_kernels.tree_attention as ta
+    from draftsmith_kernels.settings import KernelSettings, applied
+
+    seen = []
+    monkeypatch.setattr(ta, "tree_attention_triton", lambda *a, tuning, **kw: seen.append(tuning) or "kernel")
+    q, k_cache, v_cache, base, _, _, mask = verify_operands(1, 3, 20, 2, 1, 16, torch.float32, seed=0)
+    chosen = KernelSettings(mode="force", tree_attention=TreeAttentionTuning(max_block_q=32))
+    with applied(chosen):
+        assert ta.tree_attention(q, k_cache, v_cache, base, None, None, mask) == "kernel"
+    assert seen == [chosen.tree_attention]
+    with applied(KernelSettings(mode="off")):
+        out = ta.tree_attention(q, k_cache, v_cache, base, None, None, mask)
+    torch.testing.assert_close(out, tree_attention_reference(q, k_cache, v_cache, base, None, None, mask))
+    assert len(seen) == 1
 
 
 @needs_triton_backend
 @pytest.mark.parametrize("chunk", [16, 4])
-def test_a_long_cache_split_finely_is_merged_chunk_by_chunk(monkeypatch, chunk):
+def test_a_long_cache_split_finely_is_merged_chunk_by_chunk(chunk):
     """Far more cache splits than a merge program sums at once (44 splits of 16 keys and the
     tree's tile: 64 split slots, walked MERGE_SPLIT_CHUNK at a time, as a 4,096-slot cache's are
     on a GPU): the same attention as the reference in float32, to 1e-5, for a row whose base
     reaches the cache's end (its splits fill the first three chunks of 16, the tree's tile
     included) and one at base 0 (the first split and the tree's tile alone)."""
-    import draftsmith_kernels.tree_attention as ta
-    monkeypatch.setattr(ta, "MAX_BLOCK_S", 16)
-    monkeypatch.setattr(ta, "TARGET_PROGRAMS", 1 << 16)
-    monkeypatch.setattr(ta, "MERGE_SPLIT_CHUNK", chunk)
+    tuning = TreeAttentionTuning(max_block_s=16, target_programs=1 << 16, merge_split_chunk=chunk)
     q, k_cache, v_cache, base, _, _, mask = verify_operands(2, 5, 700, 9, 3, 64, torch.float32, seed=11)
     ref = tree_attention_reference(q, k_cache, v_cache, base, None, None, mask)
-    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask)
+    got = tree_attention_triton(q, k_cache, v_cache, base, None, None, mask, tuning=tuning)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)

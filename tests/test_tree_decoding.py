@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from draftsmith_kernels.settings import KernelSettings, applied
 from inference.runtime.engine import cache_size, generate
 from inference.runtime.model import RuntimeModel
 from inference.tree.ops import Tree
@@ -116,15 +117,14 @@ def test_a_tree_keeps_its_candidates_in_range(tiny_target):
         EagleTreeProposer(_random_eagle3(hf), depth=2, top_k=3, total_tokens=40, batch=1, max_len=64)
 
 
-@pytest.mark.parametrize("kernels", ["0", "force"])
-def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target, monkeypatch, kernels):
+@pytest.mark.parametrize("kernels", ["off", "force"])
+def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target, kernels):
     """Every draft reuses the proposer's candidate K/V buffer: a draft after one that left inf or
     NaN there (an overflowing drafter) draws the same tree as the draft before it, through the
     torch path (which zeroes the buffer first: slots no node sees meet weight 0 in its product)
     and through the kernels (the tree kernel reads only the slots some query sees; the
     interpreter on a CPU)."""
     dev = kernel_device() if kernels == "force" else "cpu"  # (skips without a Triton backend)
-    monkeypatch.setenv("DRAFTSMITH_KERNELS", kernels)
     hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
     p = EagleTreeProposer(_random_eagle3(hf).to(dev), depth=3, top_k=3, total_tokens=10, batch=2, max_len=32)
     g = torch.Generator().manual_seed(0)
@@ -132,11 +132,12 @@ def test_a_draft_is_not_touched_by_what_an_earlier_one_left(tiny_target, monkeyp
     p.last.copy_(torch.tensor([5, 9]))
     p.k_cache.copy_(torch.randn(p.k_cache.shape, generator=g))
     p.v_cache.copy_(torch.randn(p.v_cache.shape, generator=g))
-    want = [t.clone() for t in p.draft_tree()]
-    for junk in (float("inf"), float("nan")):
-        p.cand_kv.fill_(junk)
-        for name, w, o in zip(Tree._fields, want, p.draft_tree()):
-            assert torch.equal(o, w), (name, junk)
+    with applied(KernelSettings(mode=kernels)):
+        want = [t.clone() for t in p.draft_tree()]
+        for junk in (float("inf"), float("nan")):
+            p.cand_kv.fill_(junk)
+            for name, w, o in zip(Tree._fields, want, p.draft_tree()):
+                assert torch.equal(o, w), (name, junk)
 
 
 def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monkeypatch):
@@ -164,10 +165,10 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
     deep = {}
     for name, make in makers.items():
         results = []
-        for mode in ("0", "force"):
-            monkeypatch.setenv("DRAFTSMITH_KERNELS", mode)
+        for mode in ("off", "force"):
             calls.clear()
-            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False)
+            outs, stats = generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n, cuda_graphs=False,
+                                   kernels=KernelSettings(mode=mode))
             results.append((outs, stats.row_histograms))
             # through the kernel only when forced: the target's verify with the tree block read
             # from the cache, an EAGLE-3 drafter's tree steps with its candidates apart
@@ -197,14 +198,41 @@ def test_tree_decoding_is_lossless_on_real_prompts_with_the_zoo_target(tokenizer
     _check_lossless(rt, hf, prompts, 16, (tokenizer.eos_token_id,), batch=5, plain=plain, names=("oracle", "eagle3"))
 
 
+def test_generate_asks_for_a_graphed_tree_loop_as_for_a_chain(tiny_target, monkeypatch):
+    """Draft trees are captured in CUDA graphs wherever chains are, by default: `generate` builds
+    the tree loop with graphs unless cuda_graphs=False, and the loop falls back to eager steps
+    where graphs cannot run, by the chain's rule (here: a CPU)."""
+    import inference.tree.plan as tree_loop
+
+    asked = []
+
+    class Recorded(tree_loop.TreeLoop):
+        def __init__(self, *args, graphed, **kwargs):
+            asked.append(graphed)
+            super().__init__(*args, graphed=graphed, **kwargs)
+
+    monkeypatch.setattr(tree_loop, "TreeLoop", Recorded)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
+    rt = RuntimeModel.from_pretrained(tiny_target)
+    prompts = [[5, 6, 7, 8], [3, 4, 3]]
+    n = cache_size(prompts, 4, 16)
+    proposer = EagleTreeProposer(_random_eagle3(hf), depth=2, top_k=2, total_tokens=4, batch=2, max_len=n,
+                                 target_config=rt.config)
+    _, stats = generate(rt, prompts, 4, proposer=proposer, max_len=n)
+    generate(rt, prompts, 4, proposer=proposer, max_len=n, cuda_graphs=False)
+    assert asked == [True, False]
+    assert stats.device_loop and not stats.graphed  # a CPU: the same eager fallback as a chain's
+    assert all(not loop.graphed for loop in rt._workspace.values() if isinstance(loop, Recorded))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
-def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatch):
-    """float32 on CUDA: the tree step captured in CUDA graphs (spec_loop.TREES_GRAPHED, off until
-    this passes on a GPU) emits what the eager tree loop emits, with the same histograms, and
-    both equal plain greedy decoding; the second call replays the captured graphs."""
-    import inference.runtime.spec_loop as spec_loop
-
+def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target):
+    """float32 on CUDA: the tree step captured in CUDA graphs, as `generate` does by default (the
+    loop it builds holds graphs), emits what the eager tree loop (cuda_graphs=False) emits, with
+    the same histograms, and both equal plain greedy decoding; the second call replays the
+    captured graphs."""
+    from inference.tree.plan import TreeLoop
     from tests.test_spec_loop import gpu_case
 
     from tests.test_tree_acceptance import _small_vocab_eagle3
@@ -218,34 +246,33 @@ def test_graphed_tree_loop_equals_the_eager_one_on_a_gpu(tiny_target, monkeypatc
         return EagleTreeProposer(drafter, depth=3, top_k=3, total_tokens=10, batch=len(prompts), max_len=n,
                                  target_config=rt.config)
 
-    monkeypatch.setattr(spec_loop, "TREES_GRAPHED", False)  # (DRAFTSMITH_TREES_GRAPHED may be set)
     eager, eager_stats = generate(rt, prompts, max_new, proposer=proposer(), eos_ids=eos, max_len=n, cuda_graphs=False)
-    monkeypatch.setattr(spec_loop, "TREES_GRAPHED", True)
+    assert not eager_stats.graphed
     graphed_proposer = proposer()
     for _ in range(2):
         graphed, graphed_stats = generate(rt, prompts, max_new, proposer=graphed_proposer, eos_ids=eos, max_len=n)
         assert graphed == eager == plain
         assert graphed_stats.row_histograms == eager_stats.row_histograms
+        assert graphed_stats.graphed
+    loops = [v for v in rt._workspace.values() if isinstance(v, TreeLoop) and v.proposer is graphed_proposer]
+    assert len(loops) == 1 and loops[0].graphs is not None
     assert sum(c for h in eager_stats.row_histograms for c in h[2:]) > 0  # paths of two nodes and more moved
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
-def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target, monkeypatch):
+def test_graphed_sampled_tree_loop_on_a_gpu(tiny_target):
     """T > 0 on CUDA, float32, the tree step captured in CUDA graphs (one draw from the target per
     node, inside the verify graph): at T = 1e-4 the target's distribution is its argmax, so the
     graphed and the eager loop both emit plain greedy's outputs; at T = 1 both draw from one
     seeded CUDA generator and emit the same tokens (the graphs replay the eager loop's draws),
     every token in the vocabulary, and a second call replays the captured graphs."""
-    import inference.runtime.spec_loop as spec_loop
-
     from tests.test_spec_loop import gpu_case
 
     hf, rt, prompts, max_new, eos, n, plain = gpu_case(tiny_target, max_new=30, k=16)
     drafter = _random_eagle3(hf).cuda()
 
     def run(graphed: bool, temperature: float, proposer):
-        monkeypatch.setattr(spec_loop, "TREES_GRAPHED", graphed)
         g = torch.Generator(device="cuda").manual_seed(0)
         return generate(rt, prompts, max_new, proposer=proposer, eos_ids=eos, max_len=n, temperature=temperature,
                         generator=g, cuda_graphs=graphed)

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from inference.proposers.base import HostProposer
 from inference.proposers.device import HostLoopInterface, check_drafter_fits
-from inference.runtime.graphs import capture_graph, kernels_mode
+from inference.runtime.graphs import capture_graph, kernel_settings
 from inference.runtime.steps import PREFILL_BUCKET, PREFILL_GRAPH_MAX_TOKENS
 from draftsmith_kernels.argmax import argmax_rows
 from draftsmith_kernels.chain_state import advance_inputs, keep_entry
 from draftsmith_kernels.decode_attention import decode_attention
-from draftsmith_kernels.gemv import gemv, one_row, one_row_mode, swiglu_gemv
+from draftsmith_kernels.gemv import gemv, one_row, swiglu_gemv
 from draftsmith_kernels.lm_head_argmax import norm_lm_head_argmax
 from draftsmith_kernels.rejection_sample import inverse_cdf
 from draftsmith_kernels.rms_norm import rms_norm, rms_norm_pair
@@ -134,7 +134,7 @@ class Eagle3Proposer(HostLoopInterface):
         width = -(-T // PREFILL_BUCKET) * PREFILL_BUCKET
         if width > self.k_cache.shape[2] or B * width > PREFILL_GRAPH_MAX_TOKENS:
             return self.begin(prompts, aux, first)
-        key = (B, width, W, aux.dtype, kernels_mode(), one_row_mode())
+        key = (B, width, W, aux.dtype, kernel_settings())
         step = self._begin_steps.get(key)
         shifted, last_index = _shifted_prompts(prompts, width)
         if step is None:

@@ -24,6 +24,7 @@ from inference.runtime.model import RuntimeModel
 from inference.runtime.spec_loop import device_speculation
 from inference.runtime.steps import GreedyDecodeStep, plain_greedy, prefill  # noqa: F401  (GreedyDecodeStep: scripts/profile_decode.py)
 from inference.runtime.verify import sampling_probs
+from draftsmith_kernels.settings import KernelSettings, applied
 
 
 @dataclass
@@ -39,6 +40,7 @@ class GenerationStats:
     host_syncs: int = 0  # times the host waited for the device's results
     verify_tokens: int | None = None  # drafted tokens verified per step, when not k (a tree's nodes)
     device_loop: bool = False  # drafted and verified by the device loop (inference/runtime/spec_loop.py)
+    graphed: bool = False  # the decode / verify steps replayed CUDA graphs (chains and trees alike, where they can)
     # what the device loop's "other" time holds: the setup before the first step (prefill,
     # first token, the proposer's begin; synced), and the host's time launching the steps (when
     # it exceeds the device's, the GPU waits on the host)
@@ -58,7 +60,7 @@ class GenerationStats:
                "host_launch_ms_per_step": per_step(self.launch_seconds), "setup_seconds": round(self.setup_seconds, 4),
                "host_syncs": self.host_syncs, "launched_steps": self.launched_steps,
                "host_syncs_per_token": round(self.host_syncs / self.new_tokens, 4) if self.new_tokens else None,
-               "device_loop": self.device_loop}
+               "device_loop": self.device_loop, "graphed": self.graphed}
         if self.k:
             out["acceptance"] = acceptance_from_histogram(self.histogram)
         return out
@@ -96,8 +98,13 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
              generator: torch.Generator | None = None,
              k_table: list[list[int]] | None = None,
              fast_plain: bool = True, top_k: int = 0, top_p: float = 1.0,
-             verification: str = "standard", device_loop: bool = True) -> tuple[list[list[int]], GenerationStats]:
+             verification: str = "standard", device_loop: bool = True,
+             kernels: KernelSettings | None = None) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
+
+    Every kernel of the generation (the model's, the proposer's, the loop's) follows `kernels`,
+    the model's own settings by default (`model.kernels`, kernels/settings.py): this is where
+    they are applied, for the call's length.
 
     `max_len` is the KV cache size; proposers that keep their own cache must be built with
     the same size (`cache_size` gives it). On a GPU the decode/verify step (fixed shape
@@ -120,6 +127,13 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     on the device, each step is captured in CUDA graphs on a GPU, and the host looks at the
     done flags once every few steps. Other proposers (suffix decoding, the host n-gram, drafting
     across vocabularies) run in the host loop below, which reads every step's result."""
+    with applied(kernels or model.kernels):
+        return _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_graphs, temperature,
+                         generator, k_table, fast_plain, top_k, top_p, verification, device_loop)
+
+
+def _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_graphs, temperature, generator, k_table,
+              fast_plain, top_k, top_p, verification, device_loop):
     k = proposer.k if proposer is not None else 0
     if k_table is not None and proposer is not None:
         k = draft_length(k_table, len(prompts), proposer.k)
@@ -139,6 +153,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     cache = reuse(model, ("cache", B, max_len), lambda: model.new_cache(B, max_len))
 
     graphed = cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True)
+    stats.graphed = graphed  # (the device loop says for itself: spec_loop.device_speculation)
     with record_function("draftsmith.prefill"):  # named ranges: a profiler trace shows where a generation goes
         logits, aux = prefill(model, cache, prompts, aux_layers, graphed)
     if verification not in ("standard", "block") and not verification.startswith("synthetic:"):

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from draftsmith_kernels.settings import KernelSettings
 from inference.runtime.model import SUPPORTED, RuntimeModel
 
 
@@ -30,6 +31,7 @@ class TransformersFallback(nn.Module):
     runtime model's interface, so every proposer and verifier works unchanged."""
 
     graphable = False
+    kernels: KernelSettings = KernelSettings()  # the proposers' and verifiers' kernels (RuntimeModel.kernels)
 
     def __init__(self, hf_model):
         super().__init__()
@@ -69,20 +71,25 @@ class _FallbackConfig:
 _warned_fallback = set()
 
 
-def load_runtime(folder: str | Path, dtype=torch.float32, device="cpu"):
+def load_runtime(folder: str | Path, dtype=torch.float32, device="cpu", kernels: KernelSettings | None = None):
     """The runtime model for a target folder: the fast implementation for Llama-family
-    configs, transformers' model on the slow path otherwise (said once in the log)."""
+    configs, transformers' model on the slow path otherwise (said once in the log). kernels:
+    the model's kernel settings (default: KernelSettings())."""
     import logging
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     kind = AutoConfig.from_pretrained(folder).model_type
     if kind in SUPPORTED:
-        return RuntimeModel.from_pretrained(folder, dtype=dtype, device=device)
-    if kind not in _warned_fallback:
-        _warned_fallback.add(kind)
-        logging.getLogger("draftsmith.runtime").warning(
-            "model_type %r has no runtime implementation (%s): running transformers' model on the slow path "
-            "(whole prefix recomputed each step, no CUDA graphs)", kind, ", ".join(sorted(SUPPORTED)))
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
-    return TransformersFallback(hf)
+        model = RuntimeModel.from_pretrained(folder, dtype=dtype, device=device)
+    else:
+        if kind not in _warned_fallback:
+            _warned_fallback.add(kind)
+            logging.getLogger("draftsmith.runtime").warning(
+                "model_type %r has no runtime implementation (%s): running transformers' model on the slow path "
+                "(whole prefix recomputed each step, no CUDA graphs)", kind, ", ".join(sorted(SUPPORTED)))
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device)
+        model = TransformersFallback(hf)
+    if kernels is not None:
+        model.kernels = kernels
+    return model

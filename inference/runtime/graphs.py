@@ -9,9 +9,9 @@ the tensors to put back afterwards.
 """
 from __future__ import annotations
 
-import os
-
 import torch
+
+from draftsmith_kernels.settings import KernelSettings, active
 
 WORKSPACE_SLOTS = 64  # caches and captured graphs kept per model (prefill shapes too), least recently used dropped
 
@@ -46,9 +46,11 @@ def graph_generator_ok(generator) -> bool:
     return generator.device.type == "cuda" and hasattr(torch.cuda.CUDAGraph, "register_generator_state")
 
 
-def kernels_mode() -> str:
-    """Which kernels a captured step holds (DRAFTSMITH_KERNELS): part of every workspace key."""
-    return os.environ.get("DRAFTSMITH_KERNELS", "1")
+def kernel_settings() -> KernelSettings:
+    """The kernel settings a captured step holds: those `generate` applied for this call (the
+    model's `kernels`, kernels/settings.py). Part of every workspace key, so that a step captured
+    under one setting is never replayed under another."""
+    return active()
 
 
 def release_workspace(model) -> None:

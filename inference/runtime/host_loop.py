@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from inference.runtime.graphs import kernels_mode, reuse
+from inference.runtime.graphs import kernel_settings, reuse
 from inference.proposers.base import capabilities
 from inference.runtime.model import GraphedStep
 from inference.runtime.verify import NO_DRAFT, block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
@@ -39,10 +39,10 @@ def host_speculation(model, cache, proposer, prompts, aux, nxt, k: int, max_new_
     if cuda_graphs and device.type == "cuda" and getattr(model, "graphable", True):
         if temperature == 0 and not verification.startswith("synthetic:") and k:
             # greedy: input, forward and verification in one graph (one copy up, one replay, one read)
-            greedy_step = reuse(model, ("host-greedy", id(cache), B, k, aux_layers, kernels_mode()),
+            greedy_step = reuse(model, ("host-greedy", id(cache), B, k, aux_layers, kernel_settings()),
                                 lambda: GraphedGreedyVerify(model, cache, B, k, aux_layers))
         else:
-            step_fn = reuse(model, ("step", id(cache), B, k + 1, aux_layers, kernels_mode()),
+            step_fn = reuse(model, ("step", id(cache), B, k + 1, aux_layers, kernel_settings()),
                             lambda: GraphedStep(model, cache, B, k + 1, aux_layers))
     offsets = torch.arange(k + 1, device=device)
     # the step's inputs go up through one pinned buffer, rewritten each step (the previous copy

@@ -23,6 +23,7 @@ from draftsmith_kernels.decode_attention import (DECODE_MAX_QUERIES, cache_mask,
                                       grouped_attention_bias, grouped_cache_attention)
 from draftsmith_kernels.rms_norm import head_norm, rms_norm
 from draftsmith_kernels.rope_cache import rope_cache
+from draftsmith_kernels.settings import KernelSettings
 from draftsmith_kernels.silu_mul import silu_mul
 from draftsmith_kernels.tree_attention import tree_attention, tree_attention_reference, tree_cache_bias, with_root_row
 from inference.runtime.gemma import (GEMMA_KINDS, embed_scale, gemma_fields, gemma_norm_weights, layer_rope,
@@ -277,6 +278,10 @@ def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
 
 
 class RuntimeModel(nn.Module):
+    # which kernels run and their tuning (kernels/settings.py), chosen by the caller (a CLI's
+    # --kernels / --tree-attention); `generate` applies them for each generation
+    kernels: KernelSettings = KernelSettings()
+
     def __init__(self, cfg: RuntimeConfig):
         super().__init__()
         self.config = cfg

@@ -13,13 +13,12 @@ k drafts at positions length-1 .. length-1+k. Finished rows keep their length, s
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 from torch.profiler import record_function
 
-from inference.runtime.graphs import capture_graph, graph_generator_ok, kernels_mode, reuse
+from inference.runtime.graphs import capture_graph, graph_generator_ok, kernel_settings, reuse
 from inference.proposers.base import capabilities
 from inference.runtime.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
 from draftsmith_kernels.emit import EmitState, emit, feed
@@ -235,10 +234,6 @@ class SpecLoop:
 
 
 SPEC_CHECK_EVERY = 2  # on a GPU: speculative steps between reads of the done flags
-# Draft trees run eagerly until their captured step has been checked on a GPU:
-# tests/test_tree_decoding.py's gpu case turns this on and compares against the eager tree loop;
-# DRAFTSMITH_TREES_GRAPHED=1 turns it on for a run (a bench on a GPU where that case passed).
-TREES_GRAPHED = os.environ.get("DRAFTSMITH_TREES_GRAPHED", "0") == "1"
 
 
 def device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
@@ -250,7 +245,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     device = model.embed_tokens.weight.device
     first = torch.as_tensor(first, device=device)  # [B]
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
-           id(generator), cuda_graphs, kernels_mode())
+           id(generator), cuda_graphs, kernel_settings())
     caps = capabilities(proposer)
     tree = caps.tree
     if tree and verification.startswith("synthetic:"):
@@ -260,8 +255,10 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     if tree:
         from inference.tree.plan import TreeLoop
     make = TreeLoop if tree else SpecLoop
+    # chains and trees alike: captured in CUDA graphs where the loop can be (SpecLoop.graphed:
+    # on CUDA, a graphable model, a generator graphs can draw from), eager otherwise
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
-                                           verification, generator, graphed=cuda_graphs and (not tree or TREES_GRAPHED)))
+                                           verification, generator, graphed=cuda_graphs))
     with record_function("draftsmith.proposer_begin"):
         if cuda_graphs and device.type == "cuda" and caps.begin_graphed:
             proposer.begin_graphed(prompts, aux, first)  # one replay, its inputs queued behind the prefill
@@ -285,6 +282,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     stats.launched_steps = timing["launched"]
     stats.setup_seconds = setup_end - t_start
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the sync that ends the setup
+    stats.graphed = loop.graphs is not None
     stats.verify_tokens = caps.verify_tokens
     if caps.end:
         proposer.end(outputs)

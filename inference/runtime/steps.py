@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.runtime.graphs import capture_graph, kernels_mode, reuse
+from inference.runtime.graphs import capture_graph, kernel_settings, reuse
 from draftsmith_kernels.argmax import argmax_rows
 
 PREFILL_BUCKET = 64  # prompts are padded to a multiple of this: few prefill shapes, graphs reused
@@ -33,7 +33,7 @@ def prefill(model, cache, prompts: list[list[int]], aux_layers: tuple, graphed: 
     if not graphed or B * width > PREFILL_GRAPH_MAX_TOKENS:
         positions = torch.arange(T, device=device).expand(B, T)
         return model(padded.to(device), positions, cache, aux_layers, logits_at=last.to(device), causal_prefill=True)
-    step = reuse(model, ("prefill", id(cache), B, width, aux_layers, kernels_mode()),
+    step = reuse(model, ("prefill", id(cache), B, width, aux_layers, kernel_settings()),
                   lambda: PrefillStep(model, cache, B, width, aux_layers))
     logits, aux = step(padded, last)
     return logits, (None if aux is None else aux[:, :T])
@@ -100,7 +100,7 @@ def plain_greedy(model, cache, first, lengths, max_new_tokens: int, eos_ids, gra
     """first [B] (the prefill's argmax), lengths [B] → (each row's tokens, cut after its EOS;
     the host syncs it took)."""
     B = first.shape[0]
-    step = reuse(model, ("plain", id(cache), B, graphed, kernels_mode()),
+    step = reuse(model, ("plain", id(cache), B, graphed, kernel_settings()),
                   lambda: GreedyDecodeStep(model, cache, B, graphed))
     step.ids[:, 0] = first
     step.positions[:, 0] = lengths  # the first new token sits right after the prompt
