@@ -239,26 +239,3 @@ def test_mistral_with_a_sliding_window_matches_transformers(tmp_path, kernels):
     assert rt.config.sliding_window == 5 and rt.config.local_layers == (0, 1)
     with applied(KernelSettings(mode=kernels)):
         _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 13)], atol=1e-4)
-
-
-@pytest.mark.parametrize("kernels", ["off", "force"])
-def test_mistral_with_a_sliding_window_matches_transformers(tmp_path, kernels):
-    """Mistral windows every layer (config.sliding_window, no layer_types): with a window shorter
-    than the prompts, a tiny random Mistral matches transformers' logits through the masked cache
-    path and the windowed decode kernel."""
-    import os
-
-    from transformers import MistralConfig, MistralForCausalLM
-
-    from draftsmith_kernels.settings import KernelSettings, applied
-
-    if kernels == "force" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton needs CUDA or TRITON_INTERPRET=1")
-    torch.manual_seed(0)
-    cfg = MistralConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=128, sliding_window=5, tie_word_embeddings=False)
-    MistralForCausalLM(cfg).save_pretrained(tmp_path)
-    rt = RuntimeModel.from_pretrained(tmp_path)
-    assert rt.config.sliding_window == 5 and rt.config.local_layers == (0, 1)
-    with applied(KernelSettings(mode=kernels)):
-        _check_against_hf(tmp_path, [torch.randint(0, 300, (n,)) for n in (6, 13)], atol=1e-4)
