@@ -50,8 +50,9 @@ class EagleTreeProposer(Eagle3Proposer):
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
                  children: int | None = None):
         super().__init__(drafter, depth, batch, max_len, target_config)
-        if not self.fused:
-            raise ValueError("draft trees are drafted by EAGLE-3 drafters for now (EAGLE-1: chains)")
+        from inference.walks.tree import check_tree_drafter  # (inside: walks/tree.py imports this module)
+
+        check_tree_drafter(drafter)  # the method table's `trees` says which drafters draft trees
         children = top_k if children is None else children
         candidates = tree_candidate_count(depth, top_k, children)
         if depth < 1 or top_k < 1 or children < 1 or not 1 <= total_tokens <= candidates:
