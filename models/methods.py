@@ -1,9 +1,11 @@
 """What a drafter is, and the one table of methods draftsmith trains, exports and serves.
 
 A drafter is an nn.Module stating the protocol below. Every place that used to branch on the
-method (training's build and objective, the predicted-acceptance walk, export, export.check,
-the runtime proposer, checkpoints) reads the method's row of `METHODS` instead, so adding a
-method is one model file, its export layout module and one row here (docs/design.md).
+method (training's build and objective, the run config's method section, the predicted-
+acceptance walk, export, export.check, the runtime proposer, the bench and the tree gate,
+checkpoints) reads the method's row of `METHODS` instead, so adding a method is one model file
+(its drafter, its config and its run-config section, `options`), its export layout module and
+one row, here or through `register` (docs/design.md).
 
 The row names its runtime proposer and its export layouts by module path, not by import:
 `models` sits below `export` and `inference` in the layer order, and those packages resolve
