@@ -44,7 +44,7 @@ MAX_K = 64  # children per node: the merge keeps every slice's k best in one blo
 # 8,192 0.25 s, still more than one slice to merge), unless a caller asks for slices of its own
 # (the kernel's tests do)
 TOPK_BLOCK_V = 8192 if INTERPRETED else BLOCK_V
-TOPK_WARPS = 4  # warps per slices program (scripts/bench_tree_select.py times it)
+TOPK_WARPS = 4  # warps per slices program (the default of kernels/tree_select.py TreeSelectTuning.topk_warps)
 
 
 def log_softmax_topk_reference(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,7 +181,7 @@ if triton is not None:
 
 
 def topk_chunks(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, k: int,
-                block_v: int = TOPK_BLOCK_V):
+                block_v: int = TOPK_BLOCK_V, num_warps: int = TOPK_WARPS):
     """The first launch alone: hidden [..., H] → the rows [R,H] it read and each row's slices'
     (maxima [R,S], sums [R,S], k best logits [R,S,k], their columns [R,S,k]), S = ceil(V / block_v),
     for a merge (`_topk_merge_kernel`, or kernels/tree_select.py's, which also expands a tree)."""
@@ -210,7 +210,7 @@ def topk_chunks(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float, wei
         _norm_gemv_topk_chunks_kernel[(nsplit, triton.cdiv(R, BLOCK_R))](
             x, norm_weight, weight, maxima, sums, best, columns, R, V, H, eps, x.stride(0), weight.stride(0), nsplit,
             K=k, IEEE=weight.dtype == torch.float32 or INTERPRETED, BLOCK_R=BLOCK_R, BLOCK_V=block_v, BLOCK_H=BLOCK_H,
-            num_warps=TOPK_WARPS)
+            num_warps=num_warps)
     return maxima, sums, best, columns
 
 

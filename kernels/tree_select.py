@@ -27,6 +27,7 @@ step's input (`Feed`) and the last verify's cache moves (`Moves`, in programs of
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -277,18 +278,27 @@ if triton is not None:
         tl.store(out_ptr + at * 2 * H + half * H + cols, pair_half(h, w, H, eps, out_ptr.dtype.element_ty),
                  mask=inside & (rank + cols * 0 < TOPK))
 
-# Warps per program of each launch (Triton's default is 4): scripts/bench_tree_select.py times
-# them at a tree step's shapes on a GPU.
-WARPS = {"merge_children": 4, "frontier": 4, "rerank": 8}
-# Candidates a rerank program writes (each ranks all of its row's), and ranked against at a time,
-# fewer past 256 candidates: every [BLOCK_I or BLOCK_J, BLOCK_C] tile holds at most RERANK_TILE.
-# Chosen by the SASS ptxas makes for sm_90 (scripts/kernel_registers.py): the C^2 compares are
-# most of the kernel's instructions, so 8 warps share them (214 registers a thread at 256
-# candidates; 16 columns and 4 warps 230; 32 and 4 spill), and no width to 2,048 candidates
-# spills; scripts/bench_tree_select.py times the knobs on a GPU.
-RERANK_ROWS = 16
-RERANK_COLUMNS = 32
-RERANK_TILE = 8192
+@dataclass(frozen=True)
+class TreeSelectTuning:
+    """Launch settings of the selection's kernels, chosen by the caller (the runtime takes the
+    defaults; scripts/bench_tree_select.py times other values at a tree step's shapes on a GPU).
+
+    - *_warps: warps per program of each launch (Triton's default is 4); topk_warps: of the
+      head's slices (kernels/lm_head_topk.py `topk_chunks`).
+    - rerank_rows / rerank_columns: candidates a rerank program writes (each ranks all of its
+      row's), and ranked against at a time, fewer past 256 candidates: every [BLOCK_I or BLOCK_J,
+      BLOCK_C] tile holds at most rerank_tile. Chosen by the SASS ptxas makes for sm_90
+      (scripts/kernel_registers.py): the C^2 compares are most of the kernel's instructions, so 8
+      warps share them (214 registers a thread at 256 candidates; 16 columns and 4 warps 230; 32
+      and 4 spill), and no width to 2,048 candidates spills.
+    """
+    merge_children_warps: int = 4
+    frontier_warps: int = 4
+    rerank_warps: int = 8
+    topk_warps: int = 4
+    rerank_rows: int = 16
+    rerank_columns: int = 32
+    rerank_tile: int = 8192
 
 
 def _check_candidates(cand: Candidates):
@@ -298,7 +308,8 @@ def _check_candidates(cand: Candidates):
 
 
 def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: int, draft_ids, frontier,
-                           frontier_scores, off: int, cand: Candidates, block_v: int | None = None) -> None:
+                           frontier_scores, off: int, cand: Candidates, block_v: int | None = None,
+                           tuning: TreeSelectTuning = TreeSelectTuning()) -> None:
     """A depth's candidates in two launches: the drafter's head over hidden [B,F,H] (the frontier
     nodes' outputs; kernels/lm_head_topk.py's first launch) and `_merge_children_kernel`, which
     writes each node's k best children as candidates off .. off + F k of `cand` (what
@@ -315,7 +326,7 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
         raise ValueError(f"expand_children: {Fr} frontier rows x {k} children at candidates {off}.. of {C}, frontier "
                          f"{None if frontier is None else tuple(frontier.shape)}")
     maxima, sums, best, columns = topk_chunks(hidden, norm_weight, eps, lm_head_weight, k,
-                                              TOPK_BLOCK_V if block_v is None else block_v)
+                                              TOPK_BLOCK_V if block_v is None else block_v, tuning.topk_warps)
     nsplit = maxima.shape[1]
     at_root = frontier is None
     if at_root:
@@ -330,11 +341,11 @@ def expand_children_triton(hidden, norm_weight, eps: float, lm_head_weight, k: i
                                           BLOCK_CAND=triton.next_power_of_2(nsplit * k),
                                           BLOCK_K=triton.next_power_of_2(k),
                                           BLOCK_C=min(256, triton.next_power_of_2(C)),
-                                          AT_ROOT=at_root, num_warps=WARPS["merge_children"])
+                                          AT_ROOT=at_root, num_warps=tuning.merge_children_warps)
 
 
 def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, level: int, last, table, table_weight,
-                              x, x_weight, eps: float, x_out):
+                              x, x_weight, eps: float, x_out, tuning: TreeSelectTuning = TreeSelectTuning()):
     """The next frontier and the drafter's input there, in one launch: the best top_k of this
     depth's candidates off .. off + F0 k (by score, ties to the lower index: the frontier of
     `expand_level_reference`) and kernels/rms_norm.py's `rms_norm_pair(table, frontier.tokens,
@@ -368,12 +379,13 @@ def frontier_norm_pair_triton(cand: Candidates, off: int, k: int, top_k: int, le
                                                    cand.ancestors.stride(1), table.stride(0), x.stride(0), x.stride(1),
                                                    BLOCK_M=triton.next_power_of_2(n_new),
                                                    BLOCK_C=min(256, triton.next_power_of_2(C)),
-                                                   BLOCK=triton.next_power_of_2(H), num_warps=WARPS["frontier"])
+                                                   BLOCK=triton.next_power_of_2(H), num_warps=tuning.frontier_warps)
     return Frontier(index, scores, tokens, parent_row, visible, positions), both
 
 
 def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, base_positions, out=None,
-                    base_offset: int = 0, feed: Feed | None = None, moves: Moves | None = None):
+                    base_offset: int = 0, feed: Feed | None = None, moves: Moves | None = None,
+                    tuning: TreeSelectTuning = TreeSelectTuning()):
     """→ (tokens, parents, depths, mask, positions), the fields of inference/tree/ops.py's Tree, node
     positions base_positions + base_offset + depth; into `out` (those five tensors, [B,N] int64
     and the mask [B,N,N] bool) when given. Epilogues: feed (kernels/emit.py `Feed`: the loop's
@@ -418,8 +430,8 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
         move_args, move_constexprs = (1, 0, 0, 0, 0, 0), dict(HEAD_DIM=1, BLOCK_H=1, BLOCK_M=1, BLOCK_D=1)
     if B:
         block_c = triton.next_power_of_2(C)
-        block_i = max(1, min(RERANK_ROWS, RERANK_TILE // block_c))
-        block_j = max(1, min(RERANK_COLUMNS, RERANK_TILE // block_c))
+        block_i = max(1, min(tuning.rerank_rows, tuning.rerank_tile // block_c))
+        block_j = max(1, min(tuning.rerank_columns, tuning.rerank_tile // block_c))
         blocks = triton.cdiv(C, block_i)
         # programs (row, block of candidates) rank; programs (row, blocks + layer) move
         _rerank_kernel[(B, blocks + layers)](
@@ -433,5 +445,5 @@ def finalize_triton(cand: Candidates, k: int, top_k: int, total_tokens: int, bas
             # the moves' programs (`move_layer`)
             k_cache, v_cache, src, dst, *move_args,
             BLOCK_C=block_c, BLOCK_I=block_i, BLOCK_J=block_j, FEED=feed is not None, **move_constexprs,
-            num_warps=WARPS["rerank"])
+            num_warps=tuning.rerank_warps)
     return tokens, parents, depths, mask, positions

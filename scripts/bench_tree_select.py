@@ -6,12 +6,12 @@ kernels/lm_head_topk.py) at a tree step's shapes, for each warps-per-program set
 Each tree's selection runs as a drafter's step makes it, from random hidden states (bf16, the
 recipe's shapes: H 576, a 16,384-row draft head, a 49,152-row embedding table): per depth the
 head's slices and merge (`expand_children_triton`), then the next frontier with its input norms
-(`frontier_norm_pair_triton`), and the rerank (`finalize_triton`). Every setting of one knob (the
-others as they stand) is checked against the standing settings' candidates and tree before it is
-timed: µs per whole selection, replayed from a CUDA graph (triton.testing.do_bench_cudagraph). A
-setting whose float sums come out in another order gives other bits (log-probabilities a rounding
-apart, which may reorder ties): it is reported as "differs" and not timed. Prints each knob's
-timings beside the standing settings'.
+(`frontier_norm_pair_triton`), and the rerank (`finalize_triton`). Each value of one launch setting
+(kernels/tree_select.py TreeSelectTuning, passed to the launchers; the others at their defaults) is
+checked against the defaults' candidates and tree before it is timed: µs per whole selection,
+replayed from a CUDA graph (triton.testing.do_bench_cudagraph). A setting whose float sums come
+out in another order gives other bits (log-probabilities a rounding apart, which may reorder ties):
+it is reported as "differs" and not timed. Prints each setting's timings beside the defaults'.
 """
 from __future__ import annotations
 
@@ -22,38 +22,17 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench_cudagraph
 
-import draftsmith_kernels.lm_head_topk as head
-import draftsmith_kernels.tree_select as select
+from draftsmith_kernels.tree_select import Candidates, TreeSelectTuning, expand_children_triton, finalize_triton, \
+    frontier_norm_pair_triton
 from inference.tree.loop import tree_candidate_count
-from draftsmith_kernels.tree_select import Candidates, expand_children_triton, finalize_triton, frontier_norm_pair_triton
 
-KNOBS = {("warps", "merge_children"): (2, 4, 8), ("warps", "frontier"): (2, 4, 8, 16), ("warps", "rerank"): (4, 8, 16),
-         ("rerank_rows", None): (8, 16, 32), ("rerank_columns", None): (8, 16, 32), ("topk_warps", None): (2, 4, 8)}
-
-
-def set_knob(knob, value):
-    kind, name = knob
-    if kind == "warps":
-        select.WARPS[name] = value
-    elif kind == "rerank_rows":
-        select.RERANK_ROWS = value
-    elif kind == "rerank_columns":
-        select.RERANK_COLUMNS = value
-    else:
-        head.TOPK_WARPS = value
+# each setting's values timed, the others at the defaults
+KNOBS = {"merge_children_warps": (2, 4, 8), "frontier_warps": (2, 4, 8, 16), "rerank_warps": (4, 8, 16),
+         "rerank_rows": (8, 16, 32), "rerank_columns": (8, 16, 32), "topk_warps": (2, 4, 8)}
 
 
-def get_knob(knob):
-    kind, name = knob
-    if kind == "warps":
-        return select.WARPS[name]
-    if kind in ("rerank_rows", "rerank_columns"):
-        return select.RERANK_ROWS if kind == "rerank_rows" else select.RERANK_COLUMNS
-    return head.TOPK_WARPS
-
-
-def selection(depth, top_k, total, children, weights, hiddens):
-    """One tree's selection → (candidates, tree tensors)."""
+def selection(depth, top_k, total, children, weights, hiddens, tuning: TreeSelectTuning):
+    """One tree's selection with these launch settings → (candidates, tree tensors)."""
     W, nw, table, tw, xw, draft_ids, last = weights
     C = tree_candidate_count(depth, top_k, children)
     cand = Candidates.empty(1, C, W.device)
@@ -62,14 +41,15 @@ def selection(depth, top_k, total, children, weights, hiddens):
     for level in range(depth):
         x = hiddens[level]
         k = top_k if level == 0 else children
-        expand_children_triton(x, nw, 1e-5, W, k, draft_ids, index, scores, off, cand)
+        expand_children_triton(x, nw, 1e-5, W, k, draft_ids, index, scores, off, cand, tuning=tuning)
         n_new = x.shape[1] * k
         if level + 1 < depth:
             parent = torch.empty(1, top_k, x.shape[-1], dtype=x.dtype, device=x.device)
-            frontier, _ = frontier_norm_pair_triton(cand, off, k, top_k, level, last, table, tw, x, xw, 1e-5, parent)
+            frontier, _ = frontier_norm_pair_triton(cand, off, k, top_k, level, last, table, tw, x, xw, 1e-5, parent,
+                                                    tuning=tuning)
             index, scores = frontier.index, frontier.scores
         off += n_new
-    return cand, finalize_triton(cand, children, top_k, total, last, base_offset=1)
+    return cand, finalize_triton(cand, children, top_k, total, last, base_offset=1, tuning=tuning)
 
 
 def main(argv=None):
@@ -100,24 +80,23 @@ def main(argv=None):
     for depth, top_k, total, children in trees:
         name = f"{depth}-{top_k}-{total}-{children}"
         hiddens = [torch.randn(1, 1 if level == 0 else top_k, H, device=dev, dtype=bf) for level in range(depth)]
-        run = lambda: selection(depth, top_k, total, children, weights, hiddens)  # noqa: E731
+        def run(tuning=TreeSelectTuning()):
+            return selection(depth, top_k, total, children, weights, hiddens, tuning)
+
         want = run()
-        standing = {knob: get_knob(knob) for knob in KNOBS}
         base = 1e3 * do_bench_cudagraph(run)
         line = {"standing": round(base, 2)}
-        print(f"{name}: standing settings {base:.2f} µs", flush=True)
+        print(f"{name}: the defaults {base:.2f} µs", flush=True)
         for knob, values in KNOBS.items():
             timed = {}
             for value in values:
-                set_knob(knob, value)
-                got = run()
+                tuning = TreeSelectTuning(**{knob: value})
+                got = run(tuning)
                 same = all(torch.equal(a, b) for a, b in zip(got[0], want[0])) and \
                     all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
-                timed[value] = round(1e3 * do_bench_cudagraph(run), 2) if same else "differs"
-            set_knob(knob, standing[knob])
-            label = f"{knob[0]}{'/' + knob[1] if knob[1] else ''}"
-            line[label] = timed
-            print(f"  {label:24s} " + "  ".join(f"{v}: {t}" for v, t in timed.items()), flush=True)
+                timed[value] = round(1e3 * do_bench_cudagraph(lambda t=tuning: run(t)), 2) if same else "differs"
+            line[knob] = timed
+            print(f"  {knob:24s} " + "  ".join(f"{v}: {t}" for v, t in timed.items()), flush=True)
         results[name] = line
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -47,10 +47,12 @@ def _kernels():
                           o_tokens_ptr=I64, o_parent_row_ptr=I64, o_visible_ptr=U8, o_positions_ptr=I64, table_ptr=BF16,
                           tw_ptr=BF16, x_ptr=BF16, xw_ptr=BF16, out_ptr=BF16, xo_ptr=BF16, eps="fp32")
 
-    # the first setting of each: the runtime's own (its module's constants), then alternatives
+    # the first setting of each: the runtime's own (TreeSelectTuning's defaults), then alternatives
+    t = select.TreeSelectTuning()
+
     def standing(c):  # the rerank's tiles at c candidates (a power of two), as finalize_triton picks them
-        return (c, max(1, min(select.RERANK_ROWS, select.RERANK_TILE // c)),
-                max(1, min(select.RERANK_COLUMNS, select.RERANK_TILE // c)), select.WARPS["rerank"])
+        return (c, max(1, min(t.rerank_rows, t.rerank_tile // c)), max(1, min(t.rerank_columns, t.rerank_tile // c)),
+                t.rerank_warps)
 
     rerank = [(f"{c} candidates, {i} rows / {j} columns a tile, {w} warps",
                dict(BLOCK_C=c, BLOCK_I=i, BLOCK_J=j, FEED=True, HEAD_DIM=64, BLOCK_H=4, BLOCK_M=8,
@@ -61,7 +63,7 @@ def _kernels():
     accept = [(f"{n} nodes, {w} warps", dict(BLOCK_N=64, BLOCK_O=64 if n < 64 else 128, BLOCK_D=8, FROM_CHUNKS=True,
                                              BLOCK_S=32, EMIT=True, HAS_ACTIVE_OUT=True, NEXT=True), w)
               for n, w in ((60, 4), (60, 8), (64, 4))]
-    warps = select.WARPS["frontier"]
+    warps = t.frontier_warps
     frontier = [(f"{warps} warps", dict(BLOCK_M=64, BLOCK_C=256, BLOCK=1024), warps)]
     return {"rerank": (_rerank_kernel, rerank_types, rerank),
             "tree_accept": (_tree_accept_kernel, accept_types, accept),

@@ -70,21 +70,21 @@ def test_finalize_matches_its_reference(B, depth, top_k, Vd, children):
 
 
 @pytest.mark.parametrize("tile", [None, 1024])
-def test_finalize_over_many_candidates_crosses_its_blocks(tile, monkeypatch):
+def test_finalize_over_many_candidates_crosses_its_blocks(tile):
     """More candidates than one program writes and ranks against at a time (16 and 32; 8 and 8
     where a tile holds 1,024, as for a row of 1,024 candidates by default): ranks, node numbers
     and the mask are counted across programs and blocks."""
-    import draftsmith_kernels.tree_select as select
+    from draftsmith_kernels.tree_select import TreeSelectTuning
 
-    if tile is not None:
-        monkeypatch.setattr(select, "RERANK_TILE", tile)
+    tuning = TreeSelectTuning() if tile is None else TreeSelectTuning(rerank_tile=tile)
     dev = kernel_device()
     g = torch.Generator().manual_seed(5)
     cand, _, last = _draft(expand_level_reference, 2, 3, 6, 30, g, "cpu")  # 6 + 2 x 36 = 78 candidates
     assert cand.tokens.shape[1] == 78
     for total in (40, 71, 78):
         want = finalize_reference(cand, 6, 6, total, last + 1)
-        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev)))
+        got = Tree(*finalize_triton(Candidates(*(t.to(dev) for t in cand)), 6, 6, total, (last + 1).to(dev),
+                                    tuning=tuning))
         for name, w, o in zip(want._fields, want, got):
             assert torch.equal(o.cpu(), w), (name, total)
 
