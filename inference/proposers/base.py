@@ -4,7 +4,7 @@ Every proposer is a `Proposer` (its draft length, the target layers it reads, `b
 declared capabilities). One that runs in the host loop speaks `HostProposer`; one that declares
 `on_device = True` speaks the device loop's `DeviceProposer`, which the engine captures in CUDA
 graphs (most device proposers speak both); one that declares `tree = True` drafts trees
-(`TreeProposer`, inference/tree/loop.py).
+(`TreeProposer`, inference/tree/plan.py; `FeedingTreeProposer` where it `feeds_verify`).
 Optional extras are further protocols: sampled drafting (`SampledProposer` on the host,
 `SampledDeviceProposer` on the device), a graphed begin (`GraphedBegin`) and a hook at the end
 of a generation (`Ending`).
@@ -92,13 +92,33 @@ class GraphedBegin(Protocol):
 
 
 @runtime_checkable
-class TreeProposer(DeviceProposer, Protocol):
-    """`tree = True`: drafts a tree per step (inference/tree/loop.py, TreeLoop)."""
+class TreeProposer(Proposer, Protocol):
+    """`tree = True`: drafts a tree per step for the device loop (inference/tree/plan.py, TreeLoop),
+    which calls these, not a chain's `draft`."""
 
     verify_tokens: int
 
-    def draft_tree(self, feed=None, moves=None):
+    def draft_tree(self):
         """The tree below each row's root (inference/tree/ops.py: Tree)."""
+
+    def advance(self, fed, aux, accepted, bonus, active, aux_rows=None) -> None:
+        """The accepted path like a chain: fed [B,D+1] (root, path tokens), aux rows aux_rows [B,D+1]
+        of the verify's features flattened, accepted [B], bonus [B], active [B] bool."""
+
+
+@runtime_checkable
+class FeedingTreeProposer(TreeProposer, Protocol):
+    """`feeds_verify = True`: TreeLoop reranks the candidates it drafts itself, writing the verify's
+    input and making the last verify's cache moves in the same launch, and hands `advance` the next
+    tokens and positions its accept launch made (inputs=)."""
+
+    top_k: int
+    children: int
+    total_tokens: int
+    last: torch.Tensor  # [B] the drafter's last step-0 position (the root sits at last + 1)
+
+    def draft_candidates(self):
+        """Every candidate of the tree, depth by depth (kernels/tree_select.py: Candidates)."""
 
 
 @runtime_checkable
@@ -136,9 +156,12 @@ def capabilities(proposer) -> Capabilities:
     if proposer is None:
         return NONE
     on_device, tree = bool(_declared(proposer, "on_device")), bool(_declared(proposer, "tree"))
-    _require(proposer, DeviceProposer if on_device else HostProposer, f"on_device = {on_device}")
-    if tree:
+    if tree:  # (the device loop's trees: a tree proposer drafts no chains)
         _require(proposer, TreeProposer, "tree = True")
+        if _declared(proposer, "feeds_verify"):
+            _require(proposer, FeedingTreeProposer, "feeds_verify = True")
+    else:
+        _require(proposer, DeviceProposer if on_device else HostProposer, f"on_device = {on_device}")
     return Capabilities(aux_layers=tuple(_declared(proposer, "aux_layers")), on_device=on_device, tree=tree,
                         feeds_verify=bool(_declared(proposer, "feeds_verify")),
                         verify_tokens=_declared(proposer, "verify_tokens"),

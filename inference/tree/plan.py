@@ -57,7 +57,8 @@ Invariants, each held by a test:
   (tests/test_tree_acceptance.py);
 - lossless: greedy tree decoding emits plain greedy decoding's tokens; at T > 0 the target's
   distribution exactly (tests/test_tree_decoding.py, tests/test_tree.py);
-- the launches: those above and no others (tests/test_tree_plan.py; their count:
+- the launches: STEP's kernels in this order, the rerank's move programs only after a verify,
+  and no launch of an epilogue's own (tests/test_tree_plan.py; each phase's launch count:
   tests/test_launch_counts.py).
 """
 from __future__ import annotations
@@ -199,8 +200,8 @@ class TreeLoop(SpecLoop):
         super().__init__(model, cache, proposer, batch, *args, **kwargs)
         # the proposer drafts candidates that the plan reranks with the verify's input and the last
         # verify's cache moves as epilogues, and takes in the next input the accept makes
-        self.fused = getattr(proposer, "feeds_verify", False)
-        N, D, dev = proposer.verify_tokens, self.k, self.tokens.device
+        self.fused = self.caps.feeds_verify  # (SpecLoop read the declared capabilities)
+        N, D, dev = self.caps.verify_tokens, self.k, self.tokens.device
         # the verify step's input: the root, then the tree's nodes ([B,N+1])
         self.fed_ids = self.fed_ids.new_zeros(batch, N + 1)
         self.fed_positions = torch.zeros_like(self.fed_ids)
