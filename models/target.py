@@ -67,6 +67,23 @@ def plain_causal(config) -> bool:
             and all(t == "full_attention" for t in layer_types or ()))
 
 
+def decoder_mask(config, visible: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor):
+    """A custom mask visible [q,k] bool (True: the query sees the key) as the decoder's
+    attention_mask. transformers hands a custom 4D mask to every layer as it is, so for a target
+    with sliding-window layers the window is applied here: keys at positions <= the query's
+    position - sliding_window hidden (key_pos [k], query_pos [q]), on every layer where the
+    config has no layer_types (Mistral), else on the "sliding_attention" layers of a mask per
+    layer type (Gemma-3, windowed Qwen), the form those decoders take."""
+    full = visible[None, None]
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return full
+    near = (visible & (key_pos[None, :] > query_pos[:, None] - window))[None, None]
+    if getattr(config, "layer_types", None) is None:
+        return near
+    return {"full_attention": full, "sliding_attention": near}
+
+
 @contextmanager
 def attention_implementation(config, name: str):
     """The decoder's attention switched to `name` for one call (the config is shared by its layers)."""
@@ -147,10 +164,13 @@ class Target(nn.Module):
         B, T, H = last_hidden.shape
         flat = last_hidden.reshape(-1, H)
         W = self.head_weight
+        cap = getattr(self.config, "final_logit_softcapping", None)
         greedy = torch.empty(flat.shape[0], dtype=torch.long, device=flat.device)
         probs = None if draft_ids is None else torch.empty(flat.shape[0], draft_ids.numel(), dtype=last_hidden.dtype, device=flat.device)
         for start in range(0, flat.shape[0], chunk_rows):
             logits = F.linear(flat[start : start + chunk_rows], W)  # [rows, V]
+            if cap:  # the head's final soft-capping (Gemma), where the config has it
+                logits = torch.tanh(logits / cap) * cap
             greedy[start : start + chunk_rows] = logits.argmax(-1)
             if probs is not None:
                 probs[start : start + chunk_rows] = torch.softmax(logits[:, draft_ids].float(), -1).to(probs.dtype)
@@ -193,7 +213,8 @@ class Target(nn.Module):
         mask[rows.reshape(-1)] = torch.cat([ctx.repeat_interleave(c, 0), torch.zeros(m * c, m * c, dtype=torch.bool, device=dev)], 1)
         own = torch.ones(c, c, dtype=torch.bool, device=dev).tril()
         mask[T:, T:] = torch.block_diag(*([own] * m))  # each chain sees its own earlier tokens
-        out = self.decoder(input_ids=ids, attention_mask=mask[None, None], position_ids=positions, use_cache=False)
+        out = self.decoder(input_ids=ids, attention_mask=decoder_mask(self.config, mask, positions[0], positions[0]),
+                           position_ids=positions, use_cache=False)
         self._captured.clear()
         return out.last_hidden_state[0, T:].view(m, c, -1)
 
@@ -213,7 +234,10 @@ class ChainSteps:
         from transformers import DynamicCache
 
         self.target, self.T = target, input_ids.shape[0]
-        self.cache = DynamicCache(config=target.config)
+        # a windowed target's own cache would keep only the last window of keys on its sliding
+        # layers: every key is kept here, and `decoder_mask` hides what the window hides
+        windowed = bool(getattr(target.config, "sliding_window", None))
+        self.cache = DynamicCache() if windowed else DynamicCache(config=target.config)
         target.decoder(input_ids=input_ids[None], past_key_values=self.cache, use_cache=True)
         target._captured.clear()
         self.anchors, self.steps = None, 0
@@ -234,7 +258,11 @@ class ChainSteps:
         own = T + torch.arange(s + 1, device=dev)[None, :] * m + torch.arange(m, device=dev)[:, None]  # [m, s+1]
         mask.scatter_(1, own, True)
         positions = (self.anchors + 2 + s)[None]
-        out = self.target.decoder(input_ids=tokens[None], attention_mask=mask[None, None], position_ids=positions,
+        key_pos = torch.cat([torch.arange(T, device=dev),
+                             (self.anchors[None, :] + 2 + torch.arange(s + 1, device=dev)[:, None]).reshape(-1)])
+        out = self.target.decoder(input_ids=tokens[None], attention_mask=decoder_mask(self.target.config, mask, key_pos,
+                                                                                      positions[0]),
+                                  position_ids=positions,
                                   past_key_values=self.cache, use_cache=True)
         self.target._captured.clear()
         self.steps += 1

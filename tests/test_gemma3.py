@@ -121,31 +121,35 @@ def test_the_window_changes_local_layers(tiny_gemma3):
     assert (a - ref).abs().max() <= 1e-4 and (b - ref).abs().max() > 1e-3
 
 
-def test_tree_verify_on_gemma3_equals_its_chains(tiny_gemma3):
-    """A tree verify step (windowed layers on the torch tree path, under tree_window_bias): each
-    root-to-leaf path's logits are those of a chain step feeding that path alone."""
+@pytest.mark.parametrize("kernels", ["off", "force"])
+def test_tree_verify_on_gemma3_equals_its_chains(tiny_gemma3, kernels):
+    """A tree verify step (windowed layers on the torch tree path, under tree_window_bias; global
+    layers through the tree kernel with kernels forced): each root-to-leaf path's logits are
+    those of a chain step feeding that path alone."""
     from inference.tree.ops import ancestor_mask
 
-    rt = RuntimeModel.from_pretrained(tiny_gemma3)
+    _needs_triton(kernels)
+    device = kernel_device() if kernels == "force" else "cpu"
+    rt = RuntimeModel.from_pretrained(tiny_gemma3, device=device)
     torch.manual_seed(4)
-    prompt = torch.randint(3, 300, (2, 9))
-    base = torch.tensor([8, 5])
-    parents = torch.tensor([[-1, -1, 0, 0, 2, 4]]).expand(2, -1)  # paths 0-2-4-5, 0-3, 1
-    depths = torch.tensor([[1, 1, 2, 2, 3, 4]])
-    fed = torch.randint(3, 300, (2, 7))
+    prompt = torch.randint(3, 300, (2, 9), device=device)
+    base = torch.tensor([8, 5], device=device)
+    parents = torch.tensor([[-1, -1, 0, 0, 2, 4]], device=device).expand(2, -1)  # paths 0-2-4-5, 0-3, 1
+    depths = torch.tensor([[1, 1, 2, 2, 3, 4]], device=device)
+    fed = torch.randint(3, 300, (2, 7), device=device)
     positions = torch.cat([base[:, None], base[:, None] + depths], 1)
-    with torch.no_grad():
+    with torch.no_grad(), applied(KernelSettings(mode=kernels)):
         prefilled = rt.new_cache(2, 20)
-        rt(prompt, torch.arange(9).expand(2, 9), prefilled, causal_prefill=True)
+        rt(prompt, torch.arange(9, device=device).expand(2, 9), prefilled, causal_prefill=True)
         cache = rt.new_cache(2, 20)
         cache.k.copy_(prefilled.k)
         cache.v.copy_(prefilled.v)
         tree, _ = rt(fed, positions, cache, tree_mask=ancestor_mask(parents))
         for path in ([0, 2, 4, 5], [0, 3], [1]):
-            index = torch.tensor([0] + [1 + i for i in path])
+            index = torch.tensor([0] + [1 + i for i in path], device=device)
             cache.k.copy_(prefilled.k)
             cache.v.copy_(prefilled.v)
-            chain, _ = rt(fed[:, index], base[:, None] + torch.arange(len(index)), cache)
+            chain, _ = rt(fed[:, index], base[:, None] + torch.arange(len(index), device=device), cache)
             torch.testing.assert_close(tree[:, index], chain, rtol=1e-5, atol=1e-5)
 
 
@@ -228,3 +232,46 @@ def test_plain_template_on_the_gemma3_tokenizer():
     assert row["input_ids"][: len(prompt)] == prompt
     answer = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
     assert tok.decode(answer).strip() == "Hi there!"
+
+
+def test_training_side_chains_on_gemma3_see_only_the_window(tiny_gemma3):
+    """The training eval's grafted chains (models/target.py: one forward with a custom mask, and
+    its incremental form over a cache) on a target whose window is shorter than the text: each
+    chain's greedy tokens are those of a plain forward over its own context, so the sliding
+    layers see only the window there too."""
+    from transformers import AutoModelForCausalLM
+
+    from models.target import Target
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
+    target = Target(model, [0, 2])
+    torch.manual_seed(6)
+    ids = torch.randint(3, 300, (24,))
+    anchors = torch.tensor([1, 9, 15, 20])
+    chains = torch.randint(3, 300, (anchors.numel(), 3))
+    got = target.greedy_after_chains(ids, anchors, chains)
+    for i, a in enumerate(anchors.tolist()):
+        with torch.no_grad():
+            logits = model(torch.cat([ids[: a + 2], chains[i]])[None]).logits[0]
+        assert torch.equal(got[i], logits[a + 2:].argmax(-1)), f"anchor {a}"
+    want = target.hidden_after_chains(ids, anchors, chains)
+    steps = target.chain_steps(ids)
+    steps.start(anchors)
+    stepped = torch.stack([steps.step(chains[:, i]) for i in range(3)], 1)
+    torch.testing.assert_close(stepped, want, rtol=1e-5, atol=1e-5)
+
+
+def test_teacher_head_applies_final_soft_capping(tiny_gemma3):
+    from transformers import AutoModelForCausalLM
+
+    from models.target import Target
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
+    target = Target(model, [0])
+    ids = torch.randint(3, 300, (1, 10))
+    with torch.no_grad():
+        out = target(ids)
+        probs, greedy = target.head_outputs(out.last_hidden, torch.arange(300))
+        logits = model(ids).logits  # soft-capped by transformers (cap 5)
+    torch.testing.assert_close(probs, torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
+    assert torch.equal(greedy, logits.argmax(-1))
