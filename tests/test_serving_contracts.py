@@ -132,13 +132,6 @@ def test_speculators_verifier_is_the_upstream_hub_id_or_a_local_path(hf_config, 
     assert name == local and not name.startswith("tiny-random")  # a local target keeps its path
 
 
-def test_readme_shows_both_vllm_launch_forms():
-    from pathlib import Path
-
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    assert "vllm serve" in readme and "--speculative-config '{\"method\": \"eagle3\", \"model\"" in readme
-
-
 # ---------------------------------------------------------------- row: EAGLE-1 in vLLM
 def _eagle1(hf_config, vd=None, fc_bias=True):
     from models.eagle1 import Eagle1Config, Eagle1Drafter
