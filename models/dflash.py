@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.target import final_norm_weight
 from models.options import MethodOptions, int_in, non_negative_int, optional, positive_int
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, apply_rope, keep_rope_float32, rope_cos_sin, rope_inv_freq
 
@@ -171,7 +172,7 @@ class DFlashDrafter(nn.Module):
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding and head (frozen) from the target; the final norm from its final norm."""
         copy_from_target(self, target_model, d2t, t2d)
-        self.norm.weight.copy_(target_model.model.norm.weight)
+        self.norm.weight.copy_(final_norm_weight(target_model))  # Gemma's: 1 + w
 
     def draft_ids(self) -> torch.Tensor:
         return draft_ids(self.d2t)

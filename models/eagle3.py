@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.target import final_norm_weight
 from models.options import MethodOptions
 from models.layers import DecoderAttention, DecoderShape, check_layer_ids, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
 from models.ttt_attention import ttt_attention
@@ -132,7 +133,7 @@ class Eagle3Drafter(nn.Module):
     def init_from_target(self, target_model, d2t: torch.Tensor, t2d: torch.Tensor):
         """Embedding (frozen) and head rows from the target; draft vocab maps installed."""
         copy_from_target(self, target_model, d2t, t2d)
-        self.norm.weight.copy_(target_model.model.norm.weight)
+        self.norm.weight.copy_(final_norm_weight(target_model))  # Gemma's: 1 + w
 
     def draft_ids(self) -> torch.Tensor:
         """[Vd] target id of each draft-vocab row."""

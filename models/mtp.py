@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.draft_vocab import copy_from_target, draft_ids, register_maps
+from models.target import final_norm_weight
 from models.eagle3 import shift_left
 from models.options import MethodOptions, positive_int
 from models.layers import DecoderAttention, DecoderShape, GatedMLP, RMSNorm, keep_rope_float32, rope_cos_sin, rope_inv_freq
@@ -125,7 +126,7 @@ class MTPDrafter(nn.Module):
         copy_from_target(self, target_model, d2t, t2d)
         last = target_model.model.layers[-1]
         for module in self.mtp:
-            module.shared_head_norm.weight.copy_(target_model.model.norm.weight)
+            module.shared_head_norm.weight.copy_(final_norm_weight(target_model))  # Gemma's: 1 + w
             for name in ("input_layernorm", "post_attention_layernorm", "mlp"):
                 getattr(module, name).load_state_dict(getattr(last, name).state_dict())
             for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

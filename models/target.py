@@ -67,6 +67,13 @@ def plain_causal(config) -> bool:
             and all(t == "full_attention" for t in layer_types or ()))
 
 
+def final_norm_weight(model) -> torch.Tensor:
+    """The target's final norm as the weight of a Llama-style RMSNorm (weight * normalised), what
+    a drafter's copy of it needs: Gemma's norms multiply by 1 + w (stored w)."""
+    w = model.model.norm.weight
+    return w + 1 if str(getattr(model.config, "model_type", "")).startswith("gemma") else w
+
+
 def decoder_mask(config, visible: torch.Tensor, key_pos: torch.Tensor, query_pos: torch.Tensor):
     """A custom mask visible [q,k] bool (True: the query sees the key) as the decoder's
     attention_mask. transformers hands a custom 4D mask to every layer as it is, so for a target

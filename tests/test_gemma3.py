@@ -275,3 +275,22 @@ def test_teacher_head_applies_final_soft_capping(tiny_gemma3):
         logits = model(ids).logits  # soft-capped by transformers (cap 5)
     torch.testing.assert_close(probs, torch.softmax(logits, -1), rtol=1e-5, atol=1e-6)
     assert torch.equal(greedy, logits.argmax(-1))
+
+
+def test_drafters_copy_gemmas_final_norm_as_it_acts(tiny_gemma3):
+    """EAGLE-3 and DFlash start their final norm from the target's; Gemma's multiplies by 1 + w,
+    so the drafter's (Llama-style) norm must equal the target's on any hidden state."""
+    from transformers import AutoModelForCausalLM
+
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_gemma3, dtype=torch.float32).eval()
+    V = hf.config.vocab_size
+    keep = (torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    h = torch.randn(3, hf.config.hidden_size)
+    for drafter in (Eagle3Drafter(Eagle3Config.from_target(hf.config, V)),
+                    DFlashDrafter(DFlashConfig.from_target(hf.config, V, mask_token_id=0))):
+        drafter.init_from_target(hf, *keep)
+        with torch.no_grad():
+            torch.testing.assert_close(drafter.norm(h), hf.model.norm(h), rtol=1e-5, atol=1e-5)
