@@ -90,7 +90,9 @@ def test_end_to_end_writes_export_and_predicted(chat_file, tmp_path, capsys):
     shutil.copytree(out / "export", joint)
     tree = json.loads((joint / "draftsmith.json").read_text())
     tree["training_config"]["objective"]["joint"] = True
-    tree["training_config"]["drafter"]["method"] = "medusa"  # (what a joint export's config says)
+    drafter = tree["training_config"]["drafter"]  # (what a joint export's config says: a Medusa-2 drafter)
+    del drafter["eagle3"]
+    drafter["method"], drafter["medusa"] = "medusa", {}
     (joint / "draftsmith.json").write_text(json.dumps(tree))
     capsys.readouterr()
     assert promise_main([str(joint), "--no-progress"]) == 2
