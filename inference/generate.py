@@ -2,7 +2,7 @@
 
     python -m inference.generate --prompt "Explain KV caches." [--proposer ngram|suffix|drafter|none]
         [--drafter EXPORT_DIR] [-k 4] [--max-new-tokens 256] [--target smollm2-135m-instruct]
-        [--chat chat.json] [--stats] [--kernels auto|off|force]
+        [--chat chat.json] [--stats] [--kernels auto|off|force] [--tree DEPTH,TOPK,NODES[,CHILDREN]]
 
 The answer is printed to stdout; with --stats, tokens/s, the draft/verify time split, the
 acceptance (a_i, tau) and the kernels' mode go to stderr as JSON. Bad input is one error line and exit code 2.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from inference.cli import CliError, Parser, add_kernel_flags, check_fits, check_output_file, check_ranges, \
-    context_window, fail as _fail, kernel_settings, not_negative, positive, resolve_device
+    context_window, fail as _fail, kernel_settings, not_negative, parse_tree_spec, positive, resolve_device
 
 DRAFTER_PROPOSERS = ("drafter", "eagle3", "medusa")
 
@@ -31,7 +31,10 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
                     "vocabulary is mapped by token strings (greedy only)")
-    ap.add_argument("-k", type=int, default=4, help="drafts per step")
+    ap.add_argument("-k", type=int, default=None, help="drafts per step (default 4; with --tree, the tree's depth)")
+    ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES[,CHILDREN]",
+                    help="draft EAGLE-2 trees with the EAGLE-3 drafter in --drafter (greedy; DEPTH is k), as bench and "
+                         "validate do; CHILDREN: what each kept node below the root is expanded into (TOPK by default)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated at most")
     ap.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
     ap.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this mass")
@@ -48,12 +51,21 @@ def main(argv=None) -> int:
     try:
         args.proposer = choose_proposer(args.proposer, args.drafter, args.draft_model)
         check_ranges(args, {"temperature": not_negative, "top_k": not_negative, "max_new_tokens": positive})
+        tree = None if args.tree is None else parse_tree_spec(args.tree)
         device = resolve_device(args.device)
         kernels = kernel_settings(args, device)
         if args.prometheus:  # a metrics file of ours is rewritten; any other file is the user's
             check_output_file(args.prometheus, "# HELP draftsmith_spec_decode", "--prometheus")
     except CliError as e:
         return _fail(e)
+    if tree is not None:  # validate's rules (inference/validate.py): a drafter's greedy tree, its depth the k
+        if args.proposer not in DRAFTER_PROPOSERS:
+            return _fail(f"--tree: trees are drafted by a trained drafter (--drafter), not the {args.proposer} proposer")
+        if args.temperature > 0:
+            return _fail(f"--tree: trees are drafted for greedy decoding (--temperature 0, not {args.temperature:g})")
+        if args.k is not None and args.k != tree[0]:
+            return _fail(f"-k {args.k} and --tree {args.tree}: a tree's depth is its k (leave -k out)")
+    args.k = (tree[0] if tree is not None else 4) if args.k is None else args.k
     if not 0 < args.top_p <= 1:
         return _fail(f"--top-p: must be in (0, 1], got {args.top_p}")
     if args.k < 1 and args.proposer != "none":
@@ -99,7 +111,7 @@ def main(argv=None) -> int:
     except (AssetError, ValueError, KeyError, OSError) as e:
         return _fail(f"--target: {e}")
     k = 0 if args.proposer == "none" else args.k
-    max_len = cache_size([prompt], args.max_new_tokens, k)
+    max_len = cache_size([prompt], args.max_new_tokens, k if tree is None else tree[2])  # a tree verifies its nodes
     proposer = None
     if args.proposer == "ngram":
         proposer = NgramProposer(k)
@@ -125,7 +137,13 @@ def main(argv=None) -> int:
 
         try:
             drafter = load_export(args.drafter, dtype=dtype).to(device)
-            proposer = drafter_proposer(drafter, k, 1, max_len, model.config)
+            if tree is None:
+                proposer = drafter_proposer(drafter, k, 1, max_len, model.config)
+            else:
+                from inference.walks.tree import check_tree_drafter, tree_proposers
+
+                check_tree_drafter(drafter)
+                proposer = tree_proposers(drafter, tree, model.config)([prompt], max_len)
         except (ValueError, KeyError, FileNotFoundError) as e:
             return _fail(f"--drafter: {e}")
     outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,
