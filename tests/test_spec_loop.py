@@ -135,7 +135,7 @@ def test_phases_hand_each_other_the_same_tensors_every_step(tiny):
         generate(rt, prompts, max_new, proposer=make(), eos_ids=eos, max_len=n)
         loop = next(v for key, v in reversed(rt._workspace.items()) if key[0] == "spec")
         handed = lambda: [v for v in (getattr(loop, "drafts", None), getattr(loop, "q", None),
-                                      *getattr(loop, "tree", ())) if isinstance(v, torch.Tensor)]
+                                      *(loop.buffers.tree if name == "tree" else ())) if isinstance(v, torch.Tensor)]
         with torch.no_grad():
             loop.draft_phase()
             first = handed()
