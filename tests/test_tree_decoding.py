@@ -161,7 +161,7 @@ def test_tree_verify_through_the_kernels_equals_the_torch_path(tiny_target, monk
                                                   max_len=n, target_config=rt.config)}
     calls = []
     kernel = tree_attention.tree_attention_triton
-    monkeypatch.setattr(tree_attention, "tree_attention_triton", lambda *a: calls.append(a[4]) or kernel(*a))
+    monkeypatch.setattr(tree_attention, "tree_attention_triton", lambda *a, **kw: calls.append(a[4]) or kernel(*a, **kw))
     deep = {}
     for name, make in makers.items():
         results = []
