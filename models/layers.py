@@ -115,8 +115,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def rope_config(hf_config) -> tuple[float, dict | None]:
-    """(theta, scaling) from an HF config, across the transformers 4 and 5 spellings."""
+    """(theta, scaling) from an HF config, across the transformers 4 and 5 spellings. A config
+    with parameters per layer type (Gemma-3: "full_attention" and "sliding_attention") gives its
+    global layers' (a drafter's layer attends over the whole context)."""
     params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
     if isinstance(params, dict) and "rope_theta" in params:
         kind = params.get("rope_type", "default")
         return float(params["rope_theta"]), (None if kind == "default" else dict(params))

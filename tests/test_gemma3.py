@@ -294,3 +294,18 @@ def test_drafters_copy_gemmas_final_norm_as_it_acts(tiny_gemma3):
         drafter.init_from_target(hf, *keep)
         with torch.no_grad():
             torch.testing.assert_close(drafter.norm(h), hf.model.norm(h), rtol=1e-5, atol=1e-5)
+
+
+def test_a_drafter_of_gemma3_takes_the_global_layers_rope(tiny_gemma3):
+    """Gemma-3's rope_parameters are per layer type: a drafter's layer (over the whole context)
+    takes the global layers' base and no scaling, never the nested dict as its scaling (which
+    export.check rightly refused as unlike what config.json serves)."""
+    from transformers import AutoConfig
+
+    from models.eagle3 import Eagle3Config
+    from models.layers import rope_config
+
+    cfg = AutoConfig.from_pretrained(tiny_gemma3)
+    assert rope_config(cfg) == (10000.0, None)  # this config's global base; the local one is 100
+    drafter_cfg = Eagle3Config.from_target(cfg, cfg.vocab_size)
+    assert (drafter_cfg.rope_theta, drafter_cfg.rope_scaling) == (10000.0, None)
