@@ -139,7 +139,12 @@ def _tokenize_to(root: Path, spec, tokenizer, max_length, limit, heldout_fractio
     train = tokenized.filter(lambda r: not r["heldout"]).remove_columns(["heldout"])
     heldout = tokenized.filter(lambda r: r["heldout"]).remove_columns(["heldout"])
     if len(train) == 0 and not heldout_only:
-        raise RuntimeError(f"{spec}: no training conversations left after tokenization")
+        from data.sources import DataError
+
+        raise DataError(f"data.dataset {spec}: no training conversations left after tokenization ({len(tokenized)} kept "
+                        f"with an answer token within data.max_length {max_length}, {len(heldout)} of them held out at "
+                        f"data.heldout_fraction {heldout_fraction:g}); raise data.max_length, lower "
+                        "data.heldout_fraction or use more data")
     root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=key + ".tmp"))
     train.save_to_disk(str(tmp / "train"))

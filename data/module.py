@@ -85,6 +85,15 @@ class ChatDataModule(L.LightningDataModule):
         self.max_steps, self.accumulate = max_steps, accumulate
         self.eval_sequences, self.eval_max_length = eval_sequences, eval_max_length
 
+    def check_batches(self, world: int) -> None:
+        """At least one batch of data.batch_size per rank (before anything is written, so the
+        refusal leaves the run folder as it was)."""
+        from data.sources import DataError
+
+        if len(epoch_batches(np.asarray(self.train_set["num_tokens"]), self.batch_size, self.seed, 0)) // world == 0:
+            raise DataError(f"data.batch_size {self.batch_size}: the {len(self.train_set)} training conversations make no "
+                            f"batch of {self.batch_size} on each of {world} rank(s); lower data.batch_size or use more data")
+
     def _collate(self, rows):
         return collate(rows, self.pad_id)
 

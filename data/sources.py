@@ -179,7 +179,15 @@ def _read_rows(path: Path):
 def _from_hf(spec: str, limit: int | None):
     import datasets
 
-    ds = datasets.load_dataset(spec, split="train")
+    try:
+        ds = datasets.load_dataset(spec, split="train")
+    except (OSError, ValueError) as e:  # ConnectionError, DatasetNotFoundError, DataFilesNotFoundError, ...
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        if Path(spec).is_dir():  # a folder datasets cannot read (of .md files, say)
+            raise DataError(f"dataset {spec}: a folder Hugging Face datasets cannot read as a data set ({reason}); "
+                            "give a chat JSON/JSONL file or a saved data set") from None
+        raise DataError(f"dataset {spec!r}: not a zoo name or an existing file, and the Hugging Face hub does not give "
+                        f"it ({reason})") from None
     out = []
     for row in ds:
         msgs = normalize(row)
@@ -216,12 +224,29 @@ def load_prompts(spec: str) -> list[dict]:
         rows = _read_rows(zoo.fetch("humaneval"))
         return [{"id": r["task_id"], "category": "humaneval",
                  "turns": ["Complete this Python function.\n\n```python\n" + r["prompt"] + "```"]} for r in rows]
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        raise DataError(f"{spec}: a folder; prompts come from a JSON or JSONL file (rows with a `prompt` string or "
+                        "`messages` holding a user turn)")
     out = []
-    for i, row in enumerate(_read_rows(Path(spec))):
+    for i, row in enumerate(_read_rows(path)):
+        where = f"{spec}: row {i + 1}"
         if not isinstance(row, dict):
-            raise DataError(f"{spec}: row {i + 1} is not a JSON object")
+            raise DataError(f"{where} is not a JSON object")
+        if "category" in row and not isinstance(row["category"], str):
+            raise DataError(f"{where}: `category` must be a string, got {_kind(row['category'])}")
+        if "prompt" in row and not isinstance(row["prompt"], str):
+            raise DataError(f"{where}: `prompt` must be a string, got {_kind(row['prompt'])}")
         msgs = normalize(row) or row.get("messages") or []
+        if not isinstance(msgs, list):
+            raise DataError(f"{where}: `messages` must be a list of {{role, content}}, got {_kind(msgs)}")
         turns = [m["content"] for m in msgs if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str)] or ([row["prompt"]] if "prompt" in row else [])
-        if turns:
-            out.append({"id": str(row.get("id", i)), "category": row.get("category", "all"), "turns": turns})
+        if not turns:
+            raise DataError(f"{where} has no `prompt` (a string) and no `messages` with a user turn (keys: "
+                            f"{', '.join(sorted(map(str, row))) or 'none'})")
+        out.append({"id": str(row.get("id", i)), "category": row.get("category", "all"), "turns": turns})
     return out
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__

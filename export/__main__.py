@@ -33,8 +33,24 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _checkpoint_file(spec: str) -> Path:
+    """The checkpoint a --checkpoint names: a file, or a run folder's last.ckpt; while that run
+    is training (it holds the folder's lock), last.ckpt is replaced as it goes, so its newest
+    step checkpoint (written once, never replaced) is taken instead, and said."""
+    import re
+
+    from export.io import locked_elsewhere
+
     path = Path(spec)
     ckpt = path / "checkpoints" / "last.ckpt" if path.is_dir() else path
+    if path.is_dir() and locked_elsewhere(path):
+        steps = sorted(((int(m.group(1)), f) for f in (path / "checkpoints").glob("step*.ckpt")
+                        if (m := re.fullmatch(r"step(\d+)\.ckpt", f.name))), key=lambda sf: sf[0])
+        if not steps:
+            raise FileNotFoundError(f"--checkpoint: {path} is training now and has written no step checkpoint yet "
+                                    "(its last.ckpt changes as it trains); export once one is written, or when it ends")
+        ckpt = steps[-1][1]
+        print(f"{path} is training now: exporting its newest step checkpoint, {ckpt.name} (last.ckpt changes as it trains)",
+              file=sys.stderr)
     if not ckpt.is_file():
         raise FileNotFoundError(f"--checkpoint: {ckpt} does not exist")
     return ckpt

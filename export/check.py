@@ -87,10 +87,15 @@ def check_keys(folder: Path, meta: dict):
     if len(dtypes) > 1:
         c.problems.append(f"mixed floating dtypes {sorted(dtypes)}")
     try:
-        drafter = load_export(folder, dtype=torch.float32, served=True)  # as a server builds it
+        drafter = load_export(folder, dtype=torch.float32, served=True, check_hash=False)  # as a server builds it
     except (KeyError, ValueError, FileNotFoundError) as e:
         c.problems.append(str(e).strip("'\""))
         return c, None
+    from export.load import weights_hash_problem
+
+    changed = weights_hash_problem(folder, meta)  # (the levels below still say what the change does)
+    if changed:
+        c.problems.append(changed)
     c.notes.append(f"{sum(1 for _ in drafter.state_dict())} tensors, dtype {next(iter(dtypes), '?')}")
     return c, drafter
 
@@ -190,12 +195,25 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     if not checkpoint or not Path(checkpoint).is_file():
         c.problems.append(f"no training checkpoint to compare with ({checkpoint or 'none recorded'}); pass --checkpoint")
         return c
-    row = _method(meta["method"])
-    reference = row.drafter(row.config.from_dict(meta["drafter_config"]))
-    from models.checkpoint import load_checkpoint
+    from models.checkpoint import load_checkpoint, read_description
 
-    state = load_checkpoint(checkpoint)["state_dict"]  # weights_only; a hostile or corrupt file is an error (exit 2)
-    state = {k.removeprefix("drafter."): v for k, v in state.items()}
+    loaded = load_checkpoint(checkpoint)  # weights_only; a hostile or corrupt file is an error (exit 2)
+    # the reference is built from the checkpoint's own record, never from draftsmith.json (which
+    # an edit could change together with config.json)
+    section = read_description(loaded, checkpoint)
+    if section["method"] != meta["method"]:
+        c.problems.append(f"{checkpoint} holds a {section['method']} drafter, the export a {meta['method']} one: "
+                          "not this export's checkpoint")
+        return c
+    row = _method(section["method"])
+    reference = row.drafter(row.config.from_dict(section["drafter_config"]))
+    trained, recorded = section["drafter_config"], meta.get("drafter_config") or {}
+    changed = [key for key in trained if not _same(recorded.get(key), trained[key])]
+    if changed:  # (level b holds config.json to draftsmith.json; this holds both to the checkpoint)
+        c.problems.extend(f"drafter {key}: {recorded.get(key)!r} in the export, {trained[key]!r} in the checkpoint"
+                          for key in changed)
+        return c
+    state = {k.removeprefix("drafter."): v for k, v in loaded["state_dict"].items() if k.startswith("drafter.")}
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), "pt") as f:
@@ -207,7 +225,11 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     taken_from_target = getattr(_layout(meta), "taken_from_target", lambda method, stored: set())
     kept = taken_from_target(meta["method"], set(names))
     state = {k: (v.to(dtype).float() if v.is_floating_point() and k not in kept else v) for k, v in state.items()}
-    reference.load_state_dict(state, strict=True)
+    try:
+        reference.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        c.problems.append(f"{checkpoint}: its tensors do not fit the drafter it records ({str(e).splitlines()[0][:160]})")
+        return c
     reference.eval()
     drafter.eval()
     torch.manual_seed(0)

@@ -66,6 +66,27 @@ def output_lock(dest: str | Path, flag: str = "--out") -> bool:
     return True
 
 
+def locked_elsewhere(dest: str | Path) -> bool:
+    """Whether another process holds `dest`'s output lock now (a training writing its run
+    folder, say); the probe takes nothing."""
+    import fcntl
+
+    lock = _lock_path(dest)
+    if str(lock) in _HELD or not lock.exists():
+        return False
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # (closing gives back the probe's shared lock)
+    return False
+
+
 def release_output_lock(dest: str | Path) -> None:
     _release(str(_lock_path(dest)))
 
@@ -161,7 +182,13 @@ def write_export_files(folder: Path, tensors: dict, config: dict, meta: dict, pr
     """The files of every export, into the temporary folder `atomic_folder` yields:
     model.safetensors, config.json, and draftsmith.json (meta: format, method, drafter config;
     then the weights' sha256 and the run's provenance)."""
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    except SafetensorError as e:  # (a full disk, say): not an OSError of its own
+        raise OSError(f"{folder.name}/model.safetensors: could not be written ({str(e).splitlines()[0][:200]}); "
+                      "is the disk full?") from None
     write_json(folder / "config.json", config)
     digest = hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
     write_json(folder / "draftsmith.json", {**meta, "weights_sha256": digest, **(provenance or {})})

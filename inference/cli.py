@@ -22,6 +22,31 @@ class Parser(argparse.ArgumentParser):
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
 
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        for name in TEXT_ARGUMENTS:  # text fed to a tokenizer; paths may hold any bytes (surrogate-escaped)
+            value = getattr(parsed, name, None)
+            if isinstance(value, str) and not _is_utf8(value):
+                self.error(f"--{name.replace('_', '-')}: not UTF-8 text (byte 0x{_first_bad_byte(value):02x}); "
+                           "give the text in UTF-8")
+        return parsed
+
+
+TEXT_ARGUMENTS = ("prompt", "system")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _first_bad_byte(text: str) -> int:
+    ch = next(c for c in text if 0xDC80 <= ord(c) <= 0xDCFF or 0xD800 <= ord(c) <= 0xDFFF)
+    return ord(ch) - 0xDC00 if 0xDC80 <= ord(ch) <= 0xDCFF else 0
+
 
 def fail(message) -> int:
     print(f"error: {str(message).strip(chr(39))}", file=sys.stderr)
@@ -80,11 +105,20 @@ def kernel_settings(args, device: str):
 
 def check_ranges(args, table: dict) -> None:
     """table: {attribute: check}; CliError naming the first flag out of range."""
+    import math
+
     for name, check in table.items():
         value = getattr(args, name, None)
+        if isinstance(value, float) and not math.isfinite(value):  # float("inf") and "nan" parse as floats
+            flag = "--" + name.replace("_", "-")
+            raise CliError(f"{flag}: must be a finite number, got {value}")
         if not check(value):
             flag = "-k" if name == "k" else "--" + name.replace("_", "-")
             raise CliError(f"{flag}: must be {check.what}, got {value}")
+
+
+# the largest tree served: EAGLE-2 trees in use verify tens to a few hundred tokens a step
+MAX_TREE_DEPTH, MAX_TREE_NODES = 32, 1024
 
 
 def parse_tree_spec(spec: str, flag: str = "--tree") -> tuple[int, ...]:
@@ -103,6 +137,10 @@ def parse_tree_spec(spec: str, flag: str = "--tree") -> tuple[int, ...]:
     problem = tree_spec_problem(*tree)
     if problem:
         raise CliError(f"{flag} {spec}: {problem}")
+    if tree[0] > MAX_TREE_DEPTH or tree[2] > MAX_TREE_NODES:
+        raise CliError(f"{flag} {spec}: at most depth {MAX_TREE_DEPTH} and {MAX_TREE_NODES} nodes (a tree verifies NODES + 1 "
+                       "tokens a step and drafts DEPTH levels of TOPK x TOPK candidates; a larger one exhausts memory "
+                       "before it serves)")
     return canonical_tree(tree)
 
 

@@ -19,6 +19,16 @@ Placeholders in braces are paths built once by the test's fixture (see WORLD the
   {longprompt} a prompt beyond the tiny target's 4,096-token window
   {marker}    the file the hostile pickle would create
   {badmeta}   an export whose draftsmith.json is not JSON     {badconfig} an export whose config.json is not JSON
+  (issue 52's inputs)
+  {nanexport} an export with a NaN weight (its weights_sha256 updated)   {intexport} one with an int32 norm weight
+  {editedexport} an export whose weights differ from its recorded weights_sha256
+  {zeroexport} an export with a 0-byte model.safetensors   {cutexport} one with a truncated model.safetensors
+  {listprompt} a prompts file whose prompt is a list    {nullcategory} one whose category is null
+  {noprompt}  a prompts file whose row has no prompt field      {mdfolder} a folder of .md files
+  {project}   a Hydra-style folder (config.yaml, logs/, export/) of another tool
+  {results}   a folder holding another tool's report.json and other files
+  {exportckpt} an export folder the user put a checkpoint ({ownckpt}) and notes into
+  {othertarget} the tiny target's architecture with other weights
 """
 from __future__ import annotations
 
@@ -46,8 +56,8 @@ def cli(name):
     return make
 
 
-export, check, generate, validate, bench, regenerate = (cli(n) for n in
-                                                        ("export", "export.check", "generate", "validate", "bench", "regenerate"))
+export, check, generate, validate, bench, regenerate, promise = (
+    cli(n) for n in ("export", "export.check", "generate", "validate", "bench", "regenerate", "promise"))
 G = ("--target", "tiny-random-llama", "--device", "cpu")  # generate: the tiny target, on the CPU
 V = ("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out", "{fresh}")
 B = ("--target", "tiny-random-llama", "--device", "cpu", "--out", "{fresh}")
@@ -72,7 +82,7 @@ CASES = {
     "train-warmup-negative": train("optim.warmup_steps=-3", phrase="optim.warmup_steps: must be a non-negative integer"),
     "train-workers-negative": train("data.num_workers=-1", phrase="data.num_workers: must be a non-negative integer"),
     "train-limit-zero": train("data.limit=0", phrase="data.limit: must be a positive integer or null"),
-    "train-seed-negative": train("seed=-1", phrase="seed: must be a non-negative integer"),
+    "train-seed-negative": train("seed=-1", phrase="seed: must be an integer in [0, 4294967295]"),
     "train-vocab-zero": train("drafter.draft_vocab_size=0", phrase="drafter.draft_vocab_size: must be a positive integer"),
     "train-accumulate-zero": train("trainer.accumulate_grad_batches=0", phrase="trainer.accumulate_grad_batches"),
     "train-precision-unknown": train("trainer.precision=fp7", phrase="trainer.precision: must be auto"),
@@ -231,3 +241,97 @@ CASES = {
     # (inference.regenerate answers a benchmark's questions: that is a data set it makes)
     "train-on-a-benchmark": train("data.dataset=mt-bench", phrase="benchmark of prompts without answers"),
 }
+
+# issue 52: folders that are not this project's output, damaged exports, malformed data, and
+# what gave a traceback instead of one line
+ISSUE_52 = {
+    # ---- data loss: a folder is ours only by our marker, never by a file name
+    "export-force-into-folder-holding-its-checkpoint": export("--checkpoint", "{ownckpt}", "--format", "speculators",
+                                                              "--out", "{exportckpt}", "--force",
+                                                              phrase="this command's input; refusing to replace it",
+                                                              unchanged=("{exportckpt}", "{run}", "{export}")),
+    "export-force-into-export-the-user-added-to": export("--checkpoint", "{run}", "--format", "speculators", "--out",
+                                                         "{exportckpt}", "--force",
+                                                         phrase="also holds mine.ckpt that export did not write",
+                                                         unchanged=("{exportckpt}", "{run}")),
+    "validate-out-holds-another-report-json": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu",
+                                                       "--out", "{results}", phrase="not a draftsmith validate output",
+                                                       unchanged=("{results}", "{export}")),
+    "validate-out-holds-the-drafter": validate("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu",
+                                               "--out", "{export}", phrase="this command's input; refusing to replace it",
+                                               unchanged=("{export}",)),
+    "train-overwrite-into-project-folder": train("out_dir={project}", "--overwrite", phrase="not a draftsmith run",
+                                                 unchanged=("{project}", "{run}")),
+    "train-into-project-folder-says-not-a-run": train("out_dir={project}", phrase="not a draftsmith run",
+                                                      unchanged=("{project}",)),
+    "train-resume-into-project-folder": train("out_dir={project}", "--resume", "{run}/checkpoints/last.ckpt",
+                                              phrase="not a draftsmith run", unchanged=("{project}", "{run}")),
+    "regenerate-out-another-tools-folder": regenerate(*R[:-1], "{results}", phrase="not written by regenerate",
+                                                      unchanged=("{results}",)),
+    # ---- damaged exports are refused when read, by every command that serves them
+    "generate-nan-export": generate("--prompt", "hi", *G, "--drafter", "{nanexport}", phrase="holds NaN or Inf values"),
+    "validate-nan-export": validate("--drafter", "{nanexport}", "--dataset", "mt-bench", "--device", "cpu", "--out",
+                                    "{fresh}", phrase="holds NaN or Inf values"),
+    "bench-nan-export": bench(*B, "--drafter", "{nanexport}", "--num-prompts", "1", phrase="holds NaN or Inf values"),
+    "generate-int-export": generate("--prompt", "hi", *G, "--drafter", "{intexport}",
+                                    phrase="tensor norm.weight is int32, not floating point"),
+    "validate-int-export": validate("--drafter", "{intexport}", "--dataset", "mt-bench", "--device", "cpu", "--out",
+                                    "{fresh}", phrase="tensor norm.weight is int32, not floating point"),
+    "bench-int-export": bench(*B, "--drafter", "{intexport}", "--num-prompts", "1",
+                              phrase="tensor norm.weight is int32, not floating point"),
+    "generate-weights-not-as-recorded": generate("--prompt", "hi", *G, "--drafter", "{editedexport}",
+                                                 phrase="draftsmith.json records (the weights were changed"),
+    "validate-weights-not-as-recorded": validate("--drafter", "{editedexport}", "--dataset", "mt-bench", "--device", "cpu",
+                                                 "--out", "{fresh}", phrase="draftsmith.json records (the weights were changed"),
+    "bench-weights-not-as-recorded": bench(*B, "--drafter", "{editedexport}", "--num-prompts", "1",
+                                           phrase="draftsmith.json records (the weights were changed"),
+    "generate-zero-byte-safetensors": generate("--prompt", "hi", *G, "--drafter", "{zeroexport}",
+                                               phrase="model.safetensors: not a readable safetensors file"),
+    "validate-zero-byte-safetensors": validate("--drafter", "{zeroexport}", "--dataset", "mt-bench", "--device", "cpu",
+                                               "--out", "{fresh}", phrase="model.safetensors: not a readable safetensors"),
+    "bench-zero-byte-safetensors": bench(*B, "--drafter", "{zeroexport}", "--num-prompts", "1",
+                                         phrase="model.safetensors: not a readable safetensors file"),
+    "generate-truncated-export-safetensors": generate("--prompt", "hi", *G, "--drafter", "{cutexport}",
+                                                      phrase="model.safetensors: not a readable safetensors file"),
+    "validate-truncated-export-safetensors": validate("--drafter", "{cutexport}", "--dataset", "mt-bench", "--device",
+                                                      "cpu", "--out", "{fresh}",
+                                                      phrase="model.safetensors: not a readable safetensors file"),
+    "bench-truncated-export-safetensors": bench(*B, "--drafter", "{cutexport}", "--num-prompts", "1",
+                                                phrase="model.safetensors: not a readable safetensors file"),
+    "validate-another-target": validate(*V, "--target", "{othertarget}", "--num-prompts", "1",
+                                        phrase="was trained against; pass --accept-other-target"),
+    # ---- values that were accepted and then failed (or ran out of memory)
+    "generate-temperature-inf": generate("--prompt", "hi", *G, "--temperature", "inf",
+                                         phrase="--temperature: must be a finite number, got inf"),
+    "generate-temperature-nan": generate("--prompt", "hi", *G, "--temperature", "nan",
+                                         phrase="--temperature: must be a finite number, got nan"),
+    "validate-temperature-inf": validate(*V, "--temperature", "inf", phrase="--temperature: must be a finite number"),
+    "regenerate-temperature-inf": regenerate(*R, "--temperature", "inf", phrase="--temperature: must be a finite number"),
+    "validate-tolerance-inf": validate(*V, "--tolerance", "inf", phrase="--tolerance: must be a finite number"),
+    "bench-tree-too-large": bench(*B, "--tree", "50,50,5000", phrase="--tree 50,50,5000: at most depth 32 and 1024 nodes"),
+    "validate-tree-too-large": validate(*V, "--tree", "50,50,5000", phrase="--tree 50,50,5000: at most depth 32"),
+    "train-seed-too-large": train("seed=4294967296", phrase="seed: must be an integer in [0, 4294967295]"),
+    "train-devices-beyond-the-machine": train("trainer.devices=512", phrase="trainer.devices: 512 is more than this machine has"),
+    "train-lr-that-diverges": train("optim.lr=1e6", "out_dir={fresh}-diverged", phrase="became NaN or Inf"),
+    # ---- tracebacks that are one line now
+    "train-max-length-cuts-every-answer": train("data.max_length=8", phrase="no training conversations left"),
+    "train-heldout-fraction-holds-everything": train("data.heldout_fraction=0.999", phrase="no training conversations left"),
+    "train-batch-larger-than-the-data": train("data.batch_size=500", phrase="data.batch_size 500: the"),
+    "train-folder-of-markdown-as-dataset": train("data.dataset={mdfolder}", phrase="notes-md: a folder Hugging Face datasets "
+                                                 "cannot read"),
+    "generate-non-utf8-prompt": generate("--prompt", "caf\udce9", *G, phrase="--prompt: not UTF-8 text (byte 0xe9)"),
+    "validate-prompt-is-a-list": validate("--drafter", "{export}", "--dataset", "{listprompt}", "--device", "cpu",
+                                          "--out", "{fresh}", phrase="row 1: `prompt` must be a string, got list"),
+    "validate-category-null": validate("--drafter", "{export}", "--dataset", "{nullcategory}", "--device", "cpu",
+                                       "--out", "{fresh}", phrase="row 1: `category` must be a string, got null"),
+    "validate-no-prompt-field": validate("--drafter", "{export}", "--dataset", "{noprompt}", "--device", "cpu",
+                                         "--out", "{fresh}", phrase="row 1 has no `prompt` (a string)"),
+    "bench-prompt-is-a-list": bench(*B, "--dataset", "{listprompt}", phrase="row 1: `prompt` must be a string, got list"),
+    "bench-category-null": bench(*B, "--dataset", "{nullcategory}", phrase="`category` must be a string, got null"),
+    "bench-no-prompt-field": bench(*B, "--dataset", "{noprompt}", phrase="has no `prompt` (a string) and no `messages`"),
+    "validate-prompts-folder": validate("--drafter", "{export}", "--dataset", "{mdfolder}", "--device", "cpu",
+                                        "--out", "{fresh}", phrase="a folder; prompts come from a JSON or JSONL file"),
+    "promise-without-arguments": promise(phrase="the following arguments are required: export"),
+    "promise-unknown-flag": promise("{export}", "eval.k=2", "--frobnicate", phrase="unrecognized arguments: --frobnicate"),
+}
+CASES.update(ISSUE_52)

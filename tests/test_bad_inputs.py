@@ -18,7 +18,7 @@ from tests.conftest import make_conversations, tiny_overrides
 
 MAINS = {"train": "train.__main__", "export": "export.__main__", "export.check": "export.check",
          "generate": "inference.generate", "validate": "inference.validate", "bench": "inference.bench",
-         "regenerate": "inference.regenerate"}
+         "regenerate": "inference.regenerate", "promise": "train.promise"}
 
 
 class _RunsCode:
@@ -84,12 +84,87 @@ def world(tmp_path_factory, tiny_target) -> dict:
     badconfig = root / "bad-config-export"
     shutil.copytree(export, badconfig)
     (badconfig / "config.json").write_text("{not json")
-    return {"badmeta": badmeta, "badconfig": badconfig, "run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
+    more = _more_world(root, finished, export, chat, tiny_target)
+    return {**more, "badmeta": badmeta, "badconfig": badconfig, "run": finished, "export": export, "userfile": userfile, "userdir": userdir, "fresh": root / "fresh",
             "chat": chat, "twochats": twochats, "nonutf8": nonutf8, "norole": norole, "evilckpt": evil,
             "evilrun": _fake_run(root, "evil-run", finished, evil.read_bytes()), "truncckpt": trunc,
             "truncrun": _fake_run(root, "trunc-run", finished, trunc.read_bytes()), "truncst": truncst,
             "truncgguf": truncgguf, "notemplate": notemplate, "marker": marker,
             "longprompt": "draft " * 4500}
+
+
+def _export_with(root: Path, export: Path, name: str, change, rehash: bool = True) -> Path:
+    """A copy of the export whose weights `change` edits ({name: tensor} in place); rehash:
+    draftsmith.json records the new weights' sha256 (so the hash check passes and the edit is what
+    is refused)."""
+    from safetensors.torch import load_file, save_file
+
+    out = root / name
+    shutil.copytree(export, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if rehash:
+        meta = json.loads((out / "draftsmith.json").read_text())
+        meta["weights_sha256"] = hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+        (out / "draftsmith.json").write_text(json.dumps(meta))
+    return out
+
+
+def _more_world(root: Path, finished: Path, export: Path, chat: Path, tiny_target) -> dict:
+    """The inputs of issue 52's rows: damaged exports, malformed prompt files, folders of other
+    tools."""
+    w = {}
+    w["nanexport"] = _export_with(root, export, "nan-export", lambda t: t["fc.weight"].__setitem__((0, 0), float("nan")))
+    w["intexport"] = _export_with(root, export, "int-export",
+                                  lambda t: t.__setitem__("norm.weight", t["norm.weight"].to(torch.int32)))
+    w["editedexport"] = _export_with(root, export, "edited-export",
+                                     lambda t: t["fc.weight"].__setitem__((0, 0), 0.5), rehash=False)
+    zero = root / "zero-export"
+    shutil.copytree(export, zero)
+    (zero / "model.safetensors").write_bytes(b"")
+    w["zeroexport"] = zero
+    cut = root / "cut-export"
+    shutil.copytree(export, cut)
+    data = (export / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    w["cutexport"] = cut
+    for name, row in (("listprompt", {"prompt": ["a", "b"]}), ("nullcategory", {"prompt": "hi", "category": None}),
+                      ("noprompt", {"question": "hi", "id": 1})):
+        (root / f"{name}.jsonl").write_text(json.dumps(row) + "\n")
+        w[name] = root / f"{name}.jsonl"
+    other = root / "other-target"  # the tiny target's architecture with other weights
+    shutil.copytree(tiny_target, other)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(other / "model.safetensors"))
+    for tensor in weights.values():
+        tensor.mul_(0.5) if tensor.is_floating_point() else None
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    w["othertarget"] = other
+    md = root / "notes-md"
+    md.mkdir()
+    (md / "a.md").write_text("# a note\n")
+    (md / "b.md").write_text("# another\n")
+    w["mdfolder"] = md
+    project = root / "hydra-project"  # a folder of another tool with a config.yaml, logs/, export/
+    (project / "logs").mkdir(parents=True)
+    (project / "export").mkdir()
+    (project / "config.yaml").write_text("defaults:\n  - model: llama\nlr: 0.001\n")
+    (project / "logs" / "train.log").write_text("epoch 1\n")
+    (project / "export" / "model.onnx").write_bytes(b"onnx")
+    w["project"] = project
+    results = root / "results"  # another tool's report.json beside other results
+    results.mkdir()
+    (results / "report.json").write_text('{"score": 0.9}')
+    (results / "log.txt").write_text("other results\n")
+    w["results"] = results
+    withckpt = root / "export-with-checkpoint"  # an export the user put the checkpoint and notes into
+    shutil.copytree(export, withckpt)
+    shutil.copy(finished / "checkpoints" / "last.ckpt", withckpt / "mine.ckpt")
+    w["exportckpt"] = withckpt
+    w["ownckpt"] = withckpt / "mine.ckpt"
+    return w
 
 
 def _fill(text: str, world: dict) -> str:

@@ -224,3 +224,149 @@ def test_overwrite_removes_only_what_a_run_wrote(finished, tmp_path, capsys):
     assert main(tiny_overrides(str(finished["chat"]), folder, **{"trainer.max_steps": 1}) + ["--overwrite"]) == 0
     assert (folder / "notes.txt").read_text() == "kept\n"
     assert not (folder / "checkpoints" / "step2.ckpt").exists()  # the earlier run's step-2 checkpoint went
+
+
+# ---- issue 52's "silent or unsafe": locks, stale temporaries, Ctrl-C, a training still running
+
+
+def _hold_lock(folder: Path):
+    """A second process holding `folder`'s output lock (as a running command does); returns it
+    once it holds the lock."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom export.io import output_lock\n"
+                             f"output_lock({str(folder)!r})\nprint('locked', flush=True)\ntime.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_a_second_command_into_a_folder_in_use_is_one_line(finished, tmp_path, capsys):
+    """Two trainings into one out_dir, two validations (or regenerations) into one --out, or an
+    export into a folder being written: the second is refused in one line naming the holder."""
+    from export.__main__ import main as export_main
+    from train.__main__ import main as train_main
+    from inference.regenerate import main as regenerate_main
+
+    out = tmp_path / "busy"
+    holder = _hold_lock(out)
+    try:
+        assert train_main(tiny_overrides(str(finished["chat"]), out)) == 2
+        _one_error(capsys.readouterr().err, f"is being written by another process (pid {holder.pid})")
+        assert export_main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out)]) == 2
+        _one_error(capsys.readouterr().err, "is being written by another process")
+        assert regenerate_main(["--target", "tiny-random-llama", "--dataset", str(finished["chat"]), "--device", "cpu",
+                                "--out", str(out)]) == 2
+        _one_error(capsys.readouterr().err, "is being written by another process")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_an_export_of_a_training_in_progress_takes_a_step_checkpoint(finished, tmp_path, capsys):
+    """last.ckpt changes while training runs: export takes the newest stepN.ckpt (and records
+    it), or refuses while there is none."""
+    from export.__main__ import main
+
+    run = tmp_path / "running"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(finished["ckpt"], run / "checkpoints" / "last.ckpt")
+    holder = _hold_lock(run)
+    try:
+        assert main(["--checkpoint", str(run), "--format", "speculators", "--out", str(tmp_path / "a")]) == 2
+        _one_error(capsys.readouterr().err, "is training now and has written no step checkpoint yet")
+        shutil.copy(finished["ckpt"], run / "checkpoints" / "step2.ckpt")
+        shutil.copy(finished["ckpt"], run / "checkpoints" / "step10.ckpt")
+        assert main(["--checkpoint", str(run), "--format", "speculators", "--out", str(tmp_path / "b")]) == 0
+        assert "exporting its newest step checkpoint, step10.ckpt" in capsys.readouterr().err
+        recorded = json.loads((tmp_path / "b" / "draftsmith.json").read_text())["checkpoint"]
+        assert recorded == str((run / "checkpoints" / "step10.ckpt").resolve())
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_stale_temporaries_of_a_killed_export_are_removed_by_the_next(tmp_path):
+    """SIGKILL mid-write leaves `.NAME.tmp-*` (and `.NAME.old-*`) beside --out: the next write
+    to the same --out removes them; other hidden files stay."""
+    from export.io import atomic_folder
+
+    out = tmp_path / "validation"
+    for stale in (".validation.tmp-x1y2", ".validation.old-1234"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "report.json").write_text("{}")
+    (tmp_path / ".keep-me").write_text("the user's\n")
+    with atomic_folder(out, tool="validate") as tmp:
+        (tmp / "report.json").write_text("{}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".keep-me", "validation"]
+
+
+def test_ctrl_c_during_export_is_one_line(finished, tmp_path, capsys, monkeypatch):
+    import export.__main__ as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "write_export", interrupted)
+    out = tmp_path / "export"
+    assert cli.main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [f"interrupted: nothing was written to {out}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line(finished, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own error, torch as a RuntimeError: both become
+    an OSError naming the file, which the commands print in one line."""
+    from safetensors import SafetensorError
+
+    import export.io
+    from export.__main__ import main
+    from train.checkpoint_io import make_checkpoint_io
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(export.io, "save_file", full)
+    assert main(["--checkpoint", str(finished["ckpt"]), "--format", "speculators", "--out", str(tmp_path / "e")]) == 2
+    _one_error(capsys.readouterr().err, "model.safetensors: could not be written")
+    assert list(tmp_path.iterdir()) == []
+
+    def torch_full(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0\nfile write failed")
+
+    monkeypatch.setattr("torch.save", torch_full)
+    with pytest.raises(OSError, match="last.ckpt: the checkpoint could not be written .*file write failed"):
+        make_checkpoint_io().save_checkpoint({"x": 1}, tmp_path / "c" / "last.ckpt")
+    assert list((tmp_path / "c").iterdir()) == []
+
+
+def test_export_check_holds_the_export_to_the_checkpoints_own_record(finished, tmp_path, capsys):
+    """An edit made in both config.json and draftsmith.json (a norm flag) passed export.check:
+    parity was built from draftsmith.json. A checkpoint of another method is a problem line, not
+    a traceback."""
+    import torch
+
+    from export.check import main
+    from models.checkpoint import SECTION
+
+    out = tmp_path / "edited"
+    shutil.copytree(finished["run"] / "export", out)
+    for name, edit in (("draftsmith.json", lambda d: d["drafter_config"].__setitem__("norm_before_residual", True)),
+                       ("config.json", lambda d: d.__setitem__("norm_before_residual", True))):
+        data = json.loads((out / name).read_text())
+        edit(data)
+        (out / name).write_text(json.dumps(data))
+    assert main([str(out)]) == 1
+    printed = capsys.readouterr().out
+    assert "drafter norm_before_residual: True in the export, False in the checkpoint" in printed, printed
+
+    other = tmp_path / "other-method.ckpt"
+    ckpt = torch.load(finished["ckpt"], weights_only=True)
+    ckpt[SECTION] = {**ckpt[SECTION], "method": "medusa"}
+    torch.save(ckpt, other)
+    assert main([str(finished["run"] / "export"), "--checkpoint", str(other)]) == 1
+    out_, err = capsys.readouterr()
+    assert "Traceback" not in err and "holds a medusa drafter, the export a eagle3 one" in out_, out_ + err

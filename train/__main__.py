@@ -64,14 +64,17 @@ def main(argv=None) -> int:
     from models.zoo import AssetError
     from data.sources import DataError
 
+    from train.callbacks import NonFiniteTraining
     from train.checkpoint_io import CheckpointError
     from train.run import run
     from train.run_folder import TrainingInterrupted, resume_command
 
     try:
         run(cfg, resume=resume, prepare_only=args.prepare_only, overwrite=args.overwrite)
-    except (ConfigError, AssetError, DataError, CheckpointError, FileNotFoundError) as e:
+    except (ConfigError, AssetError, DataError, CheckpointError, FileNotFoundError, NonFiniteTraining) as e:
         return _fail(e)
+    except OSError as e:  # a full disk, a folder that vanished: one line, naming the file
+        return _fail(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else e)
     except TrainingInterrupted as e:
         where = f"the last checkpoint is {e.checkpoint}" if e.checkpoint.is_file() else "no checkpoint was written yet"
         print(f"interrupted at step {e.step}; {where}; continue with: "

@@ -35,6 +35,46 @@ class ProgressBar(TQDMProgressBar):
         return metrics
 
 
+class NonFiniteTraining(Exception):
+    """The loss (or the weights) became NaN or Inf: training stops, and that state is never saved."""
+
+
+class FiniteLoss(L.Callback):
+    """Stops training at a NaN or Inf loss, naming the first step that had one, and refuses to
+    write a checkpoint of non-finite weights. The first bad step is kept on the device ([]-shaped
+    int64, -1 while none) and read on the host only every `every` steps and before each
+    checkpoint: a read at every step would be a device sync at every step."""
+
+    def __init__(self, every: int = 50):
+        self.every = every
+        self.first_bad = None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if not isinstance(loss, torch.Tensor):
+            return
+        loss = loss.detach()
+        if self.first_bad is None:
+            self.first_bad = torch.full((), -1, dtype=torch.long, device=loss.device)
+        step = torch.full((), trainer.global_step, dtype=torch.long, device=loss.device)
+        self.first_bad = torch.where((self.first_bad < 0) & ~torch.isfinite(loss), step, self.first_bad)
+        if trainer.global_step % self.every == 0 or not torch.cuda.is_available():
+            self._stop_if_bad()
+
+    def _stop_if_bad(self):
+        if self.first_bad is not None and int(self.first_bad) >= 0:
+            raise NonFiniteTraining(f"the training loss became NaN or Inf at step {int(self.first_bad)}; training stopped "
+                                    "and no checkpoint of it was written (lower optim.lr, or check the data)")
+
+    def on_save_checkpoint(self, trainer, module, checkpoint):
+        self._stop_if_bad()
+        drafter = getattr(module, "drafter", module)
+        bad = next((name for name, p in drafter.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            raise NonFiniteTraining(f"the drafter's weights ({bad}) became NaN or Inf by step {trainer.global_step}; "
+                                    "training stopped and no checkpoint of them was written (lower optim.lr)")
+
+
 class Throughput(L.Callback):
     """Real (unpadded) tokens per second over training steps, the time between them included
     (batches loaded, logs and checkpoints written: the wall clock a time box runs on), excluding

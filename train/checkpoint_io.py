@@ -30,6 +30,8 @@ def make_checkpoint_io():
             try:
                 torch.save(checkpoint, tmp)
                 os.replace(tmp, path)
+            except RuntimeError as e:  # torch's writer reports a full disk (ENOSPC) as a RuntimeError
+                raise OSError(f"{path}: the checkpoint could not be written ({_first_line(e)}); is the disk full?") from None
             finally:
                 tmp.unlink(missing_ok=True)
 
@@ -37,6 +39,11 @@ def make_checkpoint_io():
             return load_checkpoint(path)
 
     return _SafeAtomic()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [line for line in str(e).splitlines() if line.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 _TEMP = re.compile(r"^\..+\.tmp-(\d+)$")

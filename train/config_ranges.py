@@ -42,6 +42,10 @@ def draft_trees(v) -> bool:
                                        for t in v)
 
 
+def seed(v) -> bool:  # what numpy's and Lightning's seeding take
+    return non_negative_int(v) and v <= 2**32 - 1
+
+
 def fast_dev_run(v) -> bool:
     return isinstance(v, bool) or positive_int(v)
 
@@ -64,7 +68,7 @@ def one_of(*choices):
 
 # key, check, what the value must be (said in the error line)
 RANGES = [
-    ("seed", non_negative_int, "a non-negative integer"),
+    ("seed", seed, "an integer in [0, 4294967295]"),
     ("checkpoint_every_n_steps", positive_int, "a positive integer"),
     ("drafter.aux_layer_ids", layer_ids, "a non-empty list of non-negative layer ids, or null"),
     ("drafter.draft_vocab_size", positive_int, "a positive integer"),

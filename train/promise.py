@@ -95,9 +95,9 @@ def repromise(export_dir: str, overrides: list[str], progress: bool = True) -> d
 
 
 def main(argv=None) -> int:
-    import argparse
+    from inference.cli import Parser  # usage errors as one `error:` line, exit code 2, as every command
 
-    ap = argparse.ArgumentParser(prog="python -m train.promise", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m train.promise", description=__doc__.split("\n\n")[0])
     ap.add_argument("export", help="an export folder written by `python -m train`")
     ap.add_argument("overrides", nargs="*", help="eval.KEY=VALUE (or data.dataset=PATH) settings to promise for")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

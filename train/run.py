@@ -35,7 +35,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from train.callbacks import ProgressBar, Throughput, progress_refresh_rate, resumable_csv_logger
+    from train.callbacks import FiniteLoss, ProgressBar, Throughput, progress_refresh_rate, resumable_csv_logger
     from train.checkpoint_io import make_checkpoint_io
 
     loggers = [resumable_csv_logger(out_dir), TensorBoardLogger(out_dir, name="tb", version="")]
@@ -51,7 +51,7 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
                                   save_last=True, save_top_k=-1, filename="step{step}", auto_insert_metric_name=False)
     accumulate = int(cfg.trainer.get("accumulate_grad_batches", 1))
     total_batches = int(cfg.trainer.get("max_steps", 1)) * accumulate
-    callbacks = [checkpoints, Throughput()]
+    callbacks = [checkpoints, FiniteLoss(), Throughput()]
     bar = cfg.trainer.get("enable_progress_bar")
     if bar is None or bar:  # (Lightning's own test: None is its default, on)
         callbacks.append(ProgressBar(refresh_rate=progress_refresh_rate()))
@@ -78,10 +78,24 @@ def build_trainer(cfg: RunConfig, out_dir: Path):
 
         kwargs["strategy"] = fsdp_strategy()
     kwargs["precision"] = resolve_precision(kwargs.get("precision"), kwargs.get("accelerator", "auto"))
+    check_devices(kwargs.get("devices"), kwargs.get("accelerator", "auto"))
     try:
         return L.Trainer(**kwargs)
     except (TypeError, ValueError, MisconfigurationException) as e:
         raise ConfigError(f"trainer: {str(e).splitlines()[0]}") from None
+
+
+def check_devices(devices, accelerator) -> None:
+    """trainer.devices no larger than the machine: more CPU processes than cores (or GPUs than
+    there are) spawn ranks that die, or wait for each other for good."""
+    count = int(devices) if isinstance(devices, int) or (isinstance(devices, str) and devices.isdigit()) else None
+    if count is None or count <= 1:
+        return
+    on_gpu = str(accelerator) in ("gpu", "cuda") or (str(accelerator) == "auto" and torch.cuda.is_available())
+    have = torch.cuda.device_count() if on_gpu else (os.cpu_count() or 1)
+    if count > have:
+        raise ConfigError(f"trainer.devices: {count} is more than this machine has ({have} "
+                          f"{'GPUs' if on_gpu else 'CPU cores'}); use at most {have}")
 
 
 def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
@@ -97,7 +111,17 @@ def prepare_data(cfg: RunConfig, tokenizer, vocab_size: int):
                       cfg.data.plain_text)
     counts_path = cache_dir() / "datasets" / key / "token_counts.pt"
     if counts_path.exists():
-        counts = torch.load(counts_path, weights_only=True)
+        from data.sources import DataError
+
+        try:
+            counts = torch.load(counts_path, weights_only=True)
+        except Exception as e:  # (weights_only: a planted pickle is refused here, never run)
+            raise DataError(f"{counts_path}: not the token counts draftsmith caches ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120] if str(e) else ''}); refusing to load it: delete it to "
+                            "have it rebuilt") from None
+        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != vocab_size:
+            raise DataError(f"{counts_path}: not the token counts draftsmith caches (a [{vocab_size}] tensor); delete it "
+                            "to have it rebuilt")
     else:
         counts = torch.as_tensor(count_tokens(train["input_ids"], train["loss_mask"], vocab_size))
         tmp = counts_path.with_name(f".{counts_path.name}.{os.getpid()}")
@@ -261,6 +285,7 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
                                 cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)
+    datamodule.check_batches(trainer.world_size)
     perplexity, before = {}, {}
     if cfg.objective.joint:  # the price of joint training, on every held-out set's answers (the
         from train.joint import heldout_perplexity  # first at the top, the others under "also")
