@@ -142,7 +142,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
              batch_size: int | None = None, tree: tuple[int, ...] | None = None,
-             promise_set: str | None = None, kernels=None) -> dict:
+             promise_set: str | None = None, kernels=None, accept_other_target: bool = False) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
     total_tokens[, children]): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
     promise (`trees` in its predicted acceptance, inference/walks/tree.py). promise_set: the
@@ -206,6 +206,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         check_tree_drafter(drafter)
         tree_promised = tree_promise(predicted, tree)
     path = resolve_target(target)
+    from export.load import check_target
+
+    other_target = check_target(folder, path, accept_other_target)  # a line for the report, when accepted
+    if other_target:
+        print(f"note: {other_target}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(path)
     rt = load_runtime(path, dtype=dtype, device=device, kernels=kernels)
     if tree is not None:
@@ -273,7 +278,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         diagnosis=tuple(diagnose(pred.to_dict(), measured.to_dict(), replay_answers.to_dict(), replay_prompts.to_dict(),
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
                                  (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
-                                 str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)),
+                                 str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)
+                        + ([f"Other target: {other_target}."] if other_target else [])),
         kernels=rt_kernels)
     write_report(report, Path(out))
     return report.to_dict()
@@ -392,6 +398,9 @@ def _main(argv=None) -> int:
                     help="hold the served acceptance to the promise on this held-out set of eval.datasets (e.g. "
                          "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
                          "0.5`); the questions that set holds are not served (unset: the first set's promise)")
+    ap.add_argument("--accept-other-target", action="store_true",
+                    help="serve with a target whose weights differ from the one the drafter was trained against "
+                         "(said in the report); without it that is refused")
     ap.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (unset: auto)")
     add_kernel_flags(ap, tuning=True)
     ap.add_argument("--out", default="validation", help="folder for report.json, report.md and the charts")
@@ -416,7 +425,7 @@ def _main(argv=None) -> int:
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
                           max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree,
-                          promise_set=args.promise_set, kernels=kernels)
+                          promise_set=args.promise_set, kernels=kernels, accept_other_target=args.accept_other_target)
     except (DataError, AssetError, ValueError, KeyError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2
