@@ -370,3 +370,53 @@ def test_export_check_holds_the_export_to_the_checkpoints_own_record(finished, t
     assert main([str(finished["run"] / "export"), "--checkpoint", str(other)]) == 1
     out_, err = capsys.readouterr()
     assert "Traceback" not in err and "holds a medusa drafter, the export a eagle3 one" in out_, out_ + err
+
+
+def test_a_pickle_planted_in_the_token_count_cache_is_refused_by_name(finished, tmp_path):
+    """The token counts training caches load with weights_only: a planted pickle is refused in
+    one line naming the file (and its code never runs)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from data.chat import dataset_key
+    from data.sources import DataError
+    from models.zoo import cache_dir, resolve_target
+    from train.config import load_config
+    from train.run import prepare_data
+
+    chat = tmp_path / "chat.jsonl"
+    shutil.copy(finished["chat"], chat)
+    cfg = load_config(None, tiny_overrides(str(chat), tmp_path / "run"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_target(cfg.target))
+    vocab = 49152
+    prepare_data(cfg, tokenizer, vocab)  # tokenized, counts cached
+    key = dataset_key(cfg.data.dataset, tokenizer, cfg.data.max_length, cfg.data.limit, cfg.data.heldout_fraction,
+                      cfg.data.plain_text)
+    counts = cache_dir() / "datasets" / key / "token_counts.pt"
+    marker = tmp_path / "pwned"
+
+    class RunsCode:
+        def __reduce__(self):
+            return (exec, (f"open({str(marker)!r}, 'w').write('ran')",))
+
+    try:
+        torch.save({"counts": RunsCode()}, counts)
+        with pytest.raises(DataError, match="token_counts.pt: not the token counts draftsmith caches"):
+            prepare_data(cfg, tokenizer, vocab)
+        assert not marker.exists()
+    finally:
+        shutil.rmtree(counts.parent, ignore_errors=True)
+
+
+def test_a_hub_data_set_that_cannot_be_fetched_is_one_line(monkeypatch):
+    import datasets
+
+    from data.sources import DataError, load_conversations
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'nobody/none' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="'nobody/none': not a zoo name or an existing file, and the Hugging Face hub "
+                                        "does not give it"):
+        load_conversations("nobody/none")
