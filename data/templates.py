@@ -74,3 +74,21 @@ def tokenize_text(tokenizer, text: str, max_length: int) -> dict:
         ids = ids + [tokenizer.eos_token_id]
     ids = ids[:max_length]
     return {"input_ids": ids, "loss_mask": [0] + [1] * (len(ids) - 1) if ids else []}
+
+
+def trained_template(tokenizer, export_folders, target: str) -> None:
+    """Serving side: the tokenizer takes the chat template the drafter at export_folders (the
+    first that records one) was trained with (draftsmith.json: training_config.data
+    .chat_template), as training replaced the tokenizer's own with it; so a base model's prompts
+    render as its training data did. Unchanged when no export records one."""
+    import json
+
+    for folder in export_folders:
+        try:
+            record = json.loads((Path(folder) / "draftsmith.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        chosen = ((record.get("training_config") or {}).get("data") or {}).get("chat_template")
+        if chosen:
+            apply_template_choice(tokenizer, chosen, False, target)
+            return

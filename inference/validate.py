@@ -154,6 +154,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     import torch
     from transformers import AutoTokenizer
 
+    from data.templates import trained_template
     from export.load import load_export
     from inference.runtime.fallback import load_runtime
     from models.target import Target
@@ -212,6 +213,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     if other_target:
         print(f"note: {other_target}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    trained_template(tokenizer, [folder], target)  # a base model's template, as in training
     rt = load_runtime(path, dtype=dtype, device=device, kernels=kernels)
     if tree is not None:
         from inference.walks.tree import tree_proposers

@@ -309,3 +309,31 @@ def test_a_drafter_of_gemma3_takes_the_global_layers_rope(tiny_gemma3):
     assert rope_config(cfg) == (10000.0, None)  # this config's global base; the local one is 100
     drafter_cfg = Eagle3Config.from_target(cfg, cfg.vocab_size)
     assert (drafter_cfg.rope_theta, drafter_cfg.rope_scaling) == (10000.0, None)
+
+
+def test_serving_renders_prompts_with_the_template_the_drafter_trained_with(tmp_path, tiny_target):
+    """A base model's tokenizer has no chat template: validate, bench and generate take the one
+    the export records (training_config.data.chat_template), as training did; an export without
+    one leaves the tokenizer as it is; a recorded Jinja file that is gone is a DataError naming it."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from data.sources import DataError
+    from data.templates import NAMED_TEMPLATES, trained_template
+
+    def export(name, chosen):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "draftsmith.json").write_text(json.dumps({"training_config": {"data": {"chat_template": chosen}}}))
+        return folder
+
+    tok = AutoTokenizer.from_pretrained(tiny_target)
+    own = tok.chat_template
+    trained_template(tok, [export("none", None), tmp_path / "no-export"], "t")
+    assert tok.chat_template == own
+    tok.chat_template = None
+    trained_template(tok, [export("plain", "plain")], "t")
+    assert tok.chat_template == NAMED_TEMPLATES["plain"]
+    with pytest.raises(DataError, match="gone.jinja"):
+        trained_template(tok, [export("gone", str(tmp_path / "gone.jinja"))], "t")
