@@ -335,3 +335,26 @@ def test_eagle3_speculators_export_sizes_vllms_fc_for_its_aux_layers(hf_config, 
     assert tensors["fc.weight"].shape[1] != vllm_eagle3_fc_input(vllm_speculators_view(config) | {"target_hidden_size": config["target_hidden_size"]})
     problems = served_problems(tmp_path / "v", layout, meta, config)
     assert any("num_aux_hidden_states" in p and f"expected {len(ids)}" in p for p in problems), problems
+
+
+# ---------------------------------------------------------------- row: EAGLE-1 for vLLM, trained
+@pytest.mark.parametrize("vd", [49152, 256], ids=["full-vocab", "draft-vocab"])
+def test_eagle1_without_fc_bias_trains_to_an_export_that_passes_the_check(tmp_path, vd):
+    """`drafter.eagle1.fc_bias=false` (vLLM's EAGLE-1): the run's auto export is `eagle-vllm`
+    (`eagle`, SGLang's, always has an fc bias and refuses it); with Vd < V no server computes it and
+    the export is for draftsmith's runtime. Either passes export.check."""
+    from export.check import run_checks
+    from tests.conftest import make_conversations, tiny_overrides
+    from train.config import load_config
+    from train.run import run
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    overrides = tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2, "trainer.precision": "32-true"})
+    run(load_config("configs/eagle1.yaml", [*overrides, "drafter.eagle1.fc_bias=false", f"drafter.draft_vocab_size={vd}"]))
+    export = tmp_path / "run" / "export"
+    meta = json.loads((export / "draftsmith.json").read_text())
+    assert meta["format"] == "eagle-vllm" and meta["drafter_config"]["fc_bias"] is False
+    assert meta["served_by"] == (["vllm==0.33", "draftsmith"] if vd == 49152 else ["draftsmith"])
+    checks = run_checks(export)
+    assert all(c.ok for c in checks), [c.line() for c in checks]
