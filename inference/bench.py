@@ -112,7 +112,8 @@ def _best_tree_line(best: dict) -> str:
 
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
-              trees: list[tuple[int, int, int]] = (), repeats: int = 1, kernels=None) -> dict:
+              trees: list[tuple[int, int, int]] = (), repeats: int = 1, kernels=None,
+              accept_other_target: bool = False) -> dict:
     """kernels: the runtime's kernel settings (kernels/settings.py KernelSettings; default: the
     defaults), recorded in bench.json; the "torch ops" row runs the same with the mode "off"."""
     import dataclasses
@@ -121,7 +122,6 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.chat import encode_prompt
-    from data.templates import trained_template
     from data.sources import load_prompts
     from inference.runtime.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
     from inference.runtime.fallback import load_runtime
@@ -133,7 +133,6 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = resolve_target(target)
     tok = AutoTokenizer.from_pretrained(path)
-    trained_template(tok, drafters, target)  # a base model's template, as the drafters were trained
     questions = load_prompts(prompts_spec)[:num_prompts]
     prompts = [encode_prompt(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     eos = (tok.eos_token_id,)
@@ -155,6 +154,11 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
 
         for folder in drafters:
             module = load_export(folder, dtype=dtype).to(device)
+            from export.load import check_target
+
+            other_target = check_target(folder, path, accept_other_target)
+            if other_target:
+                print(f"note: {other_target}", file=sys.stderr)
             drafter_proposer(module, _drafter_ks(module, ks)[0], 1, 8, rt.config)  # refuses a drafter for another target
             modules.append(module)
 
@@ -374,6 +378,9 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-static", action="store_true", help="also time transformers' compiled static-cache generate")
     ap.add_argument("--repeats", type=int, default=1, help="time the runtime's rows this many times, every row in "
                     "turn each pass, and report each row's median pass (its passes in bench.json)")
+    ap.add_argument("--accept-other-target", action="store_true",
+                    help="serve the drafters with a target whose weights differ from the one they were trained against "
+                         "(said on stderr); without it that is refused")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     add_kernel_flags(ap, tuning=True)
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
@@ -404,7 +411,7 @@ def main(argv=None) -> int:
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
-                  trees=trees, repeats=args.repeats, kernels=kernels)
+                  trees=trees, repeats=args.repeats, kernels=kernels, accept_other_target=args.accept_other_target)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

@@ -42,6 +42,9 @@ def main(argv=None) -> int:
                     help="how drafts are verified when sampling (both keep the target's distribution)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
+    ap.add_argument("--accept-other-target", action="store_true",
+                    help="serve --drafter with a target whose weights differ from the one it was trained against "
+                         "(said on stderr); without it that is refused")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     ap.add_argument("--stats", action="store_true", help="print speed and acceptance to stderr as JSON")
     ap.add_argument("--prometheus", metavar="FILE", help="write the speculative-decoding counters there (text format)")
@@ -89,7 +92,6 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from data.chat import encode_prompt
-    from data.templates import trained_template
     from inference.runtime.engine import cache_size, generate
     from inference.runtime.fallback import load_runtime
     from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
@@ -101,7 +103,6 @@ def main(argv=None) -> int:
     try:  # the prompt must fit the target's context window before the model loads
         path = resolve_target(args.target)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        trained_template(tokenizer, [args.drafter] if args.drafter else [], args.target)  # as the drafter trained
         prompt = encode_prompt(tokenizer, messages)
         check_fits(len(prompt), args.max_new_tokens, context_window(path))
     except CliError as e:
@@ -139,6 +140,11 @@ def main(argv=None) -> int:
 
         try:
             drafter = load_export(args.drafter, dtype=dtype).to(device)
+            from export.load import check_target
+
+            other_target = check_target(args.drafter, path, args.accept_other_target)
+            if other_target:
+                print(f"note: {other_target}", file=sys.stderr)
             if tree is None:
                 proposer = drafter_proposer(drafter, k, 1, max_len, model.config)
             else:

@@ -300,6 +300,10 @@ ISSUE_52 = {
                                                 phrase="model.safetensors: not a readable safetensors file"),
     "validate-another-target": validate(*V, "--target", "{othertarget}", "--num-prompts", "1",
                                         phrase="was trained against; pass --accept-other-target"),
+    "generate-another-target": generate("--prompt", "hi", "--target", "{othertarget}", "--device", "cpu", "--drafter",
+                                        "{export}", phrase="was trained against; pass --accept-other-target"),
+    "bench-another-target": bench("--target", "{othertarget}", "--device", "cpu", "--out", "{fresh}", "--drafter",
+                                  "{export}", "--num-prompts", "1", phrase="was trained against; pass --accept-other-target"),
     # ---- values that were accepted and then failed (or ran out of memory)
     "generate-temperature-inf": generate("--prompt", "hi", *G, "--temperature", "inf",
                                          phrase="--temperature: must be a finite number, got inf"),
