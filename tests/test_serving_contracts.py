@@ -358,3 +358,22 @@ def test_eagle1_without_fc_bias_trains_to_an_export_that_passes_the_check(tmp_pa
     assert meta["served_by"] == (["vllm==0.33", "draftsmith"] if vd == 49152 else ["draftsmith"])
     checks = run_checks(export)
     assert all(c.ok for c in checks), [c.line() for c in checks]
+
+
+# ---------------------------------------------------------------- row: SGLang EAGLE-1 with a draft vocabulary
+def test_eagle1_sglang_export_with_a_draft_vocabulary_carries_its_token_map(hf_config, tmp_path):
+    """SGLang 0.5.23's EAGLE-1 reads no d2t: it drafts over the target's whole head unless given
+    --speculative-token-map, whose ids pick the head's rows (eagle_worker_v2.py init_lm_head) and
+    map draft row i back to target token hot[i]. The export writes them and its line passes them."""
+    from export.formats import launch_lines, write_export
+
+    d = _eagle1(hf_config, vd=512)
+    write_export(d, "eagle", tmp_path / "s", method="eagle1", target_name=TARGET, hf_config=hf_config, target_model=None,
+                 joint=False, k=3, provenance={"target": TARGET, "training_config": {"eval": {"k": 3}}})
+    hot = torch.load(tmp_path / "s" / "hot_token_ids.pt", weights_only=True)
+    assert hot.dtype == torch.int64 and torch.equal(hot, d.draft_ids())  # row i drafts target token i + d2t[i]
+    (line,) = launch_lines(tmp_path / "s")
+    assert f"--speculative-token-map {tmp_path / 's' / 'hot_token_ids.pt'}" in line
+    write_export(_eagle1(hf_config), "eagle", tmp_path / "f", method="eagle1", target_name=TARGET, hf_config=hf_config,
+                 target_model=None, joint=False, k=3, provenance={"target": TARGET, "training_config": {"eval": {"k": 3}}})
+    assert not (tmp_path / "f" / "hot_token_ids.pt").exists() and "--speculative-token-map" not in launch_lines(tmp_path / "f")[0]
