@@ -72,9 +72,12 @@ def check_run_folder(out_dir: Path, cfg_dict: dict, resume: str | None, overwrit
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     if not is_run_folder(out_dir):
+        last = out_dir / "checkpoints" / "last.ckpt"
+        hint = (f"; a run written before runs were marked continues from its checkpoint into a new folder: --resume "
+                f"{last} out_dir=NEW" if last.is_file() else "")
         raise ConfigError(f"out_dir: {out_dir} is a non-empty folder that is not a draftsmith run (it carries no "
                           f"{MARKER} naming train); refusing to write into it, with or without --overwrite or "
-                          "--resume (choose another out_dir)")
+                          f"--resume (choose another out_dir){hint}")
     if resume is not None:
         _check_same_run(out_dir, cfg_dict)
         return
