@@ -9,7 +9,10 @@ file, which needs nothing beside it) in a serving stack's layout, atomically. Fo
 
 A pair the format cannot carry, an option the layout cannot express, or an --out that holds
 something other than a draftsmith export (a file, a folder of yours, a run folder) is one error
-line and exit code 2; nothing is written. An existing export is replaced only with --force.
+line and exit code 2; nothing is written. An existing export is replaced only with --force, and
+only when it is one: it carries the .draftsmith-output.json export writes (export/paths.py) and
+holds nothing else, the checkpoint read included. A run folder that is training now is exported
+from its newest step checkpoint (its last.ckpt changes as it trains).
 Checkpoints load with weights_only=True: one that holds more than tensors and plain data is
 refused, and so is one that does not describe itself (written before checkpoints stored their
 method, drafter config, target identity and maps). MTP and joint exports load the target the
