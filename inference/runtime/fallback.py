@@ -72,9 +72,10 @@ _warned_fallback = set()
 
 
 def load_runtime(folder: str | Path, dtype=torch.float32, device="cpu", kernels: KernelSettings | None = None):
-    """The runtime model for a target folder: the fast implementation for Llama-family
-    configs, transformers' model on the slow path otherwise (said once in the log). kernels:
-    the model's kernel settings (default: KernelSettings())."""
+    """The runtime model for a target folder: the fast implementation for the model types in
+    SUPPORTED (Llama, Mistral, Qwen2, Qwen3, Gemma-3; docs/targets.md), transformers' model on
+    the slow path otherwise (said once in the log). kernels: the model's kernel settings
+    (default: KernelSettings())."""
     import logging
 
     from transformers import AutoConfig, AutoModelForCausalLM
