@@ -280,7 +280,9 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
                              "verify_tokens_per_step": None if stats is None else (
                                  1 + (getattr(stats, "verify_tokens", None) or stats.k)),
                              "batch": batch_size if name.endswith(f"batch {batch_size}") else 1,
-                             "prompts": len(outs), "kernels": (torch_ops if name == TORCH_OPS_ROW else kernels).mode}
+                             "prompts": len(outs), "kernels": None}  # (the runtime's rows: their mode, below)
+        if name.startswith("runtime"):
+            r["kernels"] = (torch_ops if name == TORCH_OPS_ROW else kernels).mode
         if len(speeds) > 1:
             r["tokens_per_s_passes"] = speeds
         line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"

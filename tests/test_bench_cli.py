@@ -74,6 +74,7 @@ def test_bench_writes_json_and_chart(tiny_target, tmp_path):
     from draftsmith_kernels.settings import TreeAttentionTuning
     assert summary["kernels"] == "auto" and TreeAttentionTuning.parse(summary["tree_attention"]) == TreeAttentionTuning()
     assert rows["runtime plain, torch ops (--kernels off)"]["kernels"] == "off" and rows["runtime plain"]["kernels"] == "auto"
+    assert rows["transformers generate"]["kernels"] is None
 
 
 def test_bench_kernel_flags_are_checked_before_any_model_loads(tmp_path, capsys):
