@@ -290,3 +290,27 @@ def test_the_old_vllm_line_fails_here_with_a_local_target(vllm_path, tmp_path):
     write_drafter("eagle3", tmp_path / "exports" / "eagle3", target=str(tmp_path / "target"))
     (result,) = run_vllm(["vllm serve exports/eagle3"], tmp_path, vllm_path)
     assert result.get("error") == "ValueError" and "remote model repository" in result["message"], result
+
+
+def printed_lines(stdout: str) -> list[str]:
+    """The commands `python -m export` prints under "serve it with:"."""
+    lines = stdout.splitlines()
+    start = lines.index("serve it with:") + 1
+    return [line.strip() for line in lines[start:] if line.startswith("  ")]
+
+
+def test_what_python_m_export_prints_resolves_in_sglang(sglang_path, tmp_path):
+    from tests.conftest import make_conversations, run_module, tiny_overrides
+    from train.config import load_config
+    from train.run import run
+
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+    run(load_config(None, tiny_overrides(str(chat), tmp_path / "run", **{"trainer.max_steps": 2,
+                                                                          "trainer.precision": "32-true"})))
+    res = run_module("export.__main__", "--checkpoint", str(tmp_path / "run"), "--format", "sglang", "--out", str(tmp_path / "s"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = printed_lines(res.stdout)
+    assert len(lines) == 1 and shlex.split(lines[0])[:3] == SGLANG_PREFIX, res.stdout
+    (result,) = run_sglang(lines, tmp_path, sglang_path)
+    assert sglang_problems(result, k=3) == []  # tiny_overrides trains for eval.k = 3
