@@ -174,11 +174,17 @@ def test_windowed_decode_attention_kernel_matches_its_reference(n):
         assert not torch.allclose(ref, decode_attention_reference(q, k_cache, v_cache, positions), atol=1e-3)
 
 
-def test_gemma3_greedy_speculative_decoding_equals_plain_greedy(tiny_gemma3):
+@pytest.mark.parametrize("kernels", ["off", "force"])
+def test_gemma3_greedy_speculative_decoding_equals_plain_greedy(tiny_gemma3, kernels):
+    """A ragged batch of 2 whose generations run past the window: n-gram drafts verified by the
+    runtime give plain greedy's tokens, through the torch path and through the kernels."""
     from inference.proposers import NgramProposer
     from inference.runtime.engine import generate
 
-    rt = RuntimeModel.from_pretrained(tiny_gemma3, dtype=torch.float32)
+    _needs_triton(kernels)
+    device = kernel_device() if kernels == "force" else "cpu"
+    rt = RuntimeModel.from_pretrained(tiny_gemma3, dtype=torch.float32, device=device)
+    rt.kernels = KernelSettings(mode=kernels)
     torch.manual_seed(5)
     motif = torch.randint(3, 300, (4,)).tolist()
     prompts = [motif * 4 + [7], torch.randint(3, 300, (6,)).tolist() + motif * 2]
