@@ -122,6 +122,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from data.chat import encode_prompt
+    from data.templates import trained_template
     from data.sources import load_prompts
     from inference.runtime.engine import CACHE_BUCKET, GenerationStats, cache_size, generate
     from inference.runtime.fallback import load_runtime
@@ -133,6 +134,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     path = resolve_target(target)
     tok = AutoTokenizer.from_pretrained(path)
+    trained_template(tok, drafters, target)  # a base model's template, as the drafters were trained
     questions = load_prompts(prompts_spec)[:num_prompts]
     prompts = [encode_prompt(tok, [{"role": "user", "content": q["turns"][0]}]) for q in questions]
     eos = (tok.eos_token_id,)

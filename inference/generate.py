@@ -92,6 +92,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from data.chat import encode_prompt
+    from data.templates import trained_template
     from inference.runtime.engine import cache_size, generate
     from inference.runtime.fallback import load_runtime
     from inference.proposers import DraftModelProposer, GpuNgramProposer, NgramProposer, SuffixProposer, drafter_proposer
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     try:  # the prompt must fit the target's context window before the model loads
         path = resolve_target(args.target)
         tokenizer = AutoTokenizer.from_pretrained(path)
+        trained_template(tokenizer, [args.drafter] if args.drafter else [], args.target)  # as the drafter trained
         prompt = encode_prompt(tokenizer, messages)
         check_fits(len(prompt), args.max_new_tokens, context_window(path))
     except CliError as e:
