@@ -134,6 +134,8 @@ def _short(value) -> str:
 def clear_run_outputs(out_dir: Path) -> None:
     """--overwrite: remove what an earlier run wrote (only the entries a run writes, and only in a
     folder marked as a run: anything else in it, the user's notes, stays)."""
+    if not Path(out_dir).is_dir() or not any(Path(out_dir).iterdir()):
+        return  # (--overwrite of a new folder: nothing to clear)
     marker = read_marker(out_dir)
     if marker is None or marker["tool"] != "train":
         raise ConfigError(f"out_dir: {out_dir} is not a draftsmith run (no {MARKER} naming train); refusing to clear it")
