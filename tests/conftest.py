@@ -260,7 +260,7 @@ def run_module(module: str, *args: str):
     printed as subprocess.run(..., capture_output=True, text=True) gives them (returncode, stdout,
     stderr). A process of its own spends seconds importing torch; every CLI still runs as a real
     command in some test (train, export, export.check, generate, validate, regenerate,
-    scripts/drafter_parts.py)."""
+    scripts/device/drafter_parts.py)."""
     import contextlib
     import importlib
     import io

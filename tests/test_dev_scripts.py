@@ -110,7 +110,7 @@ def test_train_ab_times_each_checkout_on_the_loops_own_clock(chat_file, tmp_path
            "TRAIN_ARGS": " ".join(extra)}
     # one variant, from a folder (the form an older checkout takes; `NAME=` runs from here): a
     # training a variant keeps the suite short
-    out = subprocess.run(["bash", "scripts/train_ab.sh", "3", "b=@."], env=env, capture_output=True, text=True,
+    out = subprocess.run(["bash", "scripts/device/train_ab.sh", "3", "b=@."], env=env, capture_output=True, text=True,
                          timeout=600)
     lines = [line for line in out.stdout.splitlines() if line.startswith("b:")]
     assert len(lines) == 1, out.stdout + out.stderr + (tmp_path / "logs" / "ab-b.log").read_text()[-2000:]

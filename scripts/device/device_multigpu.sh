@@ -4,13 +4,13 @@
 # DDP on 2 (half the steps, batch 8 per GPU), so tokens/s per GPU, peak memory and the predicted
 # tau after the same samples sit side by side, and FSDP on 2 the same way (train/fsdp.py; session
 # 7's FSDP failed on the target's and drafter's mixed dtypes before the drafter was sharded alone;
-# scripts/device_fsdp.sh checks it on one GPU first). Each run takes about
+# scripts/device/device_fsdp.sh checks it on one GPU first). Each run takes about
 # 20 s of tokenizing, its steps, then the whole-answer held-out walk (tens of seconds): session
 # 7's 170-s limit cut the 600-step 1-GPU run. Usage on the device machine:
-#   STEPS=600 bash scripts/device_multigpu.sh
+#   STEPS=600 bash scripts/device/device_multigpu.sh
 # Each run leaves $R/NAME-train.log and NAME-predicted.json; $OUT/results.tgz holds them all.
 set -euo pipefail
-source scripts/device_setup.sh
+source scripts/device/device_setup.sh
 set +e
 R=/tmp/results-multigpu
 mkdir -p $R

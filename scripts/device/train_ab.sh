@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Training speed of checkouts side by side, one after another on an otherwise idle GPU (the
 # training counterpart of ab_profile.sh). On the device machine, after `source
-# scripts/device_setup.sh` (device_session.sh train-ab does that and finds the data):
-#   DATA=/tmp/regen/conversations.jsonl bash scripts/train_ab.sh STEPS old=@.ab/old new= old2=@.ab/old new2=
+# scripts/device/device_setup.sh` (device_session.sh train-ab does that and finds the data):
+#   DATA=/tmp/regen/conversations.jsonl bash scripts/device/train_ab.sh STEPS old=@.ab/old new= old2=@.ab/old new2=
 # Each variant trains configs/eagle3.yaml for STEPS steps: on DATA, a file of conversations, as part2
 # does (16 a batch); with no DATA, on the recipe's own data as written (ShareGPT's original answers,
 # 4 a batch: what `train` runs). NAME= runs this checkout, NAME=@DIR an older one carried beside it (`mkdir -p

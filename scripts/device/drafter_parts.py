@@ -1,8 +1,8 @@
 """Carry a drafter export between machines in small files, without the target's tensors.
 
-    python scripts/drafter_parts.py pack EXPORT PARTS --target smollm2-135m-instruct [--part-mib 15]
-    python scripts/drafter_parts.py unpack PARTS [PARTS...] EXPORT --target smollm2-135m-instruct
-    python scripts/drafter_parts.py stage PARTS [PARTS...] --into . [--max-mib 60] [--first 3]
+    python scripts/device/drafter_parts.py pack EXPORT PARTS --target smollm2-135m-instruct [--part-mib 15]
+    python scripts/device/drafter_parts.py unpack PARTS [PARTS...] EXPORT --target smollm2-135m-instruct
+    python scripts/device/drafter_parts.py stage PARTS [PARTS...] --into . [--max-mib 60] [--first 3]
 
 Why: a GPU lease returns at most 8 files of 16 MiB, and an EAGLE-3 export of the zoo target is
 86 MB, two thirds of it a bf16 copy of the target's embedding. `pack` writes every tensor that

