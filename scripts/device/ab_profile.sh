@@ -20,6 +20,6 @@ for spec in "$@"; do
   case $flags in @*) dir=${flags#@}; flags=""; old=(env DRAFTSMITH_TREES_GRAPHED=1) ;; esac
   echo "== $name"
   # (flags word-split on purpose: NAME=--flag value)
-  (cd "$dir" && PYTHONPATH=. "${old[@]}" python3 scripts/profile_spec.py --rows 'EAGLE-3 k=4,EAGLE-3 tree' \
+  (cd "$dir" && PYTHONPATH=.:${PYTHONPATH:-} "${old[@]}" python3 scripts/profile_spec.py --rows 'EAGLE-3 k=4,EAGLE-3 tree' \
     --tree "$tree" --out "${OUT:-$here/ab}/$name" $flags 2>&1 | grep -a "^row\|^plain\|^EAGLE\|Error" | tail -4)
 done

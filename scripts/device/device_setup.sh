@@ -9,6 +9,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# kernels/ is imported as draftsmith_kernels (pyproject.toml maps it where the project is pip-installed;
+# this machine runs the checkout as it is)
+mkdir -p /tmp/site && ln -sfn "$PWD/kernels" /tmp/site/draftsmith_kernels
 export DRAFTSMITH_CACHE=${DRAFTSMITH_CACHE:-/tmp/dcache}
 mkdir -p "$DRAFTSMITH_CACHE/wheels" /tmp/parts
 for d in .dev*; do [ -d "$d" ] && find "$d" -maxdepth 1 -type f -exec cp {} /tmp/parts/ \;; done  # (parts folders: `unpack`)
