@@ -150,7 +150,8 @@ def main(argv=None) -> int:
             if tree is None:
                 proposer = drafter_proposer(drafter, k, 1, max_len, model.config)
             else:
-                from inference.walks.tree import check_tree_drafter, tree_proposers
+                from inference.walks.tree import tree_proposers
+                from models.methods import check_tree_drafter
 
                 check_tree_drafter(drafter)
                 proposer = tree_proposers(drafter, tree, model.config)([prompt], max_len)

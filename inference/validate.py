@@ -202,7 +202,8 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     drafter = load_export(folder, dtype=dtype).to(device)
     tree_promised = make_tree = None
     if tree is not None:
-        from inference.walks.tree import check_tree_drafter, tree_promise
+        from inference.walks.tree import tree_promise
+        from models.methods import check_tree_drafter
 
         check_tree_drafter(drafter)
         tree_promised = tree_promise(predicted, tree)

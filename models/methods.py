@@ -206,3 +206,12 @@ def drafts_trees(drafter) -> bool:
         return method_of(drafter).trees
     except ValueError:
         return False
+
+
+def check_tree_drafter(drafter):
+    """Trees are drafted by the methods whose row says `trees` (EAGLE-3: `EagleTreeProposer`);
+    say so in one line otherwise."""
+    if not drafts_trees(drafter):
+        able = ", ".join(row.display_name or name for name, row in METHODS.items() if row.trees)
+        raise ValueError(f"draft trees are drafted by {able} drafters for now (EAGLE-1 and the others draft chains), "
+                         f"not by this {display_name(drafter)} drafter")

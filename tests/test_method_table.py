@@ -198,7 +198,7 @@ def test_a_toy_method_trains_predicts_exports_checks_and_drafts_from_one_row(toy
 
     assert _drafter_name(loaded) == "Toy" and _drafter_ks(loaded, [2, 5]) == [2]  # the bench reads the row
     with pytest.raises(ValueError, match="draft trees are drafted by EAGLE-3 drafters.*not by this Toy drafter"):
-        from inference.walks.tree import check_tree_drafter
+        from models.methods import check_tree_drafter
 
         check_tree_drafter(loaded)
 

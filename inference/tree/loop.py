@@ -50,7 +50,7 @@ class EagleTreeProposer(Eagle3Proposer):
     def __init__(self, drafter, depth: int, top_k: int, total_tokens: int, batch: int, max_len: int, target_config=None,
                  children: int | None = None):
         super().__init__(drafter, depth, batch, max_len, target_config)
-        from inference.walks.tree import check_tree_drafter  # (inside: walks/tree.py imports this module)
+        from models.methods import check_tree_drafter
 
         check_tree_drafter(drafter)  # the method table's `trees` says which drafters draft trees
         children = top_k if children is None else children

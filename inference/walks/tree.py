@@ -22,6 +22,7 @@ from inference.walks.greedy import anchorable_from, walk_answer, window_for
 from inference.tree.ops import greedy_tree_verify
 from inference.tree.loop import draft_eagle_tree, tree_candidate_count
 from models.acceptance import Acceptance, Prediction, TreePromise
+from models.methods import check_tree_drafter
 
 UNKNOWN = -2  # a target choice the text cannot tell: equals no token and no empty slot (-1)
 
@@ -55,17 +56,6 @@ def tree_spec_problem(depth, top_k, total, children=None) -> str | None:
     if total > tree_candidate_count(depth, top_k, children):
         return f"nodes at most the {tree_candidate_count(depth, top_k, children)} candidates such a tree drafts"
     return None
-
-
-def check_tree_drafter(drafter):
-    """Trees are drafted by the methods whose row says `trees` (EAGLE-3: `EagleTreeProposer`);
-    say so in one line otherwise."""
-    from models.methods import METHODS, display_name, drafts_trees
-
-    if not drafts_trees(drafter):
-        able = ", ".join(row.display_name or name for name, row in METHODS.items() if row.trees)
-        raise ValueError(f"draft trees are drafted by {able} drafters for now (EAGLE-1 and the others draft chains), "
-                         f"not by this {display_name(drafter)} drafter")
 
 
 @torch.no_grad()
