@@ -133,7 +133,7 @@ def _train(args, *extra):
 
 
 def _checkpoint(out):
-    return torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    return torch.load(out / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
 
 
 def _assert_same_run(a, b, atol=1e-6):
@@ -247,7 +247,7 @@ def test_fsdp_on_one_gpu_equals_a_plain_run_in_bf16(chat_file, tmp_path):
     gpu = {"trainer.max_steps": 4, "checkpoint_every_n_steps": 1, "trainer.accelerator": "gpu", "trainer.devices": 1}
     _train(tiny_overrides(chat_file, plain, **gpu), "trainer.precision=bf16-mixed")
     _train(tiny_overrides(chat_file, fsdp, **gpu), "trainer.precision=bf16-mixed", "trainer.strategy=fsdp")
-    first = {name: torch.load(run / "checkpoints" / "step1.ckpt", weights_only=True)["state_dict"]
+    first = {name: torch.load(run / "checkpoints" / "step1.ckpt", weights_only=True, map_location="cpu")["state_dict"]
              for name, run in (("plain", plain), ("fsdp", fsdp))}
     after_one = max((first["plain"][k].float() - v.float()).abs().max().item() for k, v in first["fsdp"].items()
                     if v.is_floating_point() and v.numel())
