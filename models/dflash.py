@@ -193,8 +193,13 @@ class DFlashDrafter(nn.Module):
         continues x_0..x_{a_i+1}; requires a_i + 1 < T) → logits [m, B, Vd]; or R sequences at
         once: ids [R,T], features [R,T,n*H], anchors [R,m] → [R, m, B, Vd] (training batches
         its rows in one forward; each row's blocks see only that row)."""
+        return self.lm_head(self.block_hidden(ids, features, anchors))
+
+    def block_hidden(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The backbone of `block_logits`: the final-normed hidden states the head reads,
+        [m, B, H] (or [R, m, B, H] for R rows), shapes as there. DSpark's heads read them too."""
         if ids.dim() == 1:
-            return self.block_logits(ids[None], features[None], anchors[None])[0]
+            return self.block_hidden(ids[None], features[None], anchors[None])[0]
         cfg = self.config
         B, (R, m), T = cfg.block_size, anchors.shape, ids.shape[1]
         dev = ids.device
@@ -213,7 +218,7 @@ class DFlashDrafter(nn.Module):
         mask = torch.cat([sees_context, same_block], dim=2)[:, None]  # [R, 1, m*B, T + m*B]
         for layer in self.layers:
             h = layer(h, context, rope_q, rope_k, mask)
-        return self.lm_head(self.norm(h)).view(R, m, B, -1)
+        return self.norm(h).view(R, m, B, -1)
 
     def draft_at(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy drafts of the blocks at these anchors: [m, k] target ids (k <= B-1)."""
@@ -221,3 +226,11 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"a block of {self.config.block_size} drafts at most {self.config.block_size - 1} tokens, not {k}")
         logits = self.block_logits(ids, features, anchors)[:, 1 : k + 1]
         return self.draft_ids()[logits.argmax(-1)]
+
+    def drive_block(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int, step) -> None:
+        """The sampled walk's drafting (inference.walks.sampled.drive_drafter): step(logits [m,Vd])
+        → tokens [m] for drafts 1..k of the blocks at anchors [m] in order. DFlash's drafts read
+        no drafted token, so the tokens step returns are not fed back (DSpark's are)."""
+        logits = self.block_logits(ids, features, anchors)[:, 1 : k + 1]  # [m,k,Vd]
+        for s in range(k):
+            step(logits[:, s])

@@ -142,6 +142,10 @@ def drive_drafter(drafter, ids, features, anchors, k: int, step):
 
     predictor = predictor_of(drafter)
     if predictor == "block":  # DFlash: the whole block in one forward, from mask tokens
+        drive = getattr(drafter, "drive_block", None)  # DSpark feeds each draft to the next one's bias
+        if drive is not None:
+            drive(ids, features, anchors, k, step)
+            return
         logits = drafter.block_logits(ids, features, anchors)[:, 1 : k + 1]  # [m,k,Vd]
         for s in range(k):
             step(logits[:, s])
