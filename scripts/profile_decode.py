@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,9 +25,16 @@ from inference.runtime.model import RuntimeModel
 from scripts.profile_train_step import SMOLLM2
 
 
-def step_ms(step, n: int = 300) -> float:
-    for _ in range(20):
+def step_ms(step, n: int = 300, warmup: int = 20, device: str = "cuda") -> float:
+    """Mean ms of `step` over n calls after `warmup`: CUDA events on a GPU, the host clock
+    elsewhere (scripts/scale_profile.py times a CPU rehearsal with it)."""
+    for _ in range(warmup):
         step()
+    if not str(device).startswith("cuda"):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        return 1e3 * (time.perf_counter() - t0) / n
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()

@@ -40,22 +40,25 @@ def build(vd=16384, steps=7):
     return module
 
 
-def step(module, opt, ids, mask, timings):
-    torch.cuda.synchronize()
+def step(module, opt, ids, mask, timings, autocast: bool = True):
+    """One training step on ids' device, its phases' ms appended to `timings`. autocast: bf16
+    autocast as the recipes train on a GPU (bf16-mixed); a CPU rehearsal passes False (32-true)."""
+    sync = torch.cuda.synchronize if ids.is_cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         out, teacher, greedy = module._target_pass(ids)
-        torch.cuda.synchronize()
+        sync()
         t1 = time.perf_counter()
         total, _, _ = module._objective(ids, mask, out, teacher, greedy)
-    torch.cuda.synchronize()
+    sync()
     t2 = time.perf_counter()
     total.backward()
-    torch.cuda.synchronize()
+    sync()
     t3 = time.perf_counter()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    sync()
     t4 = time.perf_counter()
     for k, v in zip(("target", "drafter_fwd", "backward", "optimizer", "total"), (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
         timings.setdefault(k, []).append(v * 1000)
