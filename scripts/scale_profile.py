@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 from inference.cli import CliError, add_kernel_flags, kernel_settings
-from scripts.scale_shapes import (SHAPES, copy_bandwidth, eagle3_draft_read_bytes, hf_config_of, load_hf_config, random_eagle3,
-                                  random_hf, random_runtime, target_read_bytes)
+from scripts.scale_shapes import (EAGLE3_RECIPE, SHAPES, copy_bandwidth, eagle3_draft_read_bytes, hf_config_of,
+                                  load_hf_config, random_eagle3, random_hf, random_runtime, target_read_bytes)
 
 TOOL = "scripts/scale_profile.py"
 COLUMNS = ["measure", "value", "unit", "gpu", "commit", "date", "command", "drafter", "log_line"]  # benchmarks.csv's
@@ -168,8 +168,10 @@ def runtime_parts(shape, hf_cfg, args, rec: Recorder, kernels, within_budget):
     cache = rt.new_cache(1, args.plain_cache)
     with applied(kernels):
         plain_step = GreedyDecodeStep(rt, cache, 1, graphed=dev.startswith("cuda"))
-        plain_step.positions.fill_(args.plain_cache // 2)  # a mid-length cache, positions stay inside it
-        ms = step_ms(plain_step, n=args.plain_steps, warmup=min(20, args.plain_steps), device=dev)
+        warmup = min(20, args.plain_steps)
+        # from the cache's middle (or as far in as every step still fits: each advances one position)
+        plain_step.positions.fill_(min(args.plain_cache // 2, args.plain_cache - warmup - args.plain_steps))
+        ms = step_ms(plain_step, n=args.plain_steps, warmup=warmup, device=dev)
     del plain_step, cache
     torch.manual_seed(1)
     prompts = [torch.randint(100, min(hf_cfg.vocab_size, 30000), (n,)).tolist()
@@ -240,13 +242,14 @@ def train_parts(shape, hf_cfg, args, rec: Recorder, within_budget):
     model = random_hf(hf_cfg, dev, getattr(torch, args.dtype))
     ids_kept = torch.sort(torch.randperm(V)[:vd]).values
     d2t, t2d = ids_kept - torch.arange(vd), torch.zeros(V, dtype=torch.bool).index_fill_(0, ids_kept, True)
-    recipes = {"eagle3": lambda: Eagle3Drafter(Eagle3Config.from_target(hf_cfg, vd)),
+    recipes = {"eagle3": lambda: Eagle3Drafter(Eagle3Config.from_target(hf_cfg, vd, **EAGLE3_RECIPE)),
                "dflash": lambda: DFlashDrafter(DFlashConfig.from_target(hf_cfg, vd, mask_token_id=0, num_layers=5,
                                                                          block_size=8))}
     for method, make in recipes.items():
         if not within_budget(f"{shape} train {method}"):
             break
-        drafter = make()
+        with torch.device(dev):  # float32 master weights, made where they train (an 8B DFlash drafter is 7 GB)
+            drafter = make()
         drafter.init_from_target(model, d2t, t2d)
         module = DrafterModule(Target(model, drafter.aux_layer_ids), drafter, ObjectiveConfig(ttt_steps=args.ttt),
                                OptimConfig(), EvalConfig(), 1000).to(dev)
@@ -280,7 +283,7 @@ def hf_part(shape, hf_cfg, args, rec: Recorder):
     """transformers' generate with a static cache, which transformers compiles on a GPU: one
     warm generation of the same length (compilation, graph capture), then the timed ones."""
     if not args.device.startswith("cuda"):
-        say(shape, f" hf: skipped (transformers compiles its static-cache forward only on a GPU)")
+        say(shape, " hf: skipped (transformers compiles its static-cache forward only on a GPU)")
         rec.part(shape, "hf_static_compiled", {"skipped": "needs CUDA"})
         return
     model = None
@@ -354,8 +357,11 @@ def parse(argv):
     if not 0.0 <= args.rate <= 1.0:
         raise CliError(f"--rate {args.rate}: a probability in 0..1")
     if min(args.draft_vocab, args.prompts, args.prompt_len, args.max_new, args.plain_steps, args.copy_mib,
-           args.train_seq, args.ttt, args.hf_new) < 1 or args.train_steps < 1 or args.plain_cache < 4:
+           args.train_seq, args.ttt, args.hf_new) < 1 or args.train_steps < 1:
         raise CliError("the sizes and counts must be positive")
+    if args.plain_cache < min(20, args.plain_steps) + args.plain_steps:
+        raise CliError(f"--plain-cache {args.plain_cache}: the timed steps and their warm-up need a position each "
+                       f"({min(20, args.plain_steps) + args.plain_steps})")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CliError("--device cuda: no CUDA device here (--device cpu rehearses the parts a CPU can run)")
     shapes = {n: hf_config_of(SHAPES[n]) for n in names}

@@ -27,6 +27,9 @@ SHAPES = {
                      tie_word_embeddings=False, attention_bias=False),
 }
 
+# configs/eagle3.yaml's drafter options
+EAGLE3_RECIPE = dict(norm_before_fc=True, norm_before_residual=False)
+
 
 def hf_config_of(fields: dict):
     from transformers import AutoConfig
@@ -90,7 +93,7 @@ def random_eagle3(hf_cfg, vd: int, device, dtype):
     from models.eagle3 import Eagle3Config, Eagle3Drafter
 
     with building(device, dtype), torch.no_grad():
-        drafter = Eagle3Drafter(Eagle3Config.from_target(hf_cfg, vd, norm_before_fc=True, norm_before_residual=True))
+        drafter = Eagle3Drafter(Eagle3Config.from_target(hf_cfg, vd, **EAGLE3_RECIPE))
         drafter.d2t.zero_()
         drafter.t2d.zero_()[:vd] = True
     return drafter.eval()
@@ -119,7 +122,7 @@ def eagle3_draft_read_bytes(drafter, k: int) -> dict:
             "bytes": fc + k * layer + k * head}
 
 
-def copy_bandwidth(device, mib: int, repeats: int = 20) -> float:
+def copy_bandwidth(device, mib: int, repeats: int = 50) -> float:
     """Bytes/s of a device-to-device copy of `mib` MiB (read + written)."""
     from scripts.profile_decode import step_ms
 
@@ -134,4 +137,5 @@ def random_hf(hf_cfg, device, dtype):
     from transformers import AutoModelForCausalLM
 
     with building(device, dtype):
-        return AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
+    return model.to(device).eval()  # (a no-op where transformers built it on the device)

@@ -105,6 +105,19 @@ def test_untied_target_reads_its_head_not_its_embedding_table(tmp_path):
     assert eagle3_draft_read_bytes(drafter, 3)["head_bytes"] == (32 + 100 * 32) * 4
 
 
+def test_a_qwen3_config_runs_its_plain_part(tmp_path):
+    out = tmp_path / "out"
+    config = tmp_path / "qwen3-tiny.json"
+    config.write_text(json.dumps({**TINY, "model_type": "qwen3", "tie_word_embeddings": False}))
+    scale_profile.main(["--hf-config", str(config), "--out", str(out), "--parts", "plain", *FAST])
+    shape = json.loads((out / "scale_profile.json").read_text())["shapes"]["qwen3-tiny"]
+    assert set(shape) == {"weights", "plain"}
+    # per-head q/k norms (2 x d per layer) read too; the untied embedding table not
+    w = shape["weights"]
+    assert w["all_weight_bytes"] - w["read_bytes"] == 512 * 32 * 4
+    assert w["read_bytes"] == 2 * (2 * 32 + 2 * 8 + 32 * 64 + 32 * 32 + 3 * 64 * 32) * 4 + 32 * 4 + 512 * 32 * 4
+
+
 def test_budget_cuts_parts_and_says_so(tmp_path):
     out = tmp_path / "out"
     scale_profile.main(["--hf-config", str(_config(tmp_path)), "--out", str(out), "--budget-s", "0",
