@@ -126,7 +126,7 @@ def copy_bandwidth(device, mib: int, repeats: int = 50) -> float:
     """Bytes/s of a device-to-device copy of `mib` MiB (read + written)."""
     from scripts.profile_decode import step_ms
 
-    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    src = torch.randint(0, 256, (mib * 2**20,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = step_ms(lambda: dst.copy_(src), n=repeats, warmup=3, device=str(device))
     del src, dst
