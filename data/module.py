@@ -103,8 +103,11 @@ class ChatDataModule(L.LightningDataModule):
         done = trainer.global_step * self.accumulate if trainer is not None else 0
         sampler = ResumableBatchSampler(self.train_set["num_tokens"], self.batch_size, self.seed,
                                         total=self.max_steps * self.accumulate, start=done, rank=rank, world=world)
-        return DataLoader(self.train_set.with_format(columns=["input_ids", "loss_mask"]), batch_sampler=sampler,
-                          collate_fn=self._collate, num_workers=self.num_workers,
+        if hasattr(self.train_set, "collate"):  # a feature store (data/features.py): rows carry the target's outputs
+            dataset, collate_fn = self.train_set, self.train_set.collate
+        else:
+            dataset, collate_fn = self.train_set.with_format(columns=["input_ids", "loss_mask"]), self._collate
+        return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, num_workers=self.num_workers,
                           # pinned batches copy to the GPU without waiting for it (asynchronously)
                           pin_memory=torch.cuda.is_available(), persistent_workers=False)
 

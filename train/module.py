@@ -30,10 +30,18 @@ def lr_factor(step: int, warmup: int, total: int, floor: float, time_fraction: f
 class DrafterModule(L.LightningModule):
     def __init__(self, target: Target, drafter: torch.nn.Module, objective: ObjectiveConfig,
                  optim: OptimConfig, evaluation: EvalConfig, schedule_steps: int, eval_names: list[str] | None = None,
-                 time_budget_s: float | None = None, description: dict | None = None):
+                 time_budget_s: float | None = None, description: dict | None = None,
+                 stored_features_dtype: torch.dtype | None = None):
         super().__init__()
         self.joint = objective.joint  # Medusa-2 / joint MTP: the target trains too
-        self.target = target.requires_grad_(self.joint)
+        # trained from a feature store (data.features): batches carry the target's outputs, cast to
+        # the dtype the target would give; the target is then no submodule, so Lightning never
+        # puts it on the device: each validation (the held-out promise) moves it there and back
+        self.stored_features_dtype = stored_features_dtype
+        if stored_features_dtype is not None:
+            self.__dict__["target"] = target.requires_grad_(False)
+        else:
+            self.target = target.requires_grad_(self.joint)
         if self.joint:  # its embedding and head stay: the drafters hold frozen copies of them
             target.model.get_input_embeddings().requires_grad_(False)
             target.model.get_output_embeddings().requires_grad_(False)
@@ -110,6 +118,18 @@ class DrafterModule(L.LightningModule):
             # training means); the target's own terms reuse this pass
             self._target_out = out
         return out, teacher, greedy
+
+    def _stored_pass(self, batch):
+        """What `_target_pass` gives, from a feature store's batch (data/features.py collate):
+        TargetOutput with the stored fields [B,T,W], teacher probs [B,T,Vd], greedy [B,T]."""
+        from data.features import stored_teacher
+        from models.target import TargetOutput
+
+        dtype = self.stored_features_dtype
+        out = TargetOutput(aux=batch["aux"].to(dtype) if "aux" in batch else None,
+                           last_hidden=batch["last_hidden"].to(dtype) if "last_hidden" in batch else None)
+        teacher = stored_teacher(batch["teacher_ids"], batch["teacher_logprobs"], self.drafter.draft_ids().numel(), dtype)
+        return out, teacher, batch["greedy"]
 
     def _joint_losses(self, ids, loss_mask) -> dict:
         """The target's own terms in joint modes (on the pass `_target_pass` kept with grad)."""
@@ -211,7 +231,7 @@ class DrafterModule(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-        out, teacher, greedy = self._target_pass(ids)
+        out, teacher, greedy = self._stored_pass(batch) if "teacher_ids" in batch else self._target_pass(ids)
         total, losses, accs = self._objective(ids, loss_mask, out, teacher, greedy)
         if self.joint:
             terms = self._joint_losses(ids, loss_mask)
@@ -232,6 +252,8 @@ class DrafterModule(L.LightningModule):
 
     # ----------------------------------------------------------------- held-out validation
     def on_validation_epoch_start(self):
+        if self.stored_features_dtype is not None:
+            self.target.to(self.device)  # (back to the CPU at the validation's end)
         # [sets, 2, k+1]: chains in first answers, then in follow-up turns (inference.walks.greedy)
         self._val_hist = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.long)
         # the sampled promises: per serving temperature T > 0 and verification, expected counts
@@ -312,6 +334,8 @@ class DrafterModule(L.LightningModule):
                                    self.evaluation.anchors_per_sequence, features=features, greedy=greedy, per_turn=per_turn)
 
     def on_validation_epoch_end(self):
+        if self.stored_features_dtype is not None:
+            self.target.to("cpu")
         hist = self._reduced(self._val_hist)
         sampled = {setting: self._reduced(h) for setting, h in self._sampled_hist.items()}
         trees = {tree: self._reduced(h) for tree, h in self._tree_hist.items()}

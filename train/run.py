@@ -271,6 +271,15 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
         return {}
 
     drafter = build_drafter(cfg, hf_config, d2t.numel(), mask_token_id=_mask_token(cfg, tokenizer))
+    store = None
+    if cfg.data.features is not None:  # training steps read the target's outputs from a store (data/features.py)
+        from data.features import StoreError, open_for_run
+
+        try:
+            store = open_for_run(cfg, target_path, train, d2t, drafter, pad_id)
+        except StoreError as e:
+            raise ConfigError(str(e)) from None
+    # (from a store, the target initialises the drafter, walks the held-out promise and is exported beside it)
     target = Target.load(cfg.target, drafter.aux_layer_ids, dtype=dtype)
     drafter.init_from_target(target.model, d2t, t2d)
 
@@ -279,9 +288,10 @@ def _run(cfg: RunConfig, resume: str | None, prepare_only: bool, overwrite: bool
     time_budget = max_time_seconds(cfg.trainer.get("max_time")) if cfg.optim.schedule_by == "time" and not fast else None
     module = DrafterModule(target, drafter, cfg.objective, cfg.optim, cfg.eval, cfg.optim.schedule_steps or max_steps,
                            eval_names=list(heldouts), time_budget_s=time_budget,
-                           description=describe(cfg.drafter.method, cfg.target, target_path, hf_config, cfg.to_dict()))
+                           description=describe(cfg.drafter.method, cfg.target, target_path, hf_config, cfg.to_dict()),
+                           stored_features_dtype=dtype if store is not None else None)
     sampled = sampled_heldouts(cfg, tokenizer, next(iter(heldouts.values())))  # eval.sampled_answers' walks
-    datamodule = ChatDataModule(train, list(heldouts.values()) + sampled, pad_id, cfg.data.batch_size, cfg.seed,
+    datamodule = ChatDataModule(train if store is None else store, list(heldouts.values()) + sampled, pad_id, cfg.data.batch_size, cfg.seed,
                                 cfg.data.num_workers,
                                 max_steps=max_steps, accumulate=trainer.accumulate_grad_batches,
                                 eval_sequences=cfg.eval.num_sequences, eval_max_length=cfg.eval.max_length)

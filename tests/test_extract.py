@@ -1,0 +1,172 @@
+"""The feature store (data/extract.py, data/features.py): extract once, train from disk.
+
+One module fixture extracts the tiny recipe's training data into a float32 store with the exact
+teacher (top-k = the whole draft vocabulary); the tests train from it and compare with online
+training, kill and resume an extraction, refuse stores of other settings, and bound FP8."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.conftest import make_conversations, tiny_overrides, train_at_once
+
+SHORT = {"trainer.max_steps": 3, "checkpoint_every_n_steps": 3, "eval.every_n_steps": 3, "eval.temperatures": [0.0],
+         "data.limit": 40}
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    """(overrides(out_dir, **extra), the run config, a float32 store of its training split in 2+ shards)."""
+    from data.extract import extract
+    from train.config import load_config
+
+    root = tmp_path_factory.mktemp("extract")
+    chat = root / "chat.jsonl"
+    chat.write_text("".join(json.dumps(r) + "\n" for r in make_conversations(60)))
+
+    def overrides(out_dir, **extra):
+        return tiny_overrides(str(chat), out_dir, **{**SHORT, **extra})
+
+    cfg = load_config(None, overrides(root / "run"))
+    store = root / "store32"
+    manifest = extract(cfg, str(store), dtype="float32", topk=0, shard_tokens=1200, progress=False)
+    assert manifest["complete"] and manifest["num_shards"] >= 3 and manifest["teacher"]["exact"]
+    return overrides, cfg, store
+
+
+def _columns(store):
+    """Every shard's table, in order (the comparison of two stores)."""
+    return [pq.read_table(f) for f in sorted(store.glob("shard-*.parquet"))]
+
+
+def test_training_from_a_float32_store_equals_online_training(recipe, tmp_path):
+    from tests.test_fsdp import _assert_same_run
+
+    overrides, _, store = recipe
+    online, stored = tmp_path / "online", tmp_path / "stored"
+    train_at_once(overrides(online), [*overrides(stored), f"data.features={store}"])
+    _assert_same_run(online, stored)  # float32 noise (atol 1e-6), same optimizer state, same export
+    a = json.loads((online / "predicted.json").read_text())["predicted"]
+    b = json.loads((stored / "predicted.json").read_text())["predicted"]
+    assert a["tau"] == pytest.approx(b["tau"], abs=1e-6)
+
+
+def test_a_killed_extraction_resumes_to_the_same_store_and_training_refuses_it_until_then(recipe, tmp_path):
+    from data.extract import extract
+    from data.features import StoreError, check_store, read_manifest
+
+    _, cfg, store = recipe
+    again = tmp_path / "again"
+    with pytest.raises(RuntimeError, match="stopped after 1 shard"):
+        extract(cfg, str(again), dtype="float32", topk=0, shard_tokens=1200, progress=False, stop_after_shards=1)
+    half = read_manifest(again)
+    assert not half["complete"] and [s["file"] for s in half["shards"]] == ["shard-00000.parquet"]
+    assert not list(again.glob(".shard-*"))  # nothing half-written left beside the shards
+    with pytest.raises(StoreError, match=r"unfinished extraction \(1 of \d+ shards\)"):
+        check_store(str(again), None)
+    (again / ".shard-00001.parquet.x1").write_bytes(b"half a shard")  # what a SIGKILL mid-write leaves
+    full = extract(cfg, str(again), dtype="float32", topk=0, shard_tokens=1200, progress=False)
+    assert full["complete"] and not list(again.glob(".shard-*"))
+    ta, tb = _columns(store), _columns(again)
+    assert len(ta) == len(tb) == full["num_shards"] and all(a.equals(b) for a, b in zip(ta, tb))
+    # the same command with other settings is refused in one line, the store untouched
+    with pytest.raises(Exception, match=r"holds a store of other settings \(dtype, teacher differ\)"):
+        extract(cfg, str(again), dtype="bf16", topk=0, shard_tokens=1200, progress=False)
+
+
+def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe, tmp_path):
+    from data.chat import build_datasets
+    from data.features import Expected, StoreError, check_store, data_fingerprint, read_manifest
+
+    overrides, cfg, store = recipe
+    m = read_manifest(store)
+    fits = Expected(target=cfg.target, weights_sha256=m["target"]["weights_sha256"], layers=m["layers"], fields=["aux"],
+                    data_fingerprint=m["data"]["fingerprint"], dataset=cfg.data.dataset,
+                    vocab_fingerprint=m["draft_vocab"]["fingerprint"], draft_vocab_size=m["draft_vocab"]["size"])
+    assert check_store(str(store), fits) == m
+    from transformers import AutoTokenizer
+
+    from models.zoo import resolve_target
+
+    tok = AutoTokenizer.from_pretrained(resolve_target(cfg.target))
+    fewer, _ = build_datasets(cfg.data.dataset, tok, cfg.data.max_length, 30, cfg.data.heldout_fraction)
+    cases = {"another target": replace(fits, target="other", weights_sha256="0" * 64),
+             "target layers": replace(fits, layers=[1, 0]),
+             "other data": replace(fits, data_fingerprint=data_fingerprint(fewer)),
+             "another draft vocabulary": replace(fits, vocab_fingerprint="1" * 64),
+             "reads last_hidden": replace(fits, fields=["last_hidden"])}
+    for words, expected in cases.items():
+        with pytest.raises(StoreError, match=words) as e:
+            check_store(str(store), expected)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"data.features: {store}")
+    # the command line: one error line, exit 2, before any model loads and nothing written
+    res = subprocess.run([sys.executable, "-m", "train", *overrides(tmp_path / "run"), f"data.features={store}",
+                          "drafter.aux_layer_ids=[1]"], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: data.features:") and "layers [0, 1], not this run's drafter.aux_layer_ids [1]" in last
+    assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
+
+
+def test_fp8_and_bf16_stores_stay_within_their_rounding_and_load_with_datasets(recipe, tmp_path):
+    import datasets
+
+    from data.extract import extract
+    from data.features import decode, fp8_error_bound
+
+    _, cfg, store = recipe
+    stores = {}
+    for dtype in ("bf16", "fp8-e4m3"):
+        stores[dtype] = tmp_path / dtype
+        m = extract(cfg, str(stores[dtype]), dtype=dtype, topk=8, shard_tokens=100_000, progress=False)
+        assert m["teacher"] == {"topk": 8, "over": "draft vocabulary", "logprobs_dtype": "float16", "exact": False}
+    exact = pq.read_table(sorted(store.glob("shard-*"))[0]).slice(0, 5).to_pydict()
+    bf16 = pq.read_table(sorted(stores["bf16"].glob("shard-*"))[0]).slice(0, 5).to_pydict()
+    fp8 = pq.read_table(sorted(stores["fp8-e4m3"].glob("shard-*"))[0]).slice(0, 5).to_pydict()
+    for r in range(5):
+        x = torch.tensor(exact["aux"][r])  # [T, 2*64] float32: the target's features
+        b = decode(np.array(bf16["aux"][r], dtype=np.uint16), None, "bf16").float()
+        scale = torch.tensor(fp8["aux_scale"][r])
+        q = decode(np.array(fp8["aux"][r], dtype=np.uint8), scale.numpy(), "fp8-e4m3")
+        assert scale.shape == (x.shape[0], 2)  # a scale per token and layer
+        torch.testing.assert_close(b, x, rtol=2**-8, atol=0)  # bf16: half an ulp of 8 bits
+        bound = fp8_error_bound(x, scale)
+        assert ((q - x).abs() <= bound * (1 + 1e-6)).all()
+        # against the bf16 store's features: FP8's bound plus bf16's own rounding
+        assert ((q - b).abs() <= bound + x.abs() * 2**-8 + 1e-12).all()
+        assert (q - x).abs().max() > 0  # (FP8 did round: the test can fail)
+        # the top-8 teacher holds the exact teacher's 8 largest log-probabilities
+        top = torch.tensor(exact["teacher_logprobs"][r]).topk(8, -1).values
+        torch.testing.assert_close(torch.tensor(bf16["teacher_logprobs"][r]), top, rtol=1e-3, atol=1e-3)
+        assert bf16["greedy"][r] == exact["greedy"][r] == fp8["greedy"][r]
+    # fp8 (with its scales) takes less room than bf16, which takes half of float32's features
+    bpt = {name: json.loads((s / "manifest.json").read_text())["bytes_per_token"]["features"]
+           for name, s in {"float32": store, **stores}.items()}
+    assert bpt["fp8-e4m3"] < bpt["bf16"] < 0.6 * bpt["float32"]
+    loaded = datasets.load_dataset("parquet", data_files=sorted(str(f) for f in stores["fp8-e4m3"].glob("shard-*.parquet")),
+                                   split="train", cache_dir=str(tmp_path / "hf"))
+    assert len(loaded) == json.loads((stores["fp8-e4m3"] / "manifest.json").read_text())["data"]["conversations"]
+    assert {"index", "input_ids", "loss_mask", "greedy", "aux", "aux_scale", "teacher_ids", "teacher_logprobs"} <= set(loaded.column_names)
+    assert loaded[0]["input_ids"] == fp8["input_ids"][0] and len(loaded[0]["aux"][0]) == 128
+
+
+def test_fp8_round_trip_bound_on_a_wide_range():
+    from data.features import fp8_dequantise, fp8_error_bound, fp8_quantise
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3 * 32, generator=g) * torch.logspace(-4, 3, 64)[:, None]  # rows of very different size
+    x[0, :32] = 0  # a layer that is all zeros keeps zeros
+    bits, scale = fp8_quantise(x, groups=3)
+    assert bits.dtype == torch.uint8 and scale.shape == (64, 3)
+    y = fp8_dequantise(bits, scale)
+    assert ((y - x).abs() <= fp8_error_bound(x, scale) * (1 + 1e-6)).all()
+    assert torch.equal(y[0, :32], torch.zeros(32))
+    rel = ((y - x).abs() / x.abs().clamp_min(1e-30))[x.abs() > scale.repeat_interleave(32, -1) * 2**-6]
+    assert 0.01 < rel.max() <= 2**-4  # e4m3: 3 mantissa bits
