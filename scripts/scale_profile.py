@@ -417,7 +417,8 @@ def main(argv=None):
     def within_budget(what: str, needs_s: float = 0.0) -> bool:
         if time.perf_counter() - start + needs_s <= args.budget_s:
             return True
-        print(f"-- budget: {what} not started ({time.perf_counter() - start:.0f} s > --budget-s {args.budget_s:g})")
+        needs = f" + {needs_s:.0f} s it is given" if needs_s else ""
+        print(f"-- budget: {what} not started ({time.perf_counter() - start:.0f} s{needs} > --budget-s {args.budget_s:g})")
         meta["cut"].append(what)
         rec.save()
         return False
@@ -432,10 +433,35 @@ def main(argv=None):
             hf_part(shape, cfg, args, rec)
     meta["seconds"] = round(time.perf_counter() - start, 1)
     rec.save()
-    print(f"\n{'measure':58s} {'value':>12s}  unit")
-    for row in rec.rows:
-        print(f"{row['measure']:58s} {row['value']:>12s}  {row['unit']}")
-    print(f"({meta['seconds']:.0f} s; {len(rec.rows)} rows in {Path(args.out) / 'scale_profile.csv'})")
+    print(summary(rec.shapes, meta))
+    print(f"({meta['seconds']:.0f} s; {len(rec.rows)} rows in {Path(args.out) / 'scale_profile.csv'}; cut: "
+          f"{', '.join(meta['cut']) or 'nothing'})")
+
+
+def summary(shapes: dict, meta: dict) -> str:
+    """One block per shape, each figure with its ratio (the CSV holds them all)."""
+    lines = [f"\n{meta['gpu']}, {meta['date']}, commit {meta['commit']}"]
+    for shape, parts in shapes.items():
+        lines.append(f"{shape}:")
+        if "plain" in parts:
+            w, pl = parts["weights"], parts["plain"]
+            lines.append(f"  plain step {pl['step_ms']:.3f} ms = {pl['x_floor']:.2f}x floor {w['floor_ms']:.3f} ms "
+                         f"({w['read_bytes'] / 1e9:.2f} GB at {w['bandwidth_tb_s']:.2f} TB/s); {pl['tok_s']:.1f} tok/s")
+        for name, r in parts.items():
+            if name.startswith("eagle3_chain_k"):
+                lines.append(f"  EAGLE-3 k={name[14:]}: draft {r['draft_ms']:.3f} ms = {r['draft_x_floor']:.2f}x floor "
+                             f"({r['draft_x_whole_passes']:.2f}x whole passes), verify {r['verify_ms']:.3f} ms = "
+                             f"{r['verify_x_plain']:.2f}x plain, {r['tok_s']:.1f} tok/s = {r['x_plain']:.2f}x plain")
+            elif name.startswith("tree_"):
+                lines.append(f"  tree {name[5:].replace('_', '-')}: draft {r['draft_ms']:.3f} ms, verify {r['verify_ms']:.3f} ms "
+                             f"= {r['verify_x_plain']:.2f}x plain")
+            elif name.startswith("train_"):
+                peak = f", peak {r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else ""
+                lines.append(f"  train {name[6:]}: {r['tokens_s']:,.0f} tokens/s{peak}")
+            elif name == "hf_static_compiled":
+                lines.append(f"  transformers static cache (compiled): "
+                             + (f"{r['tok_s']:.1f} tok/s" if "tok_s" in r else r["skipped"]))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

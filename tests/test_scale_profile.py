@@ -38,7 +38,7 @@ def test_cpu_rehearsal_records_every_part_with_floors_from_measured_numbers(tmp_
     out = tmp_path / "out"
     scale_profile.main(["--hf-config", str(_config(tmp_path)), "--out", str(out), *FAST])
     printed = capsys.readouterr().out
-    assert "tiny] hf: skipped" in printed and "scale.tiny.plain.x_floor" in printed
+    assert "tiny] hf: skipped" in printed and "tiny:\n  plain step" in printed and "  EAGLE-3 k=7: draft" in printed
     report = json.loads((out / "scale_profile.json").read_text())
     assert report["tool"] == "scripts/scale_profile.py" and report["gpu"] == "cpu" and report["cut"] == []
     assert "--hf-config" in report["command"] and report["settings"]["rate"] == 0.75
