@@ -183,4 +183,46 @@ def launch_lines(folder) -> list[str]:
     layout = layout_module(meta.get("method"), meta.get("format"))
     if not hasattr(layout, "launch_lines"):
         return []
-    return layout.launch_lines(str(folder), config, meta)
+    lines = layout.launch_lines(str(folder), config, meta)
+    from export.io import read_k_table
+
+    rows = read_k_table(path) if meta.get("k_table") else None
+    return [with_k_table(line, meta["k_table"]["rows"], str(folder)) for line in lines] if rows else lines
+
+
+SGLANG_ADAPTIVE = "sglang_adaptive.json"  # the k table as SGLang's --speculative-adaptive-config (inference.deploy)
+
+
+def with_k_table(line: str, rows: list[list[int]], folder: str) -> str:
+    """A launch line that drafts k by batch size from the export's table [[first, last, k], ...]
+    (docs/deploy.md): vLLM 0.33's `num_speculative_tokens_per_batch_size` in --speculative-config,
+    with num_speculative_tokens the table's largest k (vLLM caps each row's k at it); SGLang
+    0.5.23's EAGLE / EAGLE3 chains through --speculative-adaptive with the export's
+    SGLANG_ADAPTIVE file (one candidate per batch-size slot, so nothing adapts). Other lines
+    (SGLang's DFLASH, which has no such setting) and tables that draft nothing are left as they are."""
+    top = max(k for _, _, k in rows)
+    words = shlex.split(line)
+    if top == 0:
+        return line
+    if words[:2] == ["vllm", "serve"] and "--speculative-config" in words:
+        at = words.index("--speculative-config") + 1
+        spec = json.loads(words[at])
+        words[at] = json.dumps({**spec, "num_speculative_tokens": top, "num_speculative_tokens_per_batch_size": rows})
+        return shlex.join(words)
+    algorithm = words[words.index("--speculative-algorithm") + 1] if "--speculative-algorithm" in words else None
+    chain = "--speculative-eagle-topk" in words and words[words.index("--speculative-eagle-topk") + 1] == "1"
+    adaptive = Path(folder) / SGLANG_ADAPTIVE
+    if algorithm in ("EAGLE", "EAGLE3") and chain and adaptive.is_file():
+        for flag, value in (("--speculative-num-steps", top), ("--speculative-num-draft-tokens", top + 1)):
+            if flag in words:
+                words[words.index(flag) + 1] = str(value)
+        return shlex.join(words + ["--speculative-adaptive", "--speculative-adaptive-config", str(adaptive)])
+    return line
+
+
+def sglang_adaptive_config(rows: list[list[int]]) -> dict:
+    """SGLang 0.5.23's adaptive config (speculative/adaptive_spec_params.py) holding the table: a
+    slot per row keyed by its first batch size (a batch takes the slot of the largest key at or
+    below it, after padding to a captured CUDA-graph batch size), each with the row's k as its
+    only candidate step count."""
+    return {str(lo): {"candidate_steps": [k]} for lo, _, k in rows}

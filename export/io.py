@@ -240,3 +240,43 @@ def target_embedding_and_head(target: str):
     if embed is None or head is None:
         raise KeyError(f"target {target}: model.embed_tokens.weight (and lm_head.weight unless tied) not found")
     return embed, head
+
+
+# ---------------------------------------------------------------- the per-batch-size draft lengths
+K_TABLE = "k_table"  # draftsmith.json's key: {"rows": [[first_batch, last_batch, k], ...], ...} (inference.deploy)
+
+
+def check_k_table_rows(rows, where: str = K_TABLE) -> list[list[int]]:
+    """[[first_batch, last_batch, k], ...] as vLLM 0.33 takes them (v1/spec_decode/dynamic/utils.py):
+    inclusive batch ranges, the first from 1, ascending without overlap, k >= 0 (0: no drafting).
+    ValueError naming `where` otherwise."""
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{where}: expected a non-empty list of [first_batch, last_batch, k] rows")
+    out, previous = [], 0
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and all(isinstance(x, int) and not isinstance(x, bool) for x in row)):
+            raise ValueError(f"{where}: row {row!r} is not [first_batch, last_batch, k] (three integers)")
+        lo, hi, k = row
+        if lo <= previous or hi < lo or k < 0:
+            raise ValueError(f"{where}: row {row} must start after the last row's batch ({previous}), end at or after it "
+                             "starts, and draft k >= 0")
+        out.append([lo, hi, k])
+        previous = hi
+    if out[0][0] != 1:
+        raise ValueError(f"{where}: the first row must start at batch 1 (vLLM needs every batch size covered)")
+    return out
+
+
+def read_k_table(folder: str | Path) -> list[list[int]] | None:
+    """The export's draft length per batch size (draftsmith.json `k_table`, which `python -m
+    inference.deploy` writes into a copy of an export) as the runtime's k_table rows
+    (inference/runtime/engine.py draft_length), the last row carried to every larger batch, as
+    vLLM and SGLang read it; None when the export carries none. ValueError on a malformed one."""
+    path = Path(folder) / "draftsmith.json"
+    meta = read_json(path) if path.is_file() else {}
+    table = meta.get(K_TABLE) if isinstance(meta, dict) else None
+    if table is None:
+        return None
+    rows = check_k_table_rows(table.get("rows") if isinstance(table, dict) else None, f"{path}: {K_TABLE}")
+    rows[-1][1] = max(rows[-1][1], 1 << 30)
+    return rows

@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     ap.add_argument("--drafter", help="export folder written by draftsmith (EAGLE-3 speculators layout or Medusa layout)")
     ap.add_argument("--draft-model", help="draft-model proposer: a small LM (zoo name, HF folder or GGUF); another "
                     "vocabulary is mapped by token strings (greedy only)")
-    ap.add_argument("-k", type=int, default=None, help="drafts per step (default 4; with --tree, the tree's depth)")
+    ap.add_argument("-k", type=int, default=None, help="drafts per step (default: the export's k table at batch 1, "
+                    "written by inference.deploy, else 4; with --tree, the tree's depth)")
     ap.add_argument("--tree", default=None, metavar="DEPTH,TOPK,NODES[,CHILDREN]",
                     help="draft EAGLE-2 trees with the EAGLE-3 drafter in --drafter (greedy; DEPTH is k), as bench and "
                          "validate do; CHILDREN: what each kept node below the root is expanded into (TOPK by default)")
@@ -68,6 +69,18 @@ def main(argv=None) -> int:
             return _fail(f"--tree: trees are drafted for greedy decoding (--temperature 0, not {args.temperature:g})")
         if args.k is not None and args.k != tree[0]:
             return _fail(f"-k {args.k} and --tree {args.tree}: a tree's depth is its k (leave -k out)")
+    if args.k is None and tree is None and args.drafter and (Path(args.drafter) / "config.json").is_file():
+        from export.io import read_k_table
+        from inference.runtime.engine import draft_length
+
+        try:  # the export's draft length per batch size (inference.deploy), at batch 1
+            table = read_k_table(args.drafter)
+        except ValueError as e:
+            return _fail(f"--drafter: {e}")
+        args.k = None if table is None else draft_length(table, 1, 1 << 30)
+        if args.k == 0:
+            print("note: the export's k table turns drafting off at batch 1: plain decoding", file=sys.stderr)
+            args.proposer = "none"
     args.k = (tree[0] if tree is not None else 4) if args.k is None else args.k
     if not 0 < args.top_p <= 1:
         return _fail(f"--top-p: must be in (0, 1], got {args.top_p}")

@@ -66,10 +66,29 @@ def resolve(line: str) -> dict:
         supported = [a for a in archs if a in ModelRegistry.get_supported_archs()]
         if not supported:
             raise ValueError(f"draft architectures {archs} are not in vLLM's model registry")
-        return {"line": line, "model": model, "method": method, "num_speculative_tokens": spec.get("num_speculative_tokens"),
-                "draft_model": spec["model"], "draft_architecture": supported[0]}
+        out = {"line": line, "model": model, "method": method, "num_speculative_tokens": spec.get("num_speculative_tokens"),
+               "draft_model": spec["model"], "draft_architecture": supported[0]}
+        if "num_speculative_tokens_per_batch_size" in spec:
+            out["k_by_batch"] = _k_by_batch(spec)
+        return out
     except Exception as e:
         return {"line": line, "error": type(e).__name__, "message": str(e)}
+
+
+def _k_by_batch(spec: dict) -> list[int]:
+    """A per-batch-size draft-length table as vLLM reads it: the field's declared type
+    (SpeculativeConfig.num_speculative_tokens_per_batch_size, validated by pydantic), then the
+    scheduler's dense lookup (v1/spec_decode/dynamic/utils.py) for batch sizes 1..64 under the
+    line's num_speculative_tokens: [k at batch 1, ..., k at batch 64]."""
+    import dataclasses
+
+    from pydantic import TypeAdapter
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+    field = {f.name: f for f in dataclasses.fields(SpeculativeConfig)}["num_speculative_tokens_per_batch_size"]
+    table = TypeAdapter(field.type).validate_python(spec["num_speculative_tokens_per_batch_size"])
+    return build_dynamic_sd_schedule_lookup(table, 64, spec["num_speculative_tokens"])[1:]
 
 
 def main() -> int:
