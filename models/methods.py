@@ -19,8 +19,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from models import dflash, eagle1, eagle3, medusa, mtp
+from models import dflash, dspark, eagle1, eagle3, medusa, mtp
 from models.dflash import DFlashConfig, DFlashDrafter, DFlashOptions
+from models.dspark import DSparkConfig, DSparkDrafter, DSparkOptions
 from models.eagle1 import Eagle1Config, Eagle1Drafter, Eagle1Options
 from models.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Options
 from models.medusa import MedusaConfig, MedusaDrafter, MedusaOptions
@@ -75,7 +76,8 @@ class BlockDrafter(Drafter, Protocol):
 
 PREDICTORS = ("chain", "heads", "block")
 """chain: step s reads draft s-1 (EAGLE, MTP); heads: steps read no drafted token (Medusa);
-block: one forward per anchor drafts the whole block (DFlash)."""
+block: one forward per anchor drafts the whole block (DFlash; DSpark then adds a bias per draft,
+left to right, from the draft before it)."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,11 @@ METHODS: dict[str, Method] = {
     "dflash": Method(DFlashConfig, DFlashDrafter, dflash.build, "inference.proposers.blocks:DFlashCachedProposer",
                      {"dflash": "export.dflash", "speculators": "export.speculators"}, "block", options=DFlashOptions,
                      display_name="DFlash", max_drafts=lambda c: c.block_size - 1),
+    # DFlash's backbone plus a Markov head and a confidence head (models/dspark.py); its drafts
+    # read the draft before them, so its walks call the drafter's draft_at / drive_block
+    "dspark": Method(DSparkConfig, DSparkDrafter, dspark.build, "inference.proposers.blocks:DSparkCachedProposer",
+                     {"dspark": "export.dspark", "speculators": "export.dspark"}, "block", options=DSparkOptions,
+                     display_name="DSpark", max_drafts=lambda c: c.block_size - 1),
 }
 
 

@@ -47,3 +47,34 @@ def hard_ce(logits, labels, mask):
     per_position = F.cross_entropy(logits.float().flatten(0, -2), labels.clamp_min(0).flatten(), reduction="none")
     keep = keep.flatten().to(per_position.dtype)
     return (per_position * keep).sum() / keep.sum().clamp_min(1)
+
+
+def acceptance_targets(student_logits, teacher_probs, choice, draft_ids, kind: str):
+    """What a confidence head learns of each drafted position (DSpark): the probability that
+    its draft is accepted given the drafts before it were, under teacher forcing (the text
+    before it). student_logits [N,Vd] (the draft's logits, bias applied), teacher_probs [N,Vd]
+    (the target's distribution over the draft vocabulary), choice [N] (the target's full-vocab
+    argmax), draft_ids [Vd] → [N] float32 in [0, 1], no gradient.
+
+    kind "overlap": sum_x min(p(x), q(x)), acceptance under standard verification at T = 1 (the
+    sampled walk's alpha; the reference trainer's target); "greedy": 1 where the draft's argmax
+    is the target's (acceptance at T = 0, the greedy walk's)."""
+    import torch
+
+    with torch.no_grad():
+        if kind == "greedy":
+            return (draft_ids[student_logits.argmax(-1)] == choice).float()
+        if kind != "overlap":
+            raise ValueError(f"confidence target {kind!r} is not one of overlap, greedy")
+        q = torch.softmax(student_logits.float(), -1)
+        return torch.minimum(q, teacher_probs.float()).sum(-1).clamp(0, 1)
+
+
+def confidence_bce(confidence_logits, target, mask):
+    """Binary cross-entropy of confidence logits [N] against acceptance probabilities [N] (soft
+    labels), averaged over selected positions mask [N]."""
+    import torch.nn.functional as F
+
+    per_position = F.binary_cross_entropy_with_logits(confidence_logits.float(), target.float(), reduction="none")
+    mask = mask.to(per_position.dtype)
+    return (per_position * mask).sum() / mask.sum().clamp_min(1)

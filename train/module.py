@@ -14,7 +14,7 @@ from models.methods import predictor_of
 from models.target import Target
 from train.config import EvalConfig, ObjectiveConfig, OptimConfig
 from train.joint import keep_close_kl, lm_loss
-from train.losses import feature_smooth_l1, hard_ce, soft_kl, ttt_slices, ttt_step_weights
+from train.losses import acceptance_targets, confidence_bce, feature_smooth_l1, hard_ce, soft_kl, ttt_slices, ttt_step_weights
 
 
 def lr_factor(step: int, warmup: int, total: int, floor: float, time_fraction: float = 0.0) -> float:
@@ -146,12 +146,15 @@ class DrafterModule(L.LightningModule):
 
     def _block_objective(self, ids, loss_mask, out, teacher, greedy):
         """DFlash: random anchors inside answers, every block of a row in one forward; block
-        position j (1-based) predicts x_{a+1+j}, teacher at a+j, weight exp(-(j-1)/gamma)."""
+        position j (1-based) predicts x_{a+1+j}, teacher at a+j, weight exp(-(j-1)/gamma).
+        A drafter with `block_outputs` (DSpark) gives its teacher-forced logits with confidence
+        logits [R,m,B]: each position's BCE against its draft's acceptance (train.losses.
+        acceptance_targets, config.confidence_target), times config.confidence_weight, joins
+        that position's loss under the same position weight."""
         features = self.drafter.features(out)
         T = ids.shape[1]
         B = self.drafter.config.block_size
-        students, teachers, masks, choices = [[] for _ in range(B - 1)], [[] for _ in range(B - 1)], \
-            [[] for _ in range(B - 1)], [[] for _ in range(B - 1)]
+        students, teachers, masks, choices, confs = ([[] for _ in range(B - 1)] for _ in range(5))
         rows, picked = [], []
         for b in range(ids.shape[0]):
             candidates = torch.nonzero(loss_mask[b, 2:]).flatten()  # a with x_{a+2} (draft 1) answer text
@@ -167,7 +170,9 @@ class DrafterModule(L.LightningModule):
             anchors = torch.stack([torch.cat([a, a[-1:].expand(m - a.numel())]) for a in picked])  # [R,m]
             real = torch.stack([torch.arange(m, device=ids.device) < a.numel() for a in picked])  # [R,m]
             r = torch.as_tensor(rows, device=ids.device)
-            logits = self.drafter.block_logits(ids[r], features[r], anchors)  # [R,m,B,Vd]
+            outputs = getattr(self.drafter, "block_outputs", None)
+            logits, conf = outputs(ids[r], features[r], anchors) if outputs is not None else \
+                (self.drafter.block_logits(ids[r], features[r], anchors), None)  # [R,m,B,Vd], [R,m,B] or None
             for j in range(1, B):
                 label = anchors + 1 + j  # [R,m]
                 valid = (label < T) & real
@@ -176,6 +181,8 @@ class DrafterModule(L.LightningModule):
                 teachers[j - 1].append(teacher[r[:, None], label - 1].flatten(0, 1))
                 masks[j - 1].append((valid & loss_mask[r[:, None], label].bool()).flatten())
                 choices[j - 1].append(greedy[r[:, None], label - 1].flatten())
+                if conf is not None:
+                    confs[j - 1].append(conf[:, :, j].flatten())
         draft_ids = self.drafter.draft_ids()
         losses, accs, total = [], [], 0.0
         for j, w in enumerate(self.drafter.position_weights()):
@@ -185,7 +192,13 @@ class DrafterModule(L.LightningModule):
                 accs.append(torch.zeros((), device=ids.device))
                 continue
             student, mask = torch.cat(students[j]), torch.cat(masks[j])
-            loss = soft_kl(student, torch.cat(teachers[j]), mask)
+            teacher_j = torch.cat(teachers[j])
+            loss = soft_kl(student, teacher_j, mask)
+            if confs[j]:
+                cfg = self.drafter.config
+                accepted = acceptance_targets(student.detach(), teacher_j, torch.cat(choices[j]), draft_ids,
+                                              cfg.confidence_target)
+                loss = loss + cfg.confidence_weight * confidence_bce(torch.cat(confs[j]), accepted, mask)
             losses.append(loss)
             total = total + w * loss
             with torch.no_grad():
