@@ -74,12 +74,13 @@ def load_dflash(folder: str | Path, dtype: torch.dtype = torch.float32, target: 
     return dflash_from_state(cfg, load_file(str(folder / "model.safetensors")), target, folder).to(dtype)
 
 
-def dflash_from_state(cfg: DFlashConfig, state: dict, target: str | None, folder) -> DFlashDrafter:
+def dflash_from_state(cfg: DFlashConfig, state: dict, target: str | None, folder, drafter_cls=DFlashDrafter) -> DFlashDrafter:
     """The drafter from an export's tensors, strictly; the embedding, and the head unless the
-    file stores its draft rows (speculators' layout does when Vd < V), come from the target."""
+    file stores its draft rows (speculators' layout does when Vd < V), come from the target.
+    drafter_cls: a drafter on DFlash's backbone (DSpark's, export/dspark.py)."""
     if not target:
         raise ValueError(f"{folder}: a DFlash export uses its target's embedding and head; name the target")
-    drafter = DFlashDrafter(cfg)
+    drafter = drafter_cls(cfg)
     if cfg.draft_vocab_size == cfg.vocab_size:
         state.update(full_vocab_maps(cfg.vocab_size))
     head_stored = "lm_head.weight" in state
