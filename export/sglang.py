@@ -9,6 +9,11 @@ SGLang 0.5.23 reads `norm_before_fc` (eagle_config first, then the top level) an
 `input_norm.weight`, so that option is carried (the EAGLE reference loader does not know it:
 such an export is for SGLang). Its residual is always the pre-norm hidden state: a drafter
 trained with `norm_before_residual` is refused, naming the layout that carries it (speculators).
+
+EAGLE-3.1's flags are carried too: SGLang 0.5.23 reads `fc_norm` (or its older name
+`use_aux_norm`) and `norm_output` from the top level only (llama_eagle3.py:185-196, 207), loads
+`fc_norm.{i}.weight` (prefixed `model.`, :372) and feeds the next draft step the final-normed
+state when norm_output is set (:267-268). The EAGLE reference loader knows neither.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ def sglang_config(cfg: Eagle3Config, target_name: str) -> dict:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids), "use_aux_hidden_state": True,
                          "norm_before_fc": cfg.norm_before_fc},
         "norm_before_fc": cfg.norm_before_fc, "norm_before_residual": False,
+        "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output,  # top level: SGLang reads them nowhere else
         "base_model_name_or_path": target_name,
         **({"target_hidden_size": cfg.target_hidden_size} if cfg.target_hidden_size != cfg.hidden_size else {}),
     }
@@ -73,6 +79,9 @@ def export_sglang(drafter: Eagle3Drafter, out_dir: str | Path, *, target_name: s
     notes = []
     if cfg.norm_before_fc:
         notes.append("norm_before_fc: SGLang 0.5.23 reads it and loads input_norm; the EAGLE reference loader does not")
+    for flag in ("fc_norm", "norm_output"):
+        if getattr(cfg, flag):
+            notes.append(f"{flag} (EAGLE-3.1): SGLang 0.5.23 reads it; the EAGLE reference loader does not")
     if list(cfg.aux_layer_ids) != default_aux_layer_ids(cfg.target_num_layers):
         notes.append(f"aux layers {cfg.aux_layer_ids} are not the default {default_aux_layer_ids(cfg.target_num_layers)}: "
                      "SGLang reads eagle_config, but the EAGLE reference loader ignores it and would feed other layers")
@@ -102,7 +111,9 @@ def served_config(config: dict, folder) -> Eagle3Config:
                        target_num_layers=max(ids) + 4, rms_norm_eps=config["rms_norm_eps"],
                        rope_theta=config["rope_theta"], rope_scaling=config.get("rope_scaling"),
                        max_position_embeddings=config["max_position_embeddings"],
-                       norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))))
+                       norm_before_fc=bool((config.get("eagle_config") or {}).get("norm_before_fc", config.get("norm_before_fc", False))),
+                       fc_norm=bool(config.get("fc_norm") or config.get("use_aux_norm", False)),  # llama_eagle3.py:185-187
+                       norm_output=bool(config.get("norm_output", False)))
 
 
 def load_sglang(folder: str | Path, dtype: torch.dtype = torch.float32, served: bool = False) -> Eagle3Drafter:
@@ -148,6 +159,8 @@ def served_facts(config: dict) -> dict:
     return {"eagle_config.eagle_aux_hidden_state_layer_ids": (config.get("eagle_config") or {}).get(
                 "eagle_aux_hidden_state_layer_ids"),
             "norm_before_residual": bool(config.get("norm_before_residual")),
+            "fc_norm": bool(config.get("fc_norm") or config.get("use_aux_norm", False)),
+            "norm_output": bool(config.get("norm_output", False)),
             **{key: config.get(key) for key in ("vocab_size", "hidden_size", "rope_theta")}}
 
 
@@ -155,7 +168,8 @@ def expected_facts(method: str, trained: dict, k: int | None) -> dict:
     """What served_facts must say for the trained drafter: name -> (value, why). A trained
     norm_before_residual is named by the served config already (SGLang serves it false)."""
     return {"eagle_config.eagle_aux_hidden_state_layer_ids": (trained["aux_layer_ids"], "the trained output-of-layer ids"),
-            "norm_before_residual": (False, "SGLang 0.5.23 has no such option (the residual is pre-norm)")}
+            "norm_before_residual": (False, "SGLang 0.5.23 has no such option (the residual is pre-norm)"),
+            **{flag: (bool(trained.get(flag, False)), "trained") for flag in ("fc_norm", "norm_output")}}
 
 
 def launch_lines(folder: str, config: dict, meta: dict) -> list[str]:

@@ -76,10 +76,12 @@ def speculators_config(cfg: Eagle3Config, target_name: str, target_arch: list[st
         "draft_vocab_size": cfg.draft_vocab_size,
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": cfg.norm_before_fc,
-        "fc_norm": False,
-        # the next step is fed the layer's output before the final norm (the norm only feeds
-        # the head); norm_output = true would tell a server to feed the normed state instead
-        "norm_output": False,
+        # EAGLE-3.1, read at the top level (vLLM 0.33 speculators/algos.py:37-38, absent: false):
+        # fc_norm builds one RMSNorm per aux state, loaded from `fc_norm.{i}.weight`
+        # (llama_eagle3.py:231-240, 409-416); norm_output feeds the next step the final-normed
+        # state (llama_eagle3.py:252, 285-286), false: the layer's output before the final norm
+        "fc_norm": cfg.fc_norm,
+        "norm_output": cfg.norm_output,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
         "target_hidden_size": cfg.target_hidden_size,
         "dtype": dtype,
@@ -147,8 +149,7 @@ def load_speculators(folder: str | Path, dtype: torch.dtype = torch.float32, tar
 
     draftsmith's own exports carry the drafter's config in draftsmith.json; a folder made
     elsewhere (by the speculators package, say) is read from its config.json alone, and an
-    option draftsmith's modules cannot compute (fc_norm, norm_output, several layers) is an
-    error naming it. target: where a DFlash drafter's embedding and head come from (default:
+    option draftsmith's modules cannot compute (several layers) is an error naming it. target: where a DFlash drafter's embedding and head come from (default:
     the verifier named in the config)."""
     import json
 
@@ -207,9 +208,6 @@ def _layer_fields(config: dict, folder) -> tuple[dict, object]:
 
 def _eagle3_config(config: dict, folder) -> Eagle3Config:
     fields, layer = _layer_fields(config, folder)
-    for flag in ("fc_norm", "norm_output"):
-        if config.get(flag):
-            raise ValueError(f"{folder}/config.json: {flag}=true is an EAGLE-3 variant draftsmith's module does not compute")
     if layer.num_hidden_layers != 1:
         raise ValueError(f"{folder}/config.json: {layer.num_hidden_layers} draft layers; draftsmith's EAGLE-3 has one")
     ids = config.get("eagle_aux_hidden_state_layer_ids")
@@ -220,7 +218,9 @@ def _eagle3_config(config: dict, folder) -> Eagle3Config:
                         target_hidden_size=config.get("target_hidden_size") or fields["hidden_size"], aux_layer_ids=aux,
                         target_num_layers=max(aux) + 4,  # unknown here; only bounds the ids
                         norm_before_residual=config.get("norm_before_residual", True),  # vLLM's default when absent
-                        norm_before_fc=bool(config.get("norm_before_fc", False)))
+                        norm_before_fc=bool(config.get("norm_before_fc", False)),
+                        # vLLM 0.33 speculators/algos.py:37-38: both default false
+                        fc_norm=bool(config.get("fc_norm", False)), norm_output=bool(config.get("norm_output", False)))
 
 
 def _dflash_config(config: dict, folder):
@@ -301,8 +301,8 @@ def expected_facts(method: str, trained: dict, k: int | None) -> dict:
     facts = {"eagle_aux_hidden_state_layer_ids": ([i + 1 for i in trained["aux_layer_ids"]],
                                                   "the trained output-of-layer ids + 1"),
              **{flag: (trained[flag], "trained") for flag in ("norm_before_residual", "norm_before_fc")},
-             # draftsmith feeds the pre-norm output on, one norm before fc at most
-             "norm_output": (False, "draftsmith's EAGLE-3 computes it so"), "fc_norm": (False, "draftsmith's EAGLE-3 computes it so"),
+             # EAGLE-3.1's flags (absent from configs saved before them: false, the only form then)
+             **{flag: (bool(trained.get(flag, False)), "trained") for flag in ("fc_norm", "norm_output")},
              "transformer_layer_config.num_aux_hidden_states": (len(trained["aux_layer_ids"]),
                                                                 "fc reads one state per trained aux layer")}
     if k is not None:

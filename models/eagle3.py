@@ -42,6 +42,12 @@ class Eagle3Config(DecoderShape):
     norm_before_residual: bool = False
     # RMSNorm over the concatenated aux features before fc (speculators `input_norm`).
     norm_before_fc: bool = False
+    # EAGLE-3.1: one RMSNorm per aux feature [Ht] before fc (speculators/vLLM `fc_norm.{i}`),
+    # applied after input_norm when both are on, as vLLM 0.33 does
+    fc_norm: bool = False
+    # EAGLE-3.1: a chain step feeds the next one the final-normed hidden state (the head's
+    # input) instead of the layer's pre-norm output
+    norm_output: bool = False
 
     def __post_init__(self):
         check_layer_ids(self.aux_layer_ids, self.target_num_layers)
@@ -65,15 +71,28 @@ class Eagle3Options(MethodOptions):
     EAGLE's original and the only form SGLang's layout carries)."""
     norm_before_fc: bool = False
     """RMSNorm over the concatenated aux features before fc (speculators' `input_norm`)."""
+    fc_norm: bool = False
+    """EAGLE-3.1: one RMSNorm per aux layer's feature before fc (speculators' `fc_norm`), in
+    place of norm_before_fc's one norm over the concatenation (speculators refuses both)."""
+    norm_output: bool = False
+    """EAGLE-3.1: each draft step feeds the next one its hidden state after the final norm
+    (speculators' `norm_output`), not before it."""
 
     RENAMED: ClassVar[dict] = {"norm_before_residual": "norm_before_residual", "norm_before_fc": "norm_before_fc"}
+
+    def problems(self, run, key: str) -> list[str]:
+        if self.fc_norm and self.norm_before_fc:  # speculators 0.9 models/eagle3/config.py:89-96
+            return [f"{key}.fc_norm: one norm per aux layer replaces norm_before_fc's norm over their concatenation; "
+                    f"set {key}.norm_before_fc=false (speculators 0.9 refuses a config with both)"]
+        return []
 
 
 def build(d, hf_config, vd: int, mask_token_id: int) -> "Eagle3Drafter":
     """The drafter of run-config drafter section `d` (its `options`: Eagle3Options) for this target."""
     return Eagle3Drafter(Eagle3Config.from_target(hf_config, vd, d.aux_layer_ids,
                                                   norm_before_residual=d.options.norm_before_residual,
-                                                  norm_before_fc=d.options.norm_before_fc))
+                                                  norm_before_fc=d.options.norm_before_fc,
+                                                  fc_norm=d.options.fc_norm, norm_output=d.options.norm_output))
 
 
 def ttt_attend(kv_steps: list):
@@ -121,6 +140,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)  # frozen copy of the target's
         if cfg.norm_before_fc:
             self.input_norm = RMSNorm(n_aux * cfg.target_hidden_size, cfg.rms_norm_eps)
+        if cfg.fc_norm:  # one per aux feature, in aux order (the chunks of the concatenation)
+            self.fc_norm = nn.ModuleList([RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(n_aux)])
         self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.layers = nn.ModuleList([Eagle3Layer(cfg)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -156,7 +177,14 @@ class Eagle3Drafter(nn.Module):
         """aux [B,T,n*Ht] (low, mid, high concatenated) → fused feature [B,T,H]."""
         if self.config.norm_before_fc:
             aux = self.input_norm(aux)
+        if self.config.fc_norm:  # [B,T,n*Ht] as n chunks [B,T,Ht], each normed by its own weight
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
         return self.fc(aux)
+
+    def fed_back(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What a draft step's output hidden [B,T,H] feeds the next step: itself, or (EAGLE-3.1
+        norm_output) the final norm of it, the head's very input."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def step(self, tokens, hidden, positions, attend):
         """One draft step. tokens [B,T], hidden [B,T,H], positions [B,T] → new hidden [B,T,H]."""
@@ -172,6 +200,7 @@ class Eagle3Drafter(nn.Module):
 
         Step s at index t drafts token t+2+s. Its input token is x_{t+1+s} (teacher forcing,
         training) or the step s-1 draft at t (greedy: exactly the chain a runtime drafts).
+        Each later step is fed the last one's `fed_back` hidden state.
         Returns a list of `steps` logits tensors [B,T,Vd].
         """
         B, T = input_ids.shape
@@ -186,6 +215,7 @@ class Eagle3Drafter(nn.Module):
                 # pick: the caller chooses the fed tokens (sampled chains, inference/walks/sampled.py)
                 tokens = pick(out[-1]) if pick is not None else \
                     self.draft_ids()[out[-1].argmax(-1)] if greedy else shift_left(input_ids, 1 + s)
+                hidden = self.fed_back(hidden)
             hidden = self.step(tokens, hidden, position_ids + s, attend)
             out.append(self.logits(hidden))
         return out

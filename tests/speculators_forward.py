@@ -6,7 +6,11 @@ between its first draft step's logits and draftsmith's on the same inputs. Then 
 round: the package saves its model (its own config.json and tensor set, no draftsmith.json),
 draftsmith reads that folder, and the same comparison is made.
 
-    python tests/speculators_forward.py EXPORT_DIR SCRATCH_DIR
+    python tests/speculators_forward.py EXPORT_DIR SCRATCH_DIR [STEPS]
+
+STEPS (default 1): that many teacher-forced TTT steps are compared, each step's logits (the
+package feeds step s the tokens shifted by 1 + s, as draftsmith's unroll does); more than one
+exercises what a step feeds the next (EAGLE-3.1's norm_output).
 """
 import importlib.abc
 import importlib.machinery
@@ -37,7 +41,7 @@ class _TrainingOnlyStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def main(folder: str, scratch: str):
+def main(folder: str, scratch: str, steps: int = 1):
     sys.meta_path.insert(0, _TrainingOnlyStub())
     import torch
     from safetensors.torch import load_file
@@ -63,20 +67,22 @@ def main(folder: str, scratch: str):
     captured = []
     theirs.lm_head.register_forward_hook(lambda module, args, out: captured.append(out))
     with torch.no_grad():
-        mine = ours.unroll(ids, aux, 1)[0]  # step 0 at t: reads x_{t+1}, drafts x_{t+2}
+        mine = ours.unroll(ids, aux, steps)  # step 0 at t: reads x_{t+1}, drafts x_{t+2}
         # speculators pairs the feature at t with input_ids[t]: hand it the next tokens
         theirs(hidden_states=aux, input_ids=shift_left(ids, 1), document_ids=torch.zeros(1, T, dtype=torch.long),
-               ttt_steps=1)
-    diff = (captured[0] - mine).abs().max().item()
+               ttt_steps=steps)
+    # step s's last s positions read padding in both: compared up to T - s
+    diff = max((captured[s] - mine[s])[:, : T - s].abs().max().item() for s in range(steps))
 
     theirs.save_pretrained(scratch)  # the package's own folder: its config.json, its tensor set
     back = load_export(scratch).float().eval()
     with torch.no_grad():
-        diff_back = (back.unroll(ids, aux, 1)[0] - captured[0]).abs().max().item()
+        diff_back = max((b - captured[s])[:, : T - s].abs().max().item()
+                        for s, b in enumerate(back.unroll(ids, aux, steps)))
     print(json.dumps({"missing": sorted(missing), "unexpected": sorted(unexpected), "max_abs_diff": diff,
-                      "logits_scale": mine.abs().max().item(), "positions": T,
+                      "logits_scale": max(m.abs().max().item() for m in mine), "positions": T, "steps": steps,
                       "their_folder_read_by_draftsmith_max_abs_diff": diff_back}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], *(int(a) for a in sys.argv[3:4]))

@@ -103,7 +103,9 @@ class Eagle3Proposer(HostLoopInterface):
         those rows of aux flattened ([R,n*Ht]: a verified tree's path among its nodes), gathered
         by the input norm's launch where there is one."""
         aux = aux.to(self.drafter.fc.weight.dtype)
-        if self.fused and self.drafter.config.norm_before_fc:  # the fused norm kernel: one launch, not seven
+        cfg = self.drafter.config
+        # the fused norm kernel: one launch, not seven (fc_norm's per-feature norms: `fuse`)
+        if self.fused and cfg.norm_before_fc and not cfg.fc_norm:
             norm = self.drafter.input_norm
             if aux_rows is None:
                 fused = self.drafter.fc(rms_norm(aux, norm.weight, norm.eps)[0])
@@ -187,6 +189,7 @@ class Eagle3Proposer(HostLoopInterface):
         B = hidden.shape[0]
         positions = self.chain_positions  # [B,k]: last + 1 .. last + k, written by begin / advance
         fused_head = self.fused and not temperature and self.drafter.lm_head.bias is None
+        norm_output = getattr(self.drafter.config, "norm_output", False)  # EAGLE-1 has no such flag
         for s in range(self.k):
             if fused_head:  # norm, lm_head and argmax (mapped to target ids) into the chain's column: two launches
                 norm_lm_head_argmax(hidden[:, -1], self.drafter.norm.weight, self.drafter.norm.eps,
@@ -205,6 +208,8 @@ class Eagle3Proposer(HostLoopInterface):
                 else:  # argmax, mapped to target ids, written into the chain's column: one kernel pair
                     argmax_rows(logits, self.drafts[:, s], self.draft_ids)
             if s + 1 < self.k:
+                if norm_output:  # EAGLE-3.1: the next step reads the final-normed state (drafter.fed_back)
+                    hidden, _ = rms_norm(hidden, self.drafter.norm.weight, self.drafter.norm.eps)
                 hidden = self._run(self.drafts[:, s : s + 1], hidden, positions[:, s : s + 1])
 
     @torch.no_grad()

@@ -157,8 +157,11 @@ def _expand(p: Eagle3Proposer, drafted_from, k: int, index, scores, off: int, le
     layer = d.layers[0]
     B, _, H = drafted_from.shape
     parent_hidden = drafted_from.new_empty(B, top_k, H) if more else None
-    norms = (d.embed_tokens.weight, layer.input_layernorm.weight, drafted_from, layer.hidden_norm.weight,
-             layer.hidden_norm.eps)
+    # the state the next layer reads: EAGLE-3.1's norm_output feeds the final-normed one (drafter.fed_back)
+    fed = drafted_from
+    if more and getattr(d.config, "norm_output", False):
+        fed = rms_norm(drafted_from, d.norm.weight, d.norm.eps)[0]
+    norms = (d.embed_tokens.weight, layer.input_layernorm.weight, fed, layer.hidden_norm.weight, layer.hidden_norm.eps)
     if use_kernel(drafted_from):
         expand_children_triton(drafted_from, d.norm.weight, d.norm.eps, d.lm_head.weight, k, p.draft_ids, index, scores,
                                off, cand)
