@@ -240,8 +240,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     with torch.no_grad():
         if row.predictor == "block":  # one block per anchor
             anchors = torch.tensor([0, 5, 9])
-            ref = [reference.block_logits(ids[0], features[0], anchors)]
-            got = [drafter.block_logits(ids[0], features[0], anchors)]
+            # a drafter with heads beside its logits (DSpark's confidence: block_outputs) is compared on all of them
+            outputs = "block_outputs" if hasattr(reference, "block_outputs") else "block_logits"
+            ref = [t for t in _as_list(getattr(reference, outputs)(ids[0], features[0], anchors)) if t is not None]
+            got = [t for t in _as_list(getattr(drafter, outputs)(ids[0], features[0], anchors)) if t is not None]
             steps = reference.config.block_size - 1
         else:
             ref = reference.unroll(ids, features, steps, greedy=True)
@@ -254,6 +256,10 @@ def check_parity(folder: Path, meta: dict, drafter, checkpoint: str | None) -> C
     note = f"max abs diff {diff:.2e} over {steps} steps"
     (c.notes if diff <= PARITY_TOLERANCE else c.problems).append(note + ("" if diff <= PARITY_TOLERANCE else f" > {PARITY_TOLERANCE:g}"))
     return c
+
+
+def _as_list(out) -> list:
+    return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
 def check_not_defaulted(folder: Path, meta: dict, drafter, target_path: str) -> Check:

@@ -201,8 +201,10 @@ def read(folder, dtype=torch.float32, served: bool = False):
 
 
 # ---------------------------------------------------------------- what export.check holds it to
-REQUIRED_KEYS = ("block_size", "mask_token_id", "markov_rank", "markov_head_type", "enable_confidence_head",
-                 "confidence_head_with_markov", "sample_from_anchor", "draft_vocab_size")
+# keys a server defaults when absent (the mask token, the rank and the layer ids have no default: a
+# config without them does not build, level b)
+REQUIRED_KEYS = ("block_size", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                 "sample_from_anchor", "draft_vocab_size")
 
 
 def served_facts(config: dict) -> dict:

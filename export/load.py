@@ -9,7 +9,8 @@ import torch
 
 READERS = {"Eagle3DraftModel": "speculators", "LlamaForCausalLMEagle3": "sglang", "LlamaForCausalLMEagle": "eagle",
            "EagleLlamaForCausalLM": "eagle-vllm",
-           "MedusaModel": "medusa", "DFlashDraftModel": "dflash (z-lab) or speculators (with speculators_model_type)"}
+           "MedusaModel": "medusa", "DFlashDraftModel": "dflash (z-lab) or speculators (with speculators_model_type)",
+           "Qwen3DSparkModel": "dspark, or speculators (with speculators_model_type dspark)"}
 
 
 def _layout_of(config: dict, where):

@@ -362,3 +362,36 @@ def test_the_printed_lines_resolve_in_sglang_and_vllm(exports, sglang_path, vllm
         assert "error" not in result, result
         assert (result["method"], result["num_speculative_tokens"], result["draft_architecture"]) == \
                ("dspark", B - 1, "Qwen3DSparkModel"), result
+
+
+# ---------------------------------------------------------------- export.check knows both layouts
+@pytest.mark.parametrize("fmt", ["dspark", "speculators"])
+def test_export_check_passes_both_layouts_and_names_an_edit(hf, target, tmp_path, fmt):
+    from export.check import run_checks
+    from export.dspark import export_dspark
+    from models.checkpoint import describe, section_for_save
+    from models.zoo import resolve_target
+
+    drafter = make_drafter(hf, target)
+    checkpoint = tmp_path / "last.ckpt"
+    section = section_for_save(describe("dspark", TARGET, resolve_target(TARGET), hf, {}), drafter)
+    torch.save({"draftsmith": section, "state_dict": {f"drafter.{k}": v for k, v in drafter.state_dict().items()}}, checkpoint)
+    folder = export_dspark(drafter, tmp_path / fmt, fmt, target_name=TARGET, target_arch=["LlamaForCausalLM"],
+                           provenance={"target": TARGET, "checkpoint": str(checkpoint)})
+    checks = run_checks(folder)
+    assert [c.level for c in checks] == ["a", "b", "c", "d"] and all(c.ok for c in checks), [c.line() for c in checks]
+
+    def failing(edit):
+        edited = tmp_path / f"{fmt}-edited"
+        shutil.rmtree(edited, ignore_errors=True)
+        shutil.copytree(folder, edited)
+        edit(edited)
+        return {c.level: c.line() for c in run_checks(edited) if not c.ok}
+
+    # a flag the servers read (vLLM: no confidence head), a key left to their defaults, a head's weights
+    assert "vllm.enable_confidence_head" in failing(_set("enable_confidence_head", False)).get("b", "")
+    # (absent: the native layout does not build, both servers sampling from the anchor; the
+    # speculators one builds, vLLM defaulting it to false, and (d) names the key left out)
+    assert "sample_from_anchor" in " ".join(failing(_drop("sample_from_anchor")).values())
+    bad = failing(_edit_tensors(lambda s: s["confidence_head.proj.bias"].add_(1)))
+    assert "max abs diff" in bad.get("c", "") and "sha256" in bad.get("a", ""), bad
