@@ -36,7 +36,7 @@ The API the runtime and the walks call:
     draft_block(ids [T], features [T,n*H], anchors [m], k, pick=None) -> (tokens [m,k], confidence)
         block_hidden at the anchors, then markov_walk (what training's walk drafts with).
     draft_at(ids, features, anchors, k) -> tokens [m,k]          greedy (inference.walks.greedy)
-    drive_block(ids, features, anchors, k, step)                 sampled (inference.walks.sampled)
+    drive_block(ids, features, anchors, k, step) -> confidence   sampled (inference.walks.sampled)
     block_outputs(ids, features, anchors) -> (logits [R,m,B,Vd], confidence logits [R,m,B] | None)
         teacher-forced, one forward (training's objective)
 """
@@ -221,10 +221,11 @@ class DSparkDrafter(DFlashDrafter):
         """Greedy drafts [m,k] (target ids), each position's bias from the draft before it."""
         return self.draft_block(ids, features, anchors, k)[0]
 
-    def drive_block(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int, step) -> None:
+    def drive_block(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, k: int, step):
         """The sampled walk: step(logits [m,Vd]) → tokens [m] for drafts 1..k in order, each
-        token fed to the next position's bias."""
-        self.draft_block(ids, features, anchors, k, pick=lambda logits, j: step(logits))
+        token fed to the next position's bias → the drafts' confidences [m,k] (None without the
+        head; adaptive verification's walks read them)."""
+        return self.draft_block(ids, features, anchors, k, pick=lambda logits, j: step(logits))[1]
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """DSpark: the Markov head's bias in vLLM's layout, teacher forcing, the left-to-right walk the
 promise and the runtime draft with, the confidence head's objective, checkpoints and the recipe."""
+import pytest
 import torch
 
 from models.dspark import DSparkConfig, DSparkDrafter, survival
@@ -140,20 +141,27 @@ def test_the_confidence_objective_learns_acceptance():
     assert losses[-1] < losses[0] - 0.05, losses[::20]
 
 
-def test_training_step_adds_the_weighted_confidence_bce_and_reaches_every_head(tiny_target):
+@pytest.fixture(scope="module")
+def trained_setup(tiny_target):
+    """A DSpark drafter (block 4, rank 8) on the tiny target, in a DrafterModule."""
     from models.target import Target
     from train.config import EvalConfig, ObjectiveConfig, OptimConfig
     from train.module import DrafterModule
 
     hf_cfg = Target.load(tiny_target, []).model.config
+    torch.manual_seed(0)
     d = DSparkDrafter(DSparkConfig.from_target(hf_cfg, hf_cfg.vocab_size, 0, num_layers=1, block_size=4, markov_rank=8))
     target = Target.load(tiny_target, d.aux_layer_ids)
     d.init_from_target(target.model, torch.zeros(hf_cfg.vocab_size, dtype=torch.long),
                        torch.ones(hf_cfg.vocab_size, dtype=torch.bool))
     module = DrafterModule(target, d, ObjectiveConfig(block_anchors=6), OptimConfig(), EvalConfig(k=3), 100)
     module.log = lambda *a, **k: None
-    torch.manual_seed(0)
     ids = torch.randint(0, hf_cfg.vocab_size, (2, 20))
+    return target, d, module, ids
+
+
+def test_training_step_adds_the_weighted_confidence_bce_and_reaches_every_head(trained_setup):
+    target, d, module, ids = trained_setup
     mask = torch.ones(2, 20, dtype=torch.long)
 
     def losses(weight):
@@ -170,18 +178,49 @@ def test_training_step_adds_the_weighted_confidence_bce_and_reaches_every_head(t
     for name in ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight", "fc.weight"):
         assert dict(d.named_parameters())[name].grad.abs().sum() > 0, name
     assert d.lm_head.weight.grad is None and all(p.grad is None for p in target.parameters())
+    d.zero_grad(set_to_none=True)
 
-    # the promise's walks draft with the Markov walk: T = 0 (draft_at) and T = 1, both verifications
-    from inference.walks.sampled import sampled_histogram
 
-    lengths = torch.tensor([20, 20])
+def test_the_promise_walks_draft_with_the_markov_walk_with_and_without_adaptive_verification(trained_setup):
+    from inference.runtime.adaptive import choose_width
+    from inference.walks.greedy import chain_widths, predicted_histogram
+    from inference.walks.sampled import sampled_chain_histograms, sampled_histogram
+
+    target, d, module, ids = trained_setup
     with torch.no_grad():
+        torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=0.5)  # a bias that matters
+        mask, lengths = torch.ones(2, 20, dtype=torch.long), torch.tensor([20, 20])
         out = target(ids)
-        greedy_hist = module.predicted_histogram(ids, mask, lengths, d.features(out), None)
-        assert int(greedy_hist.sum()) > 0
+        feats = d.features(out)
+        _, greedy = target.head_outputs(out.last_hidden)
+        walk = dict(target=target, drafter=d, ids=ids, loss_mask=mask, lengths=lengths, k=3, anchors_per_sequence=6,
+                    features=feats, greedy=greedy)
+        plain = predicted_histogram(**walk)
+        assert torch.equal(predicted_histogram(**walk, verify_width=lambda c: torch.full((c.shape[0],), 3)), plain)
+        one = predicted_histogram(**walk, verify_width=lambda c: torch.ones(c.shape[0], dtype=torch.long))
+        assert one[2:].sum() == 0 and one.sum() >= plain.sum()  # one draft verified per chain: more, shorter chains
+
+        # the width a chain verifies is the runtime's choice for that chain alone (batch 1)
+        step_ms = torch.tensor([1.0, 1.2, 1.25, 2.5])
+        conf = torch.rand(32, 3, generator=torch.Generator().manual_seed(0))
+        got = chain_widths(step_ms)(conf)
+        assert got.tolist() == [int(choose_width(c[None], torch.ones(1, dtype=torch.bool), step_ms)) for c in conf]
+        assert len(set(got.tolist())) > 1
+
+        anchors = torch.tensor([1, 5, 9, 12])
+        args = (target, d, ids[0], feats[0], out.last_hidden[0], anchors, 3, 1.0)
         for verification in ("standard", "block"):
-            hist = sampled_histogram(target, d, ids, mask, lengths, 3, 4, 1.0, verification, torch.Generator().manual_seed(0),
-                                     features=d.features(out), last_hidden=out.last_hidden)
+            full = sampled_chain_histograms(*args, verification, torch.Generator().manual_seed(5))
+            same = sampled_chain_histograms(*args, verification, torch.Generator().manual_seed(5),
+                                            verify_width=lambda c: torch.full((c.shape[0],), 3))
+            torch.testing.assert_close(full, same)
+            cut = sampled_chain_histograms(*args, verification, torch.Generator().manual_seed(5),
+                                           verify_width=lambda c: torch.ones(c.shape[0], dtype=torch.long))
+            assert cut[:, 2:].abs().sum() == 0 and torch.allclose(cut.sum(1), torch.ones(4, dtype=torch.float64))
+            if verification == "standard":  # one draft verified: P(L = 1) is the first draft's alpha, P(L >= 1) in full
+                torch.testing.assert_close(cut[:, 1], full[:, 1:].sum(1))
+            hist = sampled_histogram(target, d, ids, mask, lengths, 3, 4, 1.0, verification,
+                                     torch.Generator().manual_seed(0), features=feats, last_hidden=out.last_hidden)
             chains = float(hist.sum())  # each chain adds its expected histogram, a row summing to 1
             assert hist.shape == (4,) and 0 < chains <= 8 and abs(chains - round(chains)) < 1e-6, hist
 

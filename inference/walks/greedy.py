@@ -50,7 +50,7 @@ def cap_answer_spans(loss_mask: torch.Tensor, max_new_tokens: int | None) -> tor
 @torch.no_grad()
 def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                         features=None, greedy=None, window: int = 128, per_turn: bool = False,
-                        on_chain=None) -> torch.Tensor:
+                        on_chain=None, verify_width=None) -> torch.Tensor:
     """Accepted-length histogram [k+1] of greedy k-chains drafted exactly as a runtime drafts, at
     the places a runtime drafts them. per_turn: [2, k+1] instead, chains in each row's first
     answer span, then in its later ones (follow-up turns, which answer after the target's own
@@ -71,6 +71,9 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
     already made. Used by training (held-out data) and validation (replaying served answers).
     on_chain(row, anchor, in_a_later_span, accepted), when given, sees every chain walked
     (scripts/acceptance_by_offset.py).
+    verify_width(confidence [m,k]) → [m], when given: adaptive verification (a drafter with a
+    confidence head, `draft_block`: DSpark): each chain verifies only its first width drafts,
+    so it accepts min(L, width) (`chain_widths` makes it from a step-cost table).
     """
     if features is None or greedy is None:
         out = target(ids)
@@ -88,7 +91,12 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
 
         def measure(window_anchors):
             anchors = torch.as_tensor(window_anchors, device=ids.device)
-            chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]
+            width = None
+            if verify_width is not None:
+                chain, confidence = drafter.draft_block(ids[b, :n], features[b, :n], anchors, k)
+                width = verify_width(confidence)
+            else:
+                chain = drafter.draft_at(ids[b, :n], features[b, :n], anchors, k) if blockwise else drafts[b, anchors]
             found = chain_lengths(ids[b, :n], greedy[b, :n], anchors, chain)
             graft = found < 0  # the text cannot judge these chains: graft them onto it
             if graft.any():
@@ -97,6 +105,8 @@ def predicted_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchor
                 if k > 1:
                     choice[:, 1:] = target.greedy_after_chains(ids[b, :n], anchors[graft], chain[graft][:, : k - 1])
                 found[graft] = accepted_lengths(chain[graft], choice)
+            if width is not None:
+                found = torch.minimum(found, width.to(found.device))
             return found.tolist()
 
         for anchor, later, accepted in walk_answer(answer, anchors_per_sequence, window, measure):
@@ -187,3 +197,16 @@ def chain_lengths(ids: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor
     text_run = on_text.long().cumprod(1).sum(1)
     judged = (length <= text_run) & ((length == k) | inside[torch.arange(m, device=ids.device), length.clamp(max=k - 1)])
     return torch.where(judged, length, torch.full_like(length, -1))
+
+
+def chain_widths(step_ms: torch.Tensor):
+    """Adaptive verification of one chain at a time (batch 1), as a walk's verify_width: each
+    chain verifies the w in 1..k that maximises its expected tokens per millisecond,
+    (1 + sum_{j<w} s_j) / step_ms[w], s the survival (cumulative product) of its confidences
+    [m,k]; step_ms [k+1] the cost of a step verifying w drafts (inference.runtime.adaptive's
+    step_ms_tensor at batch 1; its choose_width for one row). Ties go to the smaller width."""
+    def widths(confidence: torch.Tensor) -> torch.Tensor:
+        s = confidence.float().clamp(0, 1).cumprod(-1)  # [m,k]
+        rate = (1 + s.cumsum(-1)) / step_ms[1 : confidence.shape[1] + 1].to(s.device)  # [m,k]: w = 1..k
+        return rate.argmax(-1) + 1
+    return widths

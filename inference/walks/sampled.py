@@ -93,12 +93,18 @@ def acceptance_with_error(hist) -> dict:
 @torch.no_grad()
 def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchors, k: int, temperature: float,
                              verification: str, generator=None, top_k: int = 0, top_p: float = 1.0,
-                             steps=None) -> torch.Tensor:
+                             steps=None, verify_width=None) -> torch.Tensor:
     """Expected accepted-length histograms [m,k+1] (float64, rows sum to 1) of one drawn chain per
     anchor. ids [T], features [T,...] (what the drafter reads), last_hidden [T,H] (the target's
     final hidden state on ids), anchors [m]: chain i continues x_0..x_{a_i+1}. steps: the
     sequence's `Target.chain_steps` when the caller walks several windows of it (its keys and
-    values computed once); made here otherwise."""
+    values computed once); made here otherwise. verify_width(confidence [m,k]) → [m], when given:
+    adaptive verification (a drafter whose drive_block returns its confidences: DSpark), each
+    chain judged on its first width drafts only (inference.walks.greedy.chain_widths). Under
+    block verification the chain is drawn from q as served, so this is exact; under standard
+    rejection the chain is the accepted one (drawn from min(p, q)), whose confidences choose the
+    width: served, the drafts after a rejection come from q instead, and the width read from
+    them may differ (an approximation where a chain is rejected before its width)."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification {verification!r} is not one of {', '.join(VERIFICATIONS)}")
     head = target.head_weight
@@ -128,27 +134,43 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
     if k > 1:
         steps = steps if steps is not None else target.chain_steps(ids)
         steps.start(anchors)
-    drive_drafter(drafter, ids, features, anchors, k, step)
+    confidence = drive_drafter(drafter, ids, features, anchors, k, step)
+    width = None
+    if verify_width is not None:
+        if confidence is None:
+            raise ValueError("adaptive verification needs a drafter with a confidence head (DSpark)")
+        width = verify_width(confidence).to(ids.device)  # [m] in 1..k
     if verification == "standard":
-        return standard_histogram(torch.stack(alphas, 1).double())
+        alpha = torch.stack(alphas, 1).double()
+        if width is not None:  # drafts past the width are never verified: P(L >= i) = 0 for i > width
+            alpha = alpha * (torch.arange(k, device=alpha.device) < width[:, None])
+        return standard_histogram(alpha)
     residual = torch.stack(residuals, 1) if residuals else torch.zeros(m, 0, device=ids.device)
-    return block_histogram(torch.stack(weights, 1).double(), residual.double())
+    w_all = torch.stack(weights, 1).double()
+    if width is None:
+        return block_histogram(w_all, residual.double())
+    hist = torch.zeros(m, k + 1, dtype=torch.float64, device=ids.device)
+    for n in width.unique().tolist():  # a block of n drafts: h_n = w_n, nothing after it
+        rows = width == n
+        hist[rows, : n + 1] = block_histogram(w_all[rows, :n], residual[rows, : n - 1].double())
+    return hist
 
 
 def drive_drafter(drafter, ids, features, anchors, k: int, step):
     """Run the drafter at `anchors` [m] for k drafts, calling step(logits [m,Vd]) → tokens [m] for
-    each draft in order; the drafters that read their own drafts read step's tokens."""
+    each draft in order; the drafters that read their own drafts read step's tokens. Returns the
+    drafts' confidences [m,k] where the drafter's drive_block gives them (DSpark), else None."""
     from models.methods import predictor_of
 
     predictor = predictor_of(drafter)
     if predictor == "block":  # DFlash: the whole block in one forward, from mask tokens
         drive = getattr(drafter, "drive_block", None)  # DSpark feeds each draft to the next one's bias
         if drive is not None:
-            drive(ids, features, anchors, k, step)
-            return
+            return drive(ids, features, anchors, k, step)
         logits = drafter.block_logits(ids, features, anchors)[:, 1 : k + 1]  # [m,k,Vd]
         for s in range(k):
             step(logits[:, s])
+        return None
     elif predictor == "heads":  # Medusa: heads read no tokens
         for logits in drafter.unroll(ids[None], features[None], k):
             step(logits[0, anchors])
@@ -185,7 +207,8 @@ def sampled_window(drafter, k: int, length: int, vocab: int, anchors_per_sequenc
 @torch.no_grad()
 def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_per_sequence: int | None,
                       temperature: float, verification: str, generator=None, features=None, last_hidden=None,
-                      window: int | None = None, per_turn: bool = False, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+                      window: int | None = None, per_turn: bool = False, top_k: int = 0, top_p: float = 1.0,
+                      verify_width=None) -> torch.Tensor:
     """The sampled counterpart of acceptance.predicted_histogram: expected accepted-length
     histogram [k+1] (float64; [2,k+1] with per_turn: first answers, follow-up turns) of chains
     drafted at temperature T and judged by `verification`, walked as serving walks the answers
@@ -207,7 +230,7 @@ def sampled_histogram(target, drafter, ids, loss_mask, lengths, k: int, anchors_
         def measure(window_anchors):
             anchors = torch.as_tensor(window_anchors, device=ids.device)
             rows = sampled_chain_histograms(target, drafter, ids[b, :n], features[b, :n], last_hidden[b, :n], anchors, k,
-                                            temperature, verification, generator, top_k, top_p, steps)
+                                            temperature, verification, generator, top_k, top_p, steps, verify_width)
             expected_at.update(zip(window_anchors, rows.cpu()))
             return torch.multinomial(rows.float().clamp_min(0), 1, generator=generator)[:, 0].tolist()
 
