@@ -246,16 +246,36 @@ def test_config_round_trips_through_a_checkpoint_and_the_run_config():
 
 
 def test_bad_dspark_settings_are_config_errors(chat_file, tmp_path):
-    res = run_module("train.__main__", "--config", "configs/dspark.yaml", *tiny_overrides(chat_file, tmp_path),
-                     "drafter.dspark.markov_rank=0", "drafter.dspark.confidence_target=sometimes")
-    assert res.returncode == 2 and "drafter.dspark.markov_rank: must be a positive integer, got 0" in res.stderr
-    assert "Traceback" not in res.stderr
+    def refused(config, *overrides):
+        res = run_module("train.__main__", "--config", config, *tiny_overrides(chat_file, tmp_path), *overrides)
+        assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr[-2000:]
+        return res.stderr
+
+    assert "drafter.dspark.markov_rank: must be a positive integer, got 0" in refused(
+        "configs/dspark.yaml", "drafter.dspark.markov_rank=0", "drafter.dspark.confidence_target=sometimes")
+    assert "eval.step_costs: " in refused("configs/dspark.yaml", f"eval.step_costs={tmp_path / 'none.json'}")
+    costs = write_step_costs(tmp_path / "costs.json", k=3)
+    assert "reads a confidence head, which this dflash drafter has not" in refused(
+        "configs/dflash.yaml", f"eval.step_costs={costs}", "drafter.dflash.block_size=4")
+    assert "confidence head" in refused("configs/dspark.yaml", f"eval.step_costs={costs}",
+                                        "drafter.dspark.confidence_head=false")
+
+
+def write_step_costs(path, k: int):
+    from inference.runtime.adaptive import StepCosts
+
+    # verifying a third draft costs more than it can bring: the widths differ by chain
+    StepCosts(target="tiny-random-llama", device="cpu", dtype="float32",
+              verify_ms={"1": [1.0, 1.1, 1.2, 3.0][: k + 1] + [3.0] * max(0, k - 3)}, draft_ms={"1": 0.2}).save(path)
+    return path
 
 
 def test_dspark_recipe_rehearses(chat_file, tmp_path):
     res = run_module("train.__main__", "--config", "configs/dspark.yaml",
                      *tiny_overrides(chat_file, tmp_path / "run", **{"eval.num_sequences": 2, "eval.temperatures": [0]}),
                      "trainer.fast_dev_run=true", "trainer.precision=32-true", "drafter.dspark.layers=1",
-                     "drafter.dspark.block_size=4", "drafter.dspark.markov_rank=16")
+                     "drafter.dspark.block_size=4", "drafter.dspark.markov_rank=16",
+                     f"eval.step_costs={write_step_costs(tmp_path / 'costs.json', k=3)}")
     assert res.returncode == 0, res.stderr[-3000:]
     assert "rehearsal (trainer.fast_dev_run) passed" in res.stdout
+    assert "at T=0, adaptive verification: tau = " in res.stdout  # the promise with adaptive verification too

@@ -152,6 +152,12 @@ class EvalConfig:
     samples, which a small target makes far less predictable than its greedy answers: without
     them, the promise at T = 1 was 7-31 % above what MT-bench measured (README, "The answer
     budget"). Only the first held-out set's promise uses them."""
+    step_costs: str | None = None
+    """A step-cost table (inference.runtime.adaptive's StepCosts JSON, measured once per target and
+    GPU) to make every promise with adaptive verification too (drafters with a confidence head:
+    DSpark): each chain verifies the width the runtime picks for it at batch 1 from its
+    confidences. Stored beside the others in `sampled`, verification "adaptive" at T = 0 and
+    "adaptive-standard" / "adaptive-block" at T > 0. None: fixed-k promises only."""
     trees: list[list[int]] = field(default_factory=list)
     """EAGLE-2 draft trees the greedy promise is also made for, each [depth, top_k, total_tokens]
     or [depth, top_k, total_tokens, children] (each kept node below the root expanded into that

@@ -89,6 +89,16 @@ def validate(cfg: RunConfig):
         if not (t > 0 and t in map(float, temps)):
             raise ConfigError(f"eval.sampled_answers: answers sampled at T = {t:g} serve no promise: the key must be a "
                               f"temperature > 0 listed in eval.temperatures ({temps})")
+    if cfg.eval.step_costs is not None:
+        if not getattr(cfg.drafter.options, "confidence_head", False):
+            raise ConfigError(f"eval.step_costs: adaptive verification reads a confidence head, which this "
+                              f"{cfg.drafter.method} drafter has not (drafter.method: dspark with drafter.dspark.confidence_head)")
+        from inference.runtime.adaptive import StepCosts
+
+        try:
+            StepCosts.load(cfg.eval.step_costs).row(1, cfg.eval.k)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"eval.step_costs: {str(e).strip(chr(39))}") from None
     if cfg.eval.trees and not row.trees:
         raise ConfigError(f"eval.trees: draft trees are drafted by {_listed(n for n, m in methods.METHODS.items() if m.trees)} "
                           f"drafters for now, not {cfg.drafter.method} (leave eval.trees empty)")

@@ -66,6 +66,7 @@ class DrafterModule(L.LightningModule):
         self.sampled_text = [float(t) for t in sorted(evaluation.sampled_answers)]
         self._val_hist = None
         self._tree_hist = {}  # eval.trees' histograms, from each validation's start
+        self._adaptive = None  # eval.step_costs: the chains' verify widths (on_validation_epoch_start)
         # what every checkpoint says about itself (models/checkpoint.py): method, target, run config
         self.description = description
 
@@ -273,6 +274,17 @@ class DrafterModule(L.LightningModule):
         self._sampled_settings = [(float(t), v) for t in self.evaluation.temperatures if t > 0 for v in VERIFICATIONS]
         self._sampled_hist = {s: torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.float64)
                               for s in self._sampled_settings}
+        # eval.step_costs: every promise again with adaptive verification, each chain verifying the
+        # width the runtime picks for it at batch 1 (inference.walks.greedy.chain_widths)
+        self._adaptive = None
+        if self.evaluation.step_costs is not None:
+            from inference.runtime.adaptive import StepCosts, step_ms_tensor
+            from inference.walks.greedy import chain_widths
+
+            costs = StepCosts.load(self.evaluation.step_costs)
+            self._adaptive = chain_widths(step_ms_tensor(costs, 1, self.evaluation.k, self.device))
+            for setting in [(0.0, "adaptive")] + [(t, f"adaptive-{v}") for t, v in self._sampled_settings]:
+                self._sampled_hist[setting] = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.float64)
         # drawn chains are seeded by the step: a validation repeats exactly (resume, split runs)
         rank = self.trainer.global_rank if self._trainer is not None else 0
         self._sampling_generator = torch.Generator(device=self.device).manual_seed(7919 * int(self.global_step) + rank)
@@ -299,10 +311,12 @@ class DrafterModule(L.LightningModule):
                 out = self.target(ids)
             capped = cap_answer_spans(loss_mask, self.evaluation.max_new_tokens)
             for verification in VERIFICATIONS:
-                self._sampled_hist[temperature, verification][0] += sampled_histogram(
-                    self.target, self.drafter, ids, capped, lengths, self.evaluation.k,
-                    self.evaluation.anchors_per_sequence, temperature, verification, self._sampling_generator,
-                    features=self.drafter.features(out), last_hidden=out.last_hidden, per_turn=True)
+                for width, prefix in self._verify_widths():
+                    self._sampled_hist[temperature, prefix + verification][0] += sampled_histogram(
+                        self.target, self.drafter, ids, capped, lengths, self.evaluation.k,
+                        self.evaluation.anchors_per_sequence, temperature, verification, self._sampling_generator,
+                        features=self.drafter.features(out), last_hidden=out.last_hidden, per_turn=True,
+                        verify_width=width)
             self.walk_seconds["sampled"] += self._now() - t0
             return
         out, teacher, greedy = self._target_pass(ids)
@@ -318,6 +332,10 @@ class DrafterModule(L.LightningModule):
             self.log(f"val/acc_{s}{suffix}", a, batch_size=ids.shape[0], add_dataloader_idx=False)
         self._val_hist[dataloader_idx] += self.predicted_histogram(ids, loss_mask, lengths, self.drafter.features(out),
                                                                    greedy, per_turn=True)
+        if self._adaptive is not None:
+            self._sampled_hist[0.0, "adaptive"][dataloader_idx] += predicted_histogram(
+                self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
+                features=self.drafter.features(out), greedy=greedy, per_turn=True, verify_width=self._adaptive).double()
         t1 = self._now()
         self.walk_seconds["greedy"] += t1 - t0
         for temperature, verification in self._sampled_settings:
@@ -325,10 +343,11 @@ class DrafterModule(L.LightningModule):
                 # set 0 walks the answers sampled at T instead; the other sets have none, and a
                 # walk of their greedy text at T promises what serving at T does not see
                 continue
-            self._sampled_hist[temperature, verification][dataloader_idx] += sampled_histogram(
-                self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k, self.evaluation.anchors_per_sequence,
-                temperature, verification, self._sampling_generator, features=self.drafter.features(out),
-                last_hidden=out.last_hidden, per_turn=True)
+            for width, prefix in self._verify_widths():
+                self._sampled_hist[temperature, prefix + verification][dataloader_idx] += sampled_histogram(
+                    self.target, self.drafter, ids, loss_mask, lengths, self.evaluation.k,
+                    self.evaluation.anchors_per_sequence, temperature, verification, self._sampling_generator,
+                    features=self.drafter.features(out), last_hidden=out.last_hidden, per_turn=True, verify_width=width)
         t2 = self._now()
         self.walk_seconds["sampled"] += t2 - t1
         if self._tree_hist:
@@ -340,6 +359,11 @@ class DrafterModule(L.LightningModule):
             for tree, h in found.items():
                 self._tree_hist[tree][dataloader_idx] += h
             self.walk_seconds["trees"] += self._now() - t2
+
+    def _verify_widths(self) -> list:
+        """(verify_width, verification prefix) of each promise a sampled walk makes: fixed k, and
+        adaptive verification's where eval.step_costs is set."""
+        return [(None, "")] + ([(self._adaptive, "adaptive-")] if self._adaptive is not None else [])
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.walks.greedy)."""
