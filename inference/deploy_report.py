@@ -76,6 +76,11 @@ def _f(x, fmt=".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _tau(bucket: dict, key: str) -> str:
+    """A context bucket's tau, "-" where it holds no chain."""
+    return _f(bucket[key]["tau"] if bucket[key]["num_chains"] else None)
+
+
 def markdown(r: dict) -> str:
     md = ["# Deployment report", "",
           f"Drafter `{r['drafter']}` on target `{r['target']}`, {r['dataset']} ({r['num_prompts']} prompts, up to "
@@ -110,8 +115,8 @@ def markdown(r: dict) -> str:
         md += [f"## Acceptance by preceding context (k = {c['k']}, {c['dataset']})", "",
                "| context (tokens) | answers | drafted positions | measured tau | predicted tau | gap | predicted, by "
                "each chain's context |", "|---|---|---|---|---|---|---|"]
-        md += [f"| {b['label']} | {b['answers']} | {b['drafted_positions']} | {_f(b['measured']['tau'])} | "
-               f"{_f(b['predicted']['tau'])} | {_f(b['relative_gap'], '+.1%')} | {_f(b['predicted_by_chain_context']['tau'])}"
+        md += [f"| {b['label']} | {b['answers']} | {b['drafted_positions']} | {_tau(b, 'measured')} | "
+               f"{_tau(b, 'predicted')} | {_f(b['relative_gap'], '+.1%')} | {_tau(b, 'predicted_by_chain_context')}"
                + (f" ({b['note']})" if b.get("note") else "") + " |" for b in c["buckets"]] + [""]
     if "precision" in r:
         p = r["precision"]
@@ -138,6 +143,7 @@ def charts(r: dict, out: Path) -> None:
     ax.axhline(1.0, color="#888", linestyle="--", label="plain")
     if speed:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(speed), [str(b) for b in sorted(speed)])
     ax.set_xlabel("batch size")
     ax.set_ylabel("tok/s / plain tok/s")
     ax.legend(fontsize=8)
@@ -148,7 +154,8 @@ def charts(r: dict, out: Path) -> None:
     buckets = r.get("context", {}).get("buckets", [])
     xs = range(len(buckets))
     for key, style in (("measured", "^-"), ("predicted", "o--"), ("predicted_by_chain_context", "s:")):
-        ax.plot(xs, [b[key]["tau"] if b["answers"] else float("nan") for b in buckets], style, label=key.replace("_", " "))
+        ax.plot(xs, [b[key]["tau"] if b[key]["num_chains"] else float("nan") for b in buckets], style,
+                label=key.replace("_", " "))
     ax.set_xticks(list(xs), [b["label"] for b in buckets])
     ax.set_xlabel("preceding context (tokens)")
     ax.set_ylabel("tau")
@@ -181,8 +188,8 @@ def summary_lines(r: dict, out: str) -> list[str]:
         lines += [f"table {r['table']['rows']} written into {r['table']['copy']}; serve it with:",
                   *(f"  {line}" for line in r["table"]["launch_lines"]), *(f"note: {n}" for n in r["table"]["notes"])]
     for b in r.get("context", {}).get("buckets", []):
-        lines.append(f"context {b['label']}: measured tau {_f(b['measured']['tau'])}, predicted {_f(b['predicted']['tau'])} "
-                     f"({b['answers']} answers)")
+        lines.append(f"context {b['label']}: measured tau {_tau(b, 'measured')}, predicted {_tau(b, 'predicted')} "
+                     f"({b['answers']} answers, {b['drafted_positions']} drafted positions)")
     for name, s in r.get("precision", {}).get("schemes", {}).items():
         lines.append(f"precision {name}: tau {s['tau']:.3f} ({s['tau_vs_loaded']:.3f}x as loaded)")
     return lines + [f"report in {out}/report.md"]

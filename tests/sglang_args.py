@@ -134,8 +134,7 @@ def resolve(line: str) -> dict:
         handle_speculative_decoding(args)
         view = resolving_view(args)
         fields = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk",
-                  "speculative_num_draft_tokens", "speculative_draft_model_path", "speculative_token_map",
-                  "speculative_adaptive")
+                  "speculative_num_draft_tokens", "speculative_draft_model_path", "speculative_token_map")
         return {"line": line, **{name: getattr(view, name) for name in fields}}
     except (Exception, SystemExit) as e:  # argparse exits on an unknown flag
         return {"line": line, "error": type(e).__name__, "message": str(e)}
