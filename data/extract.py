@@ -132,9 +132,14 @@ def extract(cfg, out: str, dtype: str = "bf16", topk: int = 64, compression: str
                                                        != "extract")):
         raise ConfigError(f"--out: {out_dir} exists and is not a feature store python -m data.extract wrote; "
                           "refusing to write into it (choose a new folder)")
-    on_gpu = device_map is not None or (device == "auto" and torch.cuda.is_available()) or device.startswith("cuda")
-    run_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                              ("cpu" if device == "auto" else device))
+    try:
+        run_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                                  ("cpu" if device == "auto" else device))
+    except RuntimeError:
+        raise ConfigError(f"--device: {device!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if run_device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device: {device} asked for, but this machine has no CUDA GPU")
+    on_gpu = run_device.type == "cuda"  # (the target's dtype follows training's rule: bf16 on a GPU)
     target_dtype = torch.bfloat16 if cfg.target_dtype == "auto" and on_gpu else \
         (torch.float32 if cfg.target_dtype == "auto" else getattr(torch, cfg.target_dtype))
 

@@ -166,7 +166,9 @@ def write_shard(path: Path, rows: list[dict], fields: list[str], dtype: str, com
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
-        pq.write_table(table, tmp, compression=None if compression == "none" else compression)
+        # a row group per conversation: training reads conversations in a shuffled order, each by
+        # its own row group, never a whole shard
+        pq.write_table(table, tmp, compression=None if compression == "none" else compression, row_group_size=1)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # (mkstemp makes it private; a store is for sharing)
@@ -242,7 +244,8 @@ def check_store(folder: str, expected: Expected) -> dict:
 class StoreDataset:
     """The training split read from a store, indexable as the tokenized split is (row i = its
     row i): what ChatDataModule's sampler and loader use (`num_tokens`, len, items, collate).
-    Shards are read on first use, one at a time per process (DataLoader workers each read their own)."""
+    Each conversation is read alone (a row group of its shard: data.extract writes one per
+    conversation), so a shuffled order reads no more than it uses."""
 
     def __init__(self, folder: str, manifest: dict, num_tokens: list[int], pad_id: int):
         self.folder, self.manifest, self.pad_id = Path(folder), manifest, pad_id
@@ -250,7 +253,7 @@ class StoreDataset:
         self.fields, self.dtype = manifest["fields"], manifest["dtype"]
         self.shard_rows = [s["rows"] for s in manifest["shards"]]
         self.starts = np.cumsum([0] + self.shard_rows)
-        self._shard: tuple[int, dict] | None = None
+        self._files: dict = {}  # shard number → its open pyarrow ParquetFile
 
     def __len__(self):
         return len(self.num_tokens)
@@ -261,37 +264,36 @@ class StoreDataset:
         if not isinstance(key, (int, np.integer)):
             raise KeyError(key)
         s = int(np.searchsorted(self.starts, key, side="right") - 1)
-        columns = self._columns(s)
         r = int(key) - int(self.starts[s])
-        lo, hi = columns["offsets"][r], columns["offsets"][r + 1]
-        row = {name: columns[name][lo:hi] for name in columns if name not in ("offsets", "index")}
-        row["index"] = int(columns["index"][r])
+        row = self._row(s, r)
         if row["index"] != int(key):
             raise StoreError(f"{self.folder}: shard {s} row {r} holds conversation {row['index']}, not {key}")
         return row
 
-    def _columns(self, s: int) -> dict:
-        """Shard s as flat numpy arrays sharing one token offset array: name → [tokens, ...]."""
-        if self._shard is not None and self._shard[0] == s:
-            return self._shard[1]
+    def __getstate__(self):  # (DataLoader workers started by spawn: open files are not sent)
+        return {**self.__dict__, "_files": {}}
+
+    def _row(self, s: int, r: int) -> dict:
+        """Row r of shard s (its own row group) as numpy arrays: [T] columns, [T, width] ones."""
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(self.folder / self.manifest["shards"][s]["file"])
-        out = {"index": table.column("index").to_numpy()}
+        if s not in self._files:
+            f = pq.ParquetFile(self.folder / self.manifest["shards"][s]["file"])
+            if f.metadata.num_row_groups != self.shard_rows[s]:
+                raise StoreError(f"{self.folder}: shard {s} is not one row group per conversation; extract it again")
+            self._files[s] = f
+        table = self._files[s].read_row_group(r)
+        row = {"index": int(table.column("index")[0].as_py())}
         for name in table.column_names:
             if name == "index":
                 continue
-            col = table.column(name).combine_chunks()
-            if "offsets" not in out:
-                out["offsets"] = np.asarray(col.offsets)
-            values = col.values
-            if pa.types.is_fixed_size_list(values.type):  # [tokens, width]
-                out[name] = values.values.to_numpy(zero_copy_only=False).reshape(-1, values.type.list_size)
+            values = table.column(name).combine_chunks().flatten()  # the row's [T] list, flattened one level
+            if pa.types.is_fixed_size_list(values.type):
+                row[name] = values.flatten().to_numpy(zero_copy_only=False).reshape(-1, values.type.list_size)
             else:
-                out[name] = values.to_numpy(zero_copy_only=False)
-        self._shard = (s, out)
-        return out
+                row[name] = values.to_numpy(zero_copy_only=False)
+        return row
 
     def collate(self, rows: list[dict], multiple: int = 128) -> dict:
         """Right-padded as data.module.collate pads (T rounded up to `multiple`): input_ids,

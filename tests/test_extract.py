@@ -51,7 +51,15 @@ def test_training_from_a_float32_store_equals_online_training(recipe, tmp_path):
 
     overrides, _, store = recipe
     online, stored = tmp_path / "online", tmp_path / "stored"
+    # beside them, a launch whose drafter reads other layers (mostly imports: it stops before any model loads)
+    refused = subprocess.Popen([sys.executable, "-m", "train", *overrides(tmp_path / "refused"), f"data.features={store}",
+                                "drafter.aux_layer_ids=[1]"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     train_at_once(overrides(online), [*overrides(stored), f"data.features={store}"])
+    err = refused.communicate(timeout=300)[1]
+    assert refused.returncode == 2, err[-2000:]
+    last = err.strip().splitlines()[-1]  # one error line, exit 2, nothing written
+    assert last.startswith("error: data.features:") and "layers [0, 1], not this run's drafter.aux_layer_ids [1]" in last
+    assert "Traceback" not in err and not (tmp_path / "refused").exists()
     _assert_same_run(online, stored)  # float32 noise (atol 1e-6), same optimizer state, same export
     a = json.loads((online / "predicted.json").read_text())["predicted"]
     b = json.loads((stored / "predicted.json").read_text())["predicted"]
@@ -81,11 +89,12 @@ def test_a_killed_extraction_resumes_to_the_same_store_and_training_refuses_it_u
         extract(cfg, str(again), dtype="bf16", topk=0, shard_tokens=1200, progress=False)
 
 
-def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe, tmp_path):
+def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe):
+    """(The command line's refusal is checked beside the training test's runs.)"""
     from data.chat import build_datasets
     from data.features import Expected, StoreError, check_store, data_fingerprint, read_manifest
 
-    overrides, cfg, store = recipe
+    _, cfg, store = recipe
     m = read_manifest(store)
     fits = Expected(target=cfg.target, weights_sha256=m["target"]["weights_sha256"], layers=m["layers"], fields=["aux"],
                     data_fingerprint=m["data"]["fingerprint"], dataset=cfg.data.dataset,
@@ -106,13 +115,6 @@ def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe,
         with pytest.raises(StoreError, match=words) as e:
             check_store(str(store), expected)
         assert "\n" not in str(e.value) and str(e.value).startswith(f"data.features: {store}")
-    # the command line: one error line, exit 2, before any model loads and nothing written
-    res = subprocess.run([sys.executable, "-m", "train", *overrides(tmp_path / "run"), f"data.features={store}",
-                          "drafter.aux_layer_ids=[1]"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2, res.stderr[-2000:]
-    last = res.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: data.features:") and "layers [0, 1], not this run's drafter.aux_layer_ids [1]" in last
-    assert "Traceback" not in res.stderr and not (tmp_path / "run").exists()
 
 
 def test_fp8_and_bf16_stores_stay_within_their_rounding_and_load_with_datasets(recipe, tmp_path):
@@ -170,3 +172,17 @@ def test_fp8_round_trip_bound_on_a_wide_range():
     assert torch.equal(y[0, :32], torch.zeros(32))
     rel = ((y - x).abs() / x.abs().clamp_min(1e-30))[x.abs() > scale.repeat_interleave(32, -1) * 2**-6]
     assert 0.01 < rel.max() <= 2**-4  # e4m3: 3 mantissa bits
+
+
+def test_extraction_through_an_accelerate_device_map_gives_the_same_store(recipe, tmp_path):
+    """--device-map (a target spread over devices by accelerate, its layers' outputs gathered on
+    --device): on the CPU, `auto` maps every layer to it, through the same gathering path a
+    multi-GPU map takes; the store equals the plain extraction's."""
+    from data.extract import extract
+
+    _, cfg, store = recipe
+    m = extract(cfg, str(tmp_path / "mapped"), dtype="float32", topk=0, shard_tokens=1200, device="cpu", device_map="auto",
+                progress=False)
+    assert m["extraction"]["device"] == "device_map=auto"
+    ta, tb = _columns(store), _columns(tmp_path / "mapped")
+    assert len(ta) == len(tb) and all(a.equals(b) for a, b in zip(ta, tb))
