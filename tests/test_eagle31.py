@@ -144,11 +144,29 @@ def tiny(hf_config):
 
     path = resolve_target(TARGET)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    d = _drafter(hf_config, **FLAGS)
-    d.init_from_target(hf, d.d2t.clone(), d.t2d.clone())
     torch.manual_seed(3)
     prompts = [torch.randint(0, 40000, (n,)).tolist() for n in (6, 13, 9)]
-    return hf, RuntimeModel.from_pretrained(path), d, prompts
+    return hf, RuntimeModel.from_pretrained(path), _runtime_drafter(hf, **FLAGS), prompts
+
+
+def _runtime_drafter(hf, **flags):
+    """Embedding and head from the target, the layer's matrices large enough that the fed state
+    decides the chain (with small ones every step repeats the first draft, flags or not)."""
+    d = _drafter(hf.config, **flags)
+    d.init_from_target(hf, d.d2t.clone(), d.t2d.clone())
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if p.dim() == 2 and name.startswith(("fc", "layers")):
+                p.normal_(0, 0.15)
+    return d
+
+
+def _unrolled_chain(d, target, ctx, k):
+    """Training's greedy chain continuing ctx (its last token the one a begin is given)."""
+    ids = torch.tensor([ctx])
+    with torch.no_grad():
+        steps = d.unroll(ids, target(ids).aux, k, greedy=True)
+    return [int(d.draft_ids()[s[0, len(ctx) - 2].argmax()]) for s in steps]
 
 
 def test_runtime_chain_drafts_are_the_unrolls_and_lossless(tiny):
@@ -181,12 +199,10 @@ def test_runtime_chain_drafts_are_the_unrolls_and_lossless(tiny):
     target, checked = Target(hf, d.aux_layer_ids), 0
     for contexts, drafts in calls:
         for ctx, got in zip(contexts, drafts):
-            ids = torch.tensor([ctx])
-            with torch.no_grad():
-                steps = d.unroll(ids, target(ids).aux, k, greedy=True)
-            assert got == [int(d.draft_ids()[s[0, len(ctx) - 2].argmax()]) for s in steps], len(ctx)
+            assert got == _unrolled_chain(d, target, ctx, k), len(ctx)
             checked += 1
     assert checked >= 10
+    assert len({tuple(d) for _, drafts in calls for d in drafts}) > 5  # chains that differ: a fed state that counts
 
 
 def test_runtime_tree_of_one_branch_is_the_chain_and_trees_are_lossless(tiny):
@@ -197,13 +213,19 @@ def test_runtime_tree_of_one_branch_is_the_chain_and_trees_are_lossless(tiny):
 
     hf, rt, d, prompts = tiny
     target = Target(hf, d.aux_layer_ids)
-    # a tree that keeps one node per depth drafts the greedy chain, fed as the chain is
-    chain, tree = Eagle3Proposer(d, 4, 1, 64), EagleTreeProposer(d, depth=4, top_k=1, total_tokens=4, batch=1, max_len=64)
-    with torch.no_grad():
-        aux = target(torch.tensor([prompts[1]])).aux
-        for p in (chain, tree):
-            p.begin([prompts[1]], aux, [17])
-        assert tree.draft_tree().tokens[0].tolist() == chain.draft()[0].tolist()
+    # a tree that keeps one node per depth drafts the greedy chain, fed as the chain is; and a
+    # drafter with both fc norms (vLLM computes input_norm, then fc_norm) leaves the fused norm kernel
+    both = _runtime_drafter(hf, norm_before_fc=True, fc_norm=True)
+    for drafter in (d, both):
+        chain = Eagle3Proposer(drafter, 4, 1, 64)
+        tree = EagleTreeProposer(drafter, depth=4, top_k=1, total_tokens=4, batch=1, max_len=64)
+        with torch.no_grad():
+            aux = target(torch.tensor([prompts[1]])).aux
+            for p in (chain, tree):
+                p.begin([prompts[1]], aux, [17])
+            drafted = chain.draft()[0].tolist()
+            assert drafted == _unrolled_chain(drafter, target, prompts[1] + [17], 4)
+            assert tree.draft_tree().tokens[0].tolist() == drafted
     n = cache_size(prompts, 16, 16)
     tree = EagleTreeProposer(d, depth=3, top_k=3, total_tokens=8, batch=3, max_len=n, target_config=rt.config)
     assert generate(rt, prompts, 16, proposer=tree, max_len=n)[0] == generate(rt, prompts, 16)[0]
