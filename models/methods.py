@@ -118,7 +118,7 @@ METHODS: dict[str, Method] = {
                      display_name="DFlash", max_drafts=lambda c: c.block_size - 1),
     # DFlash's backbone plus a Markov head and a confidence head (models/dspark.py); its drafts
     # read the draft before them, so its walks call the drafter's draft_at / drive_block
-    "dspark": Method(DSparkConfig, DSparkDrafter, dspark.build, "inference.proposers.blocks:DSparkCachedProposer",
+    "dspark": Method(DSparkConfig, DSparkDrafter, dspark.build, "inference.proposers.dspark:DSparkCachedProposer",
                      {"dspark": "export.dspark", "speculators": "export.dspark"}, "block", options=DSparkOptions,
                      display_name="DSpark", max_drafts=lambda c: c.block_size - 1),
 }

@@ -6,8 +6,9 @@ declared capabilities). One that runs in the host loop speaks `HostProposer`; on
 graphs (most device proposers speak both); one that declares `tree = True` drafts trees
 (`TreeProposer`, inference/tree/plan.py; `FeedingTreeProposer` where it `feeds_verify`).
 Optional extras are further protocols: sampled drafting (`SampledProposer` on the host,
-`SampledDeviceProposer` on the device), a graphed begin (`GraphedBegin`) and a hook at the end
-of a generation (`Ending`).
+`SampledDeviceProposer` on the device), a graphed begin (`GraphedBegin`), a hook at the end
+of a generation (`Ending`) and the drafts' estimated acceptance (`ConfidentProposer`: what adaptive
+verification reads).
 
 The runtime reads these once per loop through `capabilities(proposer)`, which also checks that
 what a proposer declares it implements (a TypeError naming the missing members otherwise), so
@@ -86,6 +87,14 @@ class SampledDeviceProposer(Protocol):
 
 
 @runtime_checkable
+class ConfidentProposer(Protocol):
+    """A device proposer whose draft also estimates each draft's acceptance (DSpark's confidence
+    head): what adaptive verification (inference/runtime/adaptive.py) chooses the verify width from."""
+
+    confidence: torch.Tensor  # [B,k] float32, written by draft / draft_sampled: P(draft j accepted | drafts < j were)
+
+
+@runtime_checkable
 class GraphedBegin(Protocol):
     def begin_graphed(self, prompts, aux, first) -> None:
         """`begin` as one graph replay, `first` [B] still on the device (queued behind the prefill)."""
@@ -138,6 +147,7 @@ class Capabilities:
     verify_tokens: int | None = None
     propose_sampled: bool = False  # SampledProposer
     draft_sampled: bool = False  # SampledDeviceProposer
+    confidences: bool = False  # ConfidentProposer
     begin_graphed: bool = False  # GraphedBegin
     end: bool = False  # Ending
 
@@ -167,6 +177,7 @@ def capabilities(proposer) -> Capabilities:
                         verify_tokens=_declared(proposer, "verify_tokens"),
                         propose_sampled=isinstance(proposer, SampledProposer),
                         draft_sampled=isinstance(proposer, SampledDeviceProposer),
+                        confidences=on_device and isinstance(proposer, ConfidentProposer),
                         begin_graphed=isinstance(proposer, GraphedBegin), end=isinstance(proposer, Ending))
 
 

@@ -256,6 +256,10 @@ class DFlashCachedProposer(_DeviceProposer):
 
     def _block_logits(self):
         """Logits [B,k,Vd] of block positions 1..k."""
+        return self.drafter.lm_head(self._block_hidden())
+
+    def _block_hidden(self):
+        """Final-normed hidden states [B,k,H] of block positions 1..k (what lm_head reads)."""
         d, cfg = self.drafter, self.drafter.config
         nh, nkv, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rms_norm_eps
         positions = self.anchor[:, None] + 1 + self.block_offsets  # [B,Bs]
@@ -270,7 +274,7 @@ class DFlashCachedProposer(_DeviceProposer):
             out = attn.o_proj(decode_attention(q, self.k_cache[i], self.v_cache[i], sees))
             post, h = rms_norm(out, layer.post_attention_layernorm.weight, eps, h)  # h = h + attention
             h = swiglu_into(h, post, self.gate_up_weight[i], layer.mlp.down_proj)  # h + MLP(post)
-        return d.lm_head(rms_norm(h[:, 1 : self.k + 1], d.norm.weight, d.norm.eps)[0])
+        return rms_norm(h[:, 1 : self.k + 1], d.norm.weight, d.norm.eps)[0]
 
     @torch.no_grad()
     def begin(self, prompts, aux, first):

@@ -18,8 +18,9 @@ width w is therefore every running row verifying w drafts, and the step picks
 
     w* = argmax_w  sum_{b running} (1 + sum_{j<w} s[b, j])  /  (draft_ms(B) + verify_ms(B, w + 1))
 
-over w = 0..k: exact (the few widths are all tried), global across the batch (one width for all
-rows, set by their summed survivals). `choose_width` computes it from tensors without a host sync,
+over w = 1..k: exact (the few widths are all tried), global across the batch (one width for all
+rows, set by their summed survivals). The width stays >= 1: the verification kernels take at least
+one draft per row, and a drafter whose first draft is not worth verifying is not worth running. `choose_width` computes it from tensors without a host sync,
 so the device loop can run it inside its captured graphs; `choose_lengths` gives the per-row
 lengths (w* for running rows, 0 for finished ones).
 
@@ -142,12 +143,12 @@ def expected_tokens(survivals: torch.Tensor, active: torch.Tensor) -> torch.Tens
 
 
 def choose_width(confidence: torch.Tensor, active: torch.Tensor, step_ms: torch.Tensor) -> torch.Tensor:
-    """The width w* in 0..k (a 0-dim long tensor, on confidence's device, no host sync) that
+    """The width w* in 1..k (a 0-dim long tensor, on confidence's device, no host sync) that
     maximises expected tokens per millisecond; confidence [B,k], active [B] bool, step_ms [k+1] the
-    cost of a step verifying w drafts per row (draft_ms + verify_ms(B, w + 1)). Ties go to the
-    smaller width (argmax keeps the first)."""
-    rate = expected_tokens(survival(confidence), active) / step_ms
-    return rate.argmax()
+    cost of a step verifying w drafts per row (draft_ms + verify_ms(B, w + 1)), w = 0..k. Ties go to
+    the smaller width (argmax keeps the first)."""
+    rate = expected_tokens(survival(confidence), active)[1:] / step_ms[1:]
+    return rate.argmax() + 1
 
 
 def step_ms_tensor(costs: StepCosts, batch: int, k: int, device) -> torch.Tensor:

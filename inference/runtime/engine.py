@@ -47,6 +47,7 @@ class GenerationStats:
     setup_seconds: float = 0.0
     launch_seconds: float = 0.0
     launched_steps: int = 0  # steps the device loop ran, warm-up and steps past every row's end included
+    verified_drafts: int | None = None  # drafts the target verified, over every row-step (adaptive verification)
 
     def summary(self) -> dict:
         other = self.total_seconds - self.draft_seconds - self.verify_seconds
@@ -63,6 +64,9 @@ class GenerationStats:
                "device_loop": self.device_loop, "graphed": self.graphed}
         if self.k:
             out["acceptance"] = acceptance_from_histogram(self.histogram)
+        if self.verified_drafts is not None:  # adaptive verification: the mean width it chose
+            row_steps = sum(self.histogram)
+            out["verified_drafts_per_row_step"] = round(self.verified_drafts / row_steps, 4) if row_steps else None
         return out
 
     def prometheus(self, prefix: str = "draftsmith_spec_decode") -> str:
@@ -99,7 +103,7 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
              k_table: list[list[int]] | None = None,
              fast_plain: bool = True, top_k: int = 0, top_p: float = 1.0,
              verification: str = "standard", device_loop: bool = True,
-             kernels: KernelSettings | None = None) -> tuple[list[list[int]], GenerationStats]:
+             kernels: KernelSettings | None = None, adaptive=None) -> tuple[list[list[int]], GenerationStats]:
     """Greedy decoding of a ragged batch; with a proposer, `proposer.k` drafts per row and step.
 
     Every kernel of the generation (the model's, the proposer's, the loop's) follows `kernels`,
@@ -126,14 +130,18 @@ def generate(model: RuntimeModel, prompts: list[list[int]], max_new_tokens: int,
     inference/runtime/spec_loop.py unless device_loop=False: drafts, acceptance and emitted tokens stay
     on the device, each step is captured in CUDA graphs on a GPU, and the host looks at the
     done flags once every few steps. Other proposers (suffix decoding, the host n-gram, drafting
-    across vocabularies) run in the host loop below, which reads every step's result."""
+    across vocabularies) run in the host loop below, which reads every step's result.
+
+    `adaptive` (inference/runtime/adaptive.py AdaptiveVerification; None: k drafts every step)
+    verifies, per step of the device loop, the width the drafts' confidences and the measured
+    step-cost table make fastest; a proposer with a confidence head only (DSpark)."""
     with applied(kernels or model.kernels):
         return _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_graphs, temperature,
-                         generator, k_table, fast_plain, top_k, top_p, verification, device_loop)
+                         generator, k_table, fast_plain, top_k, top_p, verification, device_loop, adaptive)
 
 
 def _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_graphs, temperature, generator, k_table,
-              fast_plain, top_k, top_p, verification, device_loop):
+              fast_plain, top_k, top_p, verification, device_loop, adaptive=None):
     k = proposer.k if proposer is not None else 0
     if k_table is not None and proposer is not None:
         k = draft_length(k_table, len(prompts), proposer.k)
@@ -141,6 +149,8 @@ def _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_g
             proposer = None
     caps = capabilities(proposer)  # what it declares, checked once (inference/proposers/base.py)
     aux_layers = caps.aux_layers
+    if adaptive is not None and not (proposer is not None and device_loop and caps.on_device and k == proposer.k):
+        raise ValueError("adaptive verification runs in the device loop: it needs a device proposer drafting its own k")
     device = model.embed_tokens.weight.device
     B = len(prompts)
     lengths = [len(p) for p in prompts]
@@ -176,7 +186,8 @@ def _generate(model, prompts, max_new_tokens, proposer, eos_ids, max_len, cuda_g
     if proposer is not None and device_loop and caps.on_device and k == proposer.k:
         # the first tokens stay on the device (no host sync before the proposer begins)
         outputs = device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
-                                      cuda_graphs, temperature, top_k, top_p, verification, generator, t_start)
+                                      cuda_graphs, temperature, top_k, top_p, verification, generator, t_start,
+                                      adaptive=adaptive)
         _sync(device)
         stats.total_seconds = time.perf_counter() - t_start
         stats.new_tokens = sum(len(o) for o in outputs)

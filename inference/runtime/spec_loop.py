@@ -10,6 +10,14 @@ Shapes: B rows, S token/cache slots per row, k drafts per step, V vocabulary, W 
 Row b holds tokens[b, :length[b]] (prompt + emitted); the verify step feeds its last token and
 k drafts at positions length-1 .. length-1+k. Finished rows keep their length, so their later
 (ignored) steps write only at positions the row owns, inside its cache.
+
+Adaptive verification (inference/runtime/adaptive.py; a proposer with confidences): each draft
+also chooses, on the device, the width w in 1..k its drafts are worth verifying; the verify step
+then feeds w + 1 tokens per row (one verify graph per width). The host launches the width it last
+read: on a CPU the current one (it reads every step), on a GPU the one chosen at the last step of
+the previous group, copied with the rows' remaining budget (no extra sync). Any width is
+lossless: verification accepts a prefix of the drafts it sees and the next token comes from the
+target.
 """
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ import time
 import torch
 from torch.profiler import record_function
 
+from inference.runtime.adaptive import choose_width, step_ms_tensor
 from inference.runtime.graphs import capture_graph, graph_generator_ok, kernel_settings, reuse
 from inference.proposers.base import capabilities
 from inference.runtime.verify import block_verify, greedy_verify, rejection_verify, sampling_probs, synthetic_verify
@@ -29,7 +38,7 @@ class SpecLoop:
     sampling) combination, reused by every `generate` call of that shape."""
 
     def __init__(self, model, cache, proposer, batch: int, max_len: int, k: int, eos_ids, temperature: float,
-                 top_k: int, top_p: float, verification: str, generator, graphed: bool):
+                 top_k: int, top_p: float, verification: str, generator, graphed: bool, adaptive=None):
         dev = model.embed_tokens.weight.device
         self.model, self.cache, self.proposer, self.k = model, cache, proposer, k
         self.caps = capabilities(proposer)  # what it declares, checked once per loop (inference/proposers/base.py)
@@ -49,6 +58,13 @@ class SpecLoop:
         self.fed_ids = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)  # the verify step's input
         self.fed_positions = torch.zeros(batch, k + 1, dtype=torch.long, device=dev)
         self.graphed = graphed and dev.type == "cuda" and getattr(model, "graphable", True) and graph_generator_ok(generator)
+        self.verified = torch.zeros(batch, dtype=torch.long, device=dev)  # drafts verified per row, over its steps
+        # adaptive verification: the step's cost by width [k+1] and the width the last draft chose
+        self.adaptive = adaptive
+        self.step_ms = None if adaptive is None else step_ms_tensor(adaptive.costs, batch, k, dev)
+        self.chosen = torch.full((), k, dtype=torch.long, device=dev)
+        self.width = k  # the width the host launches (read from `chosen`)
+        self.aux_full = None  # [B,k+1,W]: a narrower step's aux, padded for the proposer's advance
         self.graphs = None
         self.state_ids = None  # the proposer's state tensors the graphs were captured with
 
@@ -58,9 +74,18 @@ class SpecLoop:
             self.drafts, self.q = self.proposer.draft_sampled(self.temperature, self.generator)
         else:
             self.drafts, self.q = self.proposer.draft(), None
+        if self.adaptive is not None:  # the width worth verifying, from the drafts' confidences [B,k]
+            self.chosen.copy_(choose_width(self.proposer.confidence, self.active, self.step_ms))
 
-    def verify_phase(self):
-        drafts, fed, positions = self.drafts, self.fed_ids, self.fed_positions  # [B,k], [B,k+1], [B,k+1]
+    def verify_phase(self, width: int | None = None):
+        """One verify step of `width` drafts per row (default k): the first `width` drafts of
+        each row are fed and verified, the rest never reach the target."""
+        w = self.k if width is None else width
+        drafts, q = self.drafts[:, :w], (None if self.q is None else self.q[:, :w])  # [B,w], [B,w,V]
+        if w == self.k:
+            fed, positions = self.fed_ids, self.fed_positions  # [B,k+1]
+        else:  # contiguous inputs of the narrower step, one pair per width
+            fed, positions = self._narrow_inputs(w)
         feed(self.tokens, self.length, drafts, fed, positions)
         logits, aux = self.model(fed, positions, self.cache, self.aux_layers)
         if self.verification.startswith("synthetic:"):
@@ -68,11 +93,35 @@ class SpecLoop:
         elif self.temperature > 0:
             verify = block_verify if self.verification == "block" else rejection_verify
             probs = sampling_probs(logits, self.temperature, self.top_k, self.top_p)
-            accepted, bonus = verify(drafts, self.q, probs, self.generator)
+            accepted, bonus = verify(drafts, q, probs, self.generator)
         else:
             accepted, bonus = greedy_verify(drafts, logits)
+        self.verified.add_(self.active.long(), alpha=w)  # (before emit updates `active`)
         self.emit(drafts, accepted, bonus)
+        if w < self.k:  # the proposer's advance reads k+1 columns; those past w are masked (j > accepted)
+            self.fed_ids[:, : w + 1].copy_(fed)
+            fed = self.fed_ids
+            if aux is not None:
+                if self.aux_full is None or self.aux_full.shape[-1] != aux.shape[-1]:
+                    self.aux_full = aux.new_zeros(aux.shape[0], self.k + 1, aux.shape[-1])
+                self.aux_full[:, : w + 1].copy_(aux)
+                aux = self.aux_full
         self.fed, self.aux, self.accepted, self.bonus = fed, aux, accepted, bonus
+
+    def _narrow_inputs(self, w: int):
+        """The verify step's input buffers for width w < k: fed and positions [B,w+1]."""
+        inputs = self.__dict__.setdefault("_narrow", {})
+        if w not in inputs:
+            inputs[w] = (self.fed_ids[:, : w + 1].clone(), self.fed_positions[:, : w + 1].clone())
+        return inputs[w]
+
+    def widths(self) -> tuple[int, ...]:
+        """The verify widths this loop launches: 1..k with adaptive verification, else k."""
+        return tuple(range(1, self.k + 1)) if self.adaptive is not None else (self.k,)
+
+    def _verify_at(self, w: int):
+        """The verify phase of width w as a call without arguments (a tree loop's has none)."""
+        return self.verify_phase if self.adaptive is None else (lambda: self.verify_phase(w))
 
     def emit(self, drafts, accepted, bonus):
         """The accepted drafts [B,k] (the first `accepted` of each row), then the bonus, into
@@ -98,23 +147,33 @@ class SpecLoop:
         self.advance_phase()
         self.draft_phase()
 
+    def _warmup_widths(self) -> list[int]:
+        """The widths of the real steps that warm the loop up before capture: every verify width
+        once, and at least two steps."""
+        widths = list(self.widths())
+        return (widths * 2)[: max(2, len(widths))]
+
     def _capture(self):
-        """A first draft and two real steps run eagerly on a side stream (warm-up: the loop is
-        left holding fresh drafts), then the graphs are captured into one memory pool: the first
-        draft, the verify step, and the proposer's step (advance, then draft)."""
+        """A first draft and real steps (`_warmup_widths`) run eagerly on a side stream (warm-up:
+        the loop is left holding fresh drafts), then the graphs are captured into one memory pool:
+        the first draft, the verify step of each width, and the proposer's step (advance, then
+        draft)."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.no_grad():
             self.draft_phase()
-            for _ in range(2):
-                self.verify_phase()
+            for w in self._warmup_widths():
+                self._verify_at(w)()
                 self.proposer_phase()
         torch.cuda.current_stream().wait_stream(stream)
         generator = self.generator if self.sampled else None
         first_draft = capture_graph(self.draft_phase, warmup=0, generator=generator)
-        verify = capture_graph(self.verify_phase, warmup=0, pool=first_draft.pool(), generator=self.generator)
-        proposer = capture_graph(self.proposer_phase, warmup=0, pool=first_draft.pool(), generator=generator)
-        self.graphs = (first_draft, verify, proposer)
+        graphs = {"draft": first_draft}
+        for w in self.widths():
+            graphs[("verify", w)] = capture_graph(self._verify_at(w), warmup=0, pool=first_draft.pool(),
+                                                  generator=self.generator)
+        graphs["proposer"] = capture_graph(self.proposer_phase, warmup=0, pool=first_draft.pool(), generator=generator)
+        self.graphs = graphs
         self.state_ids = _state_ids(self.proposer)
 
     # ------------------------------------------------------------------ a whole generation
@@ -136,6 +195,7 @@ class SpecLoop:
         torch.logical_not(self.done, out=self.active)
         self.histogram.zero_()
         self.row_steps.zero_()
+        self.verified.zero_()
 
     def run(self, max_steps: int, check_every: int) -> dict:
         """Steps until every row is done: a first draft, then per step the verify graph and the
@@ -161,18 +221,22 @@ class SpecLoop:
         drafted = False
         if self.graphed and (self.graphs is None or self.state_ids != _state_ids(self.proposer)):
             self._capture()
-            timing["launched"], drafted = 2, True  # the warm-up steps were real steps, and drafted
+            timing["launched"], drafted = len(self._warmup_widths()), True  # the warm-up steps were real, and drafted
         if not drafted:
             t0 = time.perf_counter()
-            self._phase(0, self.draft_phase)
+            self._phase("draft", self.draft_phase)
             timing["launch"] += time.perf_counter() - t0
         if cuda:  # two sets, used in turn: a group's events are read while the next group runs
             events = [[[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
                       for _ in range(2)]
-            left_host = torch.zeros((), dtype=torch.long, pin_memory=True)
+            left_host = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [tokens left, chosen width]
             left_copied = torch.cuda.Event()
-        phases = ((1, self.verify_phase, "verify"), (2, self.proposer_phase, "draft"))
-        per_step = self.k + 1  # the most tokens a step emits per row
+
+        def phases():  # the verify step of the width last read, then the proposer's step
+            w = self.width
+            return ((("verify", w), self._verify_at(w), "verify"), ("proposer", self.proposer_phase, "draft"))
+
+        per_step = self.k + 1  # the most tokens a step emits per row (a narrower step emits fewer)
         unread = None  # (events, steps) of the group launched last, timed after the next launch
         left = None  # the most tokens an unfinished row may still emit after the steps launched (None: read it)
         groups = 0
@@ -186,14 +250,14 @@ class SpecLoop:
 
         while timing["launched"] < max_steps:
             if left is None:  # (the first group, and every group on a CPU) read with the GPU drained
-                left = int(self._left())
+                left, self.width = self._readout().tolist()
                 timing["syncs"] += 1
             if left <= 0:  # every row is done
                 break
             steps = max(1, min(check_every, -(-left // per_step), max_steps - timing["launched"]))
             group = events[groups % 2] if cuda else None
             for i in range(steps):
-                for j, (index, phase, name) in enumerate(phases):
+                for j, (index, phase, name) in enumerate(phases()):
                     if cuda:
                         group[i][j].record()
                     t0 = time.perf_counter()
@@ -203,7 +267,7 @@ class SpecLoop:
                     if not cuda:
                         timing[name] += elapsed
                     if cuda and j == 0 and i == steps - 1:  # what the rows still need after the group, to the host
-                        left_host.copy_(self._left(), non_blocking=True)
+                        left_host.copy_(self._readout(), non_blocking=True)
                         left_copied.record()
                 if cuda:
                     group[i][2].record()
@@ -216,7 +280,7 @@ class SpecLoop:
                 unread = (group, steps)
                 left_copied.synchronize()  # the GPU is running the last step's proposer phase meanwhile
                 timing["syncs"] += 1
-                left = int(left_host)
+                left, self.width = left_host.tolist()  # (the width: chosen by that step's drafts, one step stale)
         if unread is not None:
             read(unread)
         timing["syncs"] += 1  # the read of the outputs
@@ -225,6 +289,10 @@ class SpecLoop:
     def _left(self) -> torch.Tensor:
         """The most tokens an unfinished row may still emit (a 0-dim device tensor; 0: all done)."""
         return torch.where(self.done, 0, self.budget - self.n_out).max()
+
+    def _readout(self) -> torch.Tensor:
+        """What the host reads between groups: [tokens left (`_left`), the width the drafts chose]."""
+        return torch.stack([self._left(), self.chosen])
 
     def _phase(self, i, fn):
         if self.graphs is not None:
@@ -237,17 +305,23 @@ SPEC_CHECK_EVERY = 2  # on a GPU: speculative steps between reads of the done fl
 
 
 def device_speculation(model, cache, proposer, prompts, aux, first, max_new_tokens, eos_ids, max_len, stats,
-                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start) -> list[list[int]]:
+                       cuda_graphs, temperature, top_k, top_p, verification, generator, t_start,
+                       adaptive=None) -> list[list[int]]:
     """The speculative steps of `generate` for an `on_device` proposer, after the prefill: the
     loop of this shape (kept on the model, its graphs captured once) serves the prompts; fills
-    `stats` and returns the outputs. `first` [B] holds each row's first token."""
+    `stats` and returns the outputs. `first` [B] holds each row's first token. `adaptive`
+    (inference/runtime/adaptive.py AdaptiveVerification, or None: k drafts per step) verifies the
+    width the drafts' confidences choose."""
     B, k = len(prompts), proposer.k
     device = model.embed_tokens.weight.device
     first = torch.as_tensor(first, device=device)  # [B]
     key = ("spec", id(cache), id(proposer), B, max_len, k, tuple(eos_ids), temperature, top_k, top_p, verification,
-           id(generator), cuda_graphs, kernel_settings())
+           id(generator), cuda_graphs, kernel_settings(), None if adaptive is None else repr(adaptive))
     caps = capabilities(proposer)
     tree = caps.tree
+    if adaptive is not None and (tree or not caps.confidences):
+        raise ValueError(f"adaptive verification needs a chain proposer that estimates its drafts' acceptance "
+                         f"(a confidence head, as DSpark's); {type(proposer).__name__} does not")
     if tree and verification.startswith("synthetic:"):
         raise ValueError(f"draft trees verify against the target, not {verification!r}")
     if tree and temperature > 0 and verification != "standard":
@@ -258,7 +332,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     # chains and trees alike: captured in CUDA graphs where the loop can be (SpecLoop.graphed:
     # on CUDA, a graphable model, a generator graphs can draw from), eager otherwise
     loop = reuse(model, key, lambda: make(model, cache, proposer, B, max_len, k, eos_ids, temperature, top_k, top_p,
-                                           verification, generator, graphed=cuda_graphs))
+                                           verification, generator, graphed=cuda_graphs,
+                                           **({} if adaptive is None else {"adaptive": adaptive})))
     with record_function("draftsmith.proposer_begin"):
         if cuda_graphs and device.type == "cuda" and caps.begin_graphed:
             proposer.begin_graphed(prompts, aux, first)  # one replay, its inputs queued behind the prefill
@@ -270,7 +345,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
             torch.cuda.synchronize(device)
     setup_end = time.perf_counter()
     with record_function("draftsmith.loop_run"):
-        timing = loop.run(max_steps=max_new_tokens + 2, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
+        warmup = k if adaptive is not None else 2  # (the steps a first capture runs: SpecLoop._warmup_widths)
+        timing = loop.run(max_steps=max_new_tokens + warmup, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
     with record_function("draftsmith.read_outputs"):
         n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
     outputs = [row[len(p): len(p) + n] for row, p, n in zip(rows, prompts, n_out)]
@@ -284,6 +360,8 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
     stats.host_syncs, stats.device_loop = timing["syncs"] + 1, True  # + the sync that ends the setup
     stats.graphed = loop.graphs is not None
     stats.verify_tokens = caps.verify_tokens
+    if adaptive is not None:
+        stats.verified_drafts = int(loop.verified.sum())
     if caps.end:
         proposer.end(outputs)
     return outputs
