@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from tests.dspark_forward import reference_block, sglang_load, sglang_view, vllm_load, vllm_view
-from tests.test_launch_lines import place_target, run_vllm, sglang_path, vllm_path  # noqa: F401 (fixtures)
+from tests.test_launch_lines import place_target, sglang_path, vllm_path  # noqa: F401 (fixtures)
 
 TARGET = "tiny-random-llama"
 B, RANK, LAYER_IDS, MASK = 4, 8, [0, 1], 3
@@ -320,10 +320,25 @@ print(json.dumps(out))
 """
 
 
-def sglang_parse(lines, path):
-    """SGLang 0.5.23's own argument parser on the lines. (Its DSPARK hook, which checks the window
-    against the draft's block_size, imports SGLang's kernels and cannot run here: sglang_view
-    restates that check, speculative_hook.py:816-836.)"""
+VLLM_READ = """
+import importlib.util, json, shlex, sys
+from tests.sglang_args import _EmptyFinder
+from tests.vllm_args import ABSENT_OK, resolve
+sys.meta_path.insert(0, _EmptyFinder([n for n in ABSENT_OK if importlib.util.find_spec(n) is None]))
+from vllm.transformers_utils.config import get_config
+KEYS = ("architectures", "markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+        "sample_from_anchor", "eagle_aux_hidden_state_layer_ids", "target_layer_ids", "dflash_config", "mask_token_id",
+        "is_causal", "layer_types", "rope_parameters", "draft_vocab_size", "vocab_size", "logit_scale")
+out = []
+for line in json.loads(sys.argv[1]):
+    words = shlex.split(line)
+    draft = get_config(json.loads(words[words.index("--speculative-config") + 1])["model"], trust_remote_code=False)
+    out.append({**resolve(line), "config": {k: getattr(draft, k) for k in KEYS if hasattr(draft, k)}})
+print(json.dumps(out))
+"""
+
+
+def _run(script, lines, path):
     import os
     import subprocess
     import sys
@@ -331,14 +346,19 @@ def sglang_parse(lines, path):
     from tests.test_launch_lines import ROOT
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([path, str(ROOT)])}
-    res = subprocess.run([sys.executable, "-c", SGLANG_PARSE, json.dumps(lines)], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", script, json.dumps(lines)], env=env, capture_output=True, text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_the_printed_lines_resolve_in_sglang_and_vllm(exports, sglang_path, vllm_path, tmp_path):  # noqa: F811
+def test_the_printed_lines_resolve_in_sglang_and_vllm(exports, hf, sglang_path, vllm_path, tmp_path):  # noqa: F811
+    """SGLang 0.5.23's argument parser on its line (its DSPARK hook, which holds the window to the
+    draft's block_size, imports SGLang's kernels and cannot run here: sglang_view restates it,
+    speculative_hook.py:816-836); vLLM 0.33's config resolution (tests/vllm_args.py) and its
+    get_config on each line's draft: what vLLM's own code reads from the export."""
     from export.dspark import export_dspark
+    from models.layers import rope_config
 
     place_target(tmp_path / "target")
     lines = []
@@ -348,20 +368,27 @@ def test_the_printed_lines_resolve_in_sglang_and_vllm(exports, sglang_path, vllm
                       target_arch=["LlamaForCausalLM"], dtype=torch.float32)
         lines += lines_of(tmp_path / case)
     (sgl,) = [line for line in lines if "sglang" in line]
-    (parsed,) = sglang_parse([sgl], sglang_path)
+    (parsed,) = _run(SGLANG_PARSE, [sgl], sglang_path)
     assert parsed == {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": str(tmp_path / "dspark"),
                       "speculative_num_draft_tokens": B, "speculative_dspark_block_size": None}, parsed
     config = json.loads((tmp_path / "dspark" / "config.json").read_text())
     assert sglang_view(config, parsed["speculative_num_draft_tokens"])["gamma"] == B - 1
     with pytest.raises(ValueError, match="gamma"):  # a window other than block_size + 1 is refused
         sglang_view(config, B + 1)
-    vllm = [line for line in lines if line.startswith("vllm serve")]
-    results = run_vllm(vllm, tmp_path, vllm_path)
+    results = _run(VLLM_READ, [line for line in lines if line.startswith("vllm serve")], vllm_path)
     assert len(results) == 2
     for result in results:
         assert "error" not in result, result
         assert (result["method"], result["num_speculative_tokens"], result["draft_architecture"]) == \
                ("dspark", B - 1, "Qwen3DSparkModel"), result
+        got = result["config"]
+        aux = got.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in (got.get("dflash_config") or {})["target_layer_ids"]]
+        mask = (got.get("dflash_config") or {}).get("mask_token_id", got.get("mask_token_id"))
+        assert aux == [i + 1 for i in LAYER_IDS] and mask == MASK, got
+        assert (got["markov_rank"], got["markov_head_type"], got["enable_confidence_head"], got["confidence_head_with_markov"],
+                got["sample_from_anchor"], got["is_causal"], got["draft_vocab_size"]) == \
+               (RANK, "vanilla", True, True, False, False, hf.vocab_size), got
+        assert got["rope_parameters"]["rope_theta"] == rope_config(hf)[0] and "logit_scale" not in got, got
 
 
 # ---------------------------------------------------------------- export.check knows both layouts
