@@ -219,7 +219,8 @@ def check_store(folder: str, expected: Expected) -> dict:
         raise StoreError(f"{where} is an unfinished extraction ({done} of {total} shards); run the same "
                          "python -m data.extract again to finish it")
     t = m["target"]
-    if t.get("weights_sha256") != expected.weights_sha256:
+    # (a target without safetensors files has no weights hash: its name is compared instead)
+    if t.get("weights_sha256") != expected.weights_sha256 or (expected.weights_sha256 is None and t.get("name") != expected.target):
         raise StoreError(f"{where} was extracted from another target ({t.get('name')}, weights sha256 "
                          f"{str(t.get('weights_sha256'))[:12]}), not this run's {expected.target} "
                          f"({str(expected.weights_sha256)[:12]})")

@@ -54,7 +54,8 @@ def test_training_from_a_float32_store_equals_online_training(recipe, tmp_path):
     # beside them, a launch whose drafter reads other layers (mostly imports: it stops before any model loads)
     refused = subprocess.Popen([sys.executable, "-m", "train", *overrides(tmp_path / "refused"), f"data.features={store}",
                                 "drafter.aux_layer_ids=[1]"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    train_at_once(overrides(online), [*overrides(stored), f"data.features={store}"])
+    # (the stored run reads through a DataLoader worker process, as the recipes do)
+    train_at_once(overrides(online), [*overrides(stored), f"data.features={store}", "data.num_workers=1"])
     err = refused.communicate(timeout=300)[1]
     assert refused.returncode == 2, err[-2000:]
     last = err.strip().splitlines()[-1]  # one error line, exit 2, nothing written
