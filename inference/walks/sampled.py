@@ -100,11 +100,10 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
     sequence's `Target.chain_steps` when the caller walks several windows of it (its keys and
     values computed once); made here otherwise. verify_width(confidence [m,k]) → [m], when given:
     adaptive verification (a drafter whose drive_block returns its confidences: DSpark), each
-    chain judged on its first width drafts only (inference.walks.greedy.chain_widths). Under
-    block verification the chain is drawn from q as served, so this is exact; under standard
-    rejection the chain is the accepted one (drawn from min(p, q)), whose confidences choose the
-    width: served, the drafts after a rejection come from q instead, and the width read from
-    them may differ (an approximation where a chain is rejected before its width)."""
+    chain judged on its first width drafts only (inference.walks.greedy.chain_widths). The width
+    depends on every draft of the chain, so the chain is then drawn from q as served under both
+    rules (standard: P(L >= i | chain) = prod_{j<=i} min(1, p_j(d_j) / q_j(d_j)), unbiased like
+    the accepted-chain estimate it replaces, which would read the width from the wrong chain)."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification {verification!r} is not one of {', '.join(VERIFICATIONS)}")
     head = target.head_weight
@@ -119,9 +118,13 @@ def sampled_chain_histograms(target, drafter, ids, features, last_hidden, anchor
         q = torch.zeros(m, V, device=ids.device).index_copy_(1, draft_ids, torch.softmax(logits.float() / temperature, -1))
         hidden = last_hidden[anchors + 1] if not chain else steps.step(chain[-1])  # [m,H]: context + d_1..d_{i-1}
         p = sampling_probs(F.linear(hidden, head), temperature, top_k, top_p)  # [m,V]
-        if verification == "standard":
+        if verification == "standard" and verify_width is None:
             alpha, token = standard_step(p, q, generator)
             alphas.append(alpha)
+        elif verification == "standard":  # the width is read from the chain as served: drawn from q,
+            # whose draft i is accepted with probability min(1, p/q) (E over q: alpha_i)
+            token = torch.multinomial(q, 1, generator=generator)[:, 0]
+            alphas.append(block_weight(torch.ones_like(w), p.gather(1, token[:, None])[:, 0], q.gather(1, token[:, None])[:, 0]))
         else:
             if chain:  # the residual after i-1 drafts needs p_i, q_i
                 residuals.append(block_residual_mass(w, p, q))
