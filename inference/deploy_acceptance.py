@@ -23,6 +23,8 @@ def context_prompts(tokenizer, spec: str, buckets, per_bucket: int, longest: int
             b = bucket_of(len(ids), buckets)
             if len(ids) <= longest and b is not None and len(found[b]) < per_bucket:
                 found[b].append({"bucket": b, "prompt": ids, "source": f"conversation {c}, message {i + 1}"})
+            if b is not None and all(len(found[j]) >= per_bucket for j in range(b + 1)):
+                break  # the earlier turns' contexts are shorter: buckets already full
     return [p for b in found for p in found[b]]
 
 
