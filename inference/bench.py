@@ -113,9 +113,14 @@ def _best_tree_line(best: dict) -> str:
 def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks: list[int], drafters: list[str],
               device: str, out_dir: Path, hf_static: bool = False, batch_size: int = 0, hf_prompts: int | None = None,
               trees: list[tuple[int, int, int]] = (), repeats: int = 1, kernels=None,
-              accept_other_target: bool = False) -> dict:
+              accept_other_target: bool = False, adaptive: str | None = None) -> dict:
     """kernels: the runtime's kernel settings (kernels/settings.py KernelSettings; default: the
-    defaults), recorded in bench.json; the "torch ops" row runs the same with the mode "off"."""
+    defaults), recorded in bench.json; the "torch ops" row runs the same with the mode "off".
+
+    adaptive: a step-cost table's JSON file or "measure" (inference/runtime/adaptive.py): each
+    drafter with a confidence head (DSpark) also gets rows with adaptive verification, beside its
+    fixed-k rows; the table each used is in bench.json (`step_costs`, by row), and a measured one is
+    also saved as step_costs.json in the output folder."""
     import dataclasses
 
     import torch
@@ -177,7 +182,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
 
     new_tokens = [max_new]  # what runtime rows generate per prompt (the warm-up asks for a few)
 
-    def runtime(proposer, batch: int = 1, settings=None):
+    def runtime(proposer, batch: int = 1, settings=None, adaptive_setting=None):
         """Every prompt through the runtime, `batch` at a time, with one proposer (built for
         that batch and reused: its graphs are captured once), under the kernel settings `settings`
         (default: the runtime's). Returns outputs and the summed stats."""
@@ -186,7 +191,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             chunk = prompts[i : i + batch]
             if len(chunk) != batch:
                 continue  # a batched row serves whole batches only (its proposer is built for B rows)
-            o, stats = generate(rt, chunk, new_tokens[0], proposer=proposer, eos_ids=eos, max_len=max_len, kernels=settings)
+            o, stats = generate(rt, chunk, new_tokens[0], proposer=proposer, eos_ids=eos, max_len=max_len, kernels=settings,
+                                adaptive=adaptive_setting)
             outs.extend(o)
             total.steps += stats.steps
             total.new_tokens += stats.new_tokens
@@ -198,6 +204,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             total.setup_seconds += stats.setup_seconds
             total.launch_seconds += stats.launch_seconds
             total.launched_steps += stats.launched_steps
+            if stats.verified_drafts is not None:
+                total.verified_drafts = (total.verified_drafts or 0) + stats.verified_drafts
             total.device_loop, total.verify_tokens, total.graphed = stats.device_loop, stats.verify_tokens, stats.graphed
         return outs, total
 
@@ -236,6 +244,10 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             k = _drafter_ks(module, ks)[0]
             proposer = drafter_proposer(module, k, batch_size, max_len, rt.config)
             rows[f"runtime {_drafter_name(module)} (k={k}), batch {batch_size}"] = lambda p=proposer: runtime(p, batch_size)
+    step_costs = {}  # row name → the step-cost table its adaptive verification priced steps with
+    if adaptive is not None:
+        step_costs = _adaptive_rows(rows, modules, ks, batch_size, adaptive, rt, prompts, eos, max_len, target, runtime,
+                                    out_dir)
 
     from inference.walks.greedy import acceptance_from_histogram
 
@@ -290,8 +302,12 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         line = f"{name:52s} {n_tokens / sec:10.1f} tok/s"
         if len(speeds) > 1:
             line += f" (median of {len(speeds)}: {min(speeds):.1f}-{max(speeds):.1f})"
+        if name in step_costs:
+            r["adaptive_verification"] = True
         if stats is not None:
             split = stats.summary()
+            if split.get("verified_drafts_per_row_step") is not None:
+                r["verified_drafts_per_row_step"] = split["verified_drafts_per_row_step"]
             r["split"] = {key: split[key] for key in ("steps", "draft_ms_per_step", "verify_ms_per_step", "other_ms_per_step",
                                                        "host_launch_ms_per_step", "setup_seconds", "launched_steps",
                                                        "host_syncs_per_token", "device_loop", "graphed")}
@@ -318,6 +334,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "dtype": str(dtype),
         **kernels.record(),  # the kernels' mode and the tree-attention tuning (--kernels, --tree-attention)
         "rows": {name: {kk: vv for kk, vv in r.items() if kk != "outputs"} for name, r in results.items()},
+        "step_costs": {name: costs.to_dict() for name, costs in step_costs.items()} or None,
     }
     # the sweep's best tree for this target and device, beside the same drafter's chain
     summary["best_tree"] = best_tree_setting(summary["rows"], trees, ks, target, summary["device"])
@@ -332,6 +349,45 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     (out_dir / "bench.json").write_text(json.dumps(summary, indent=2))
     _chart(summary, out_dir / "bench.png")
     return summary
+
+
+def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, eos, max_len, target, runtime, out_dir) -> dict:
+    """Rows with adaptive verification for each drafter with a confidence head, at batch 1 and
+    `batch_size`, beside its fixed-k rows; returns {row name: StepCosts}. `spec` "measure": the
+    target's verify steps timed here (k + 1 tokens per row at most, inference/runtime/adaptive.py)
+    and each drafter's draft step timed after a short generation; saved as step_costs.json."""
+    import dataclasses
+
+    from inference.proposers import capabilities, drafter_proposer
+    from inference.runtime.adaptive import AdaptiveVerification, measure_draft_ms, measure_step_costs, resolve_costs
+    from inference.runtime.engine import generate
+
+    batches = sorted({1, batch_size or 1})
+    chosen = {}
+    for module in modules:
+        k = _drafter_ks(module, ks)[0]
+        made = {b: drafter_proposer(module, k, b, max_len, rt.config) for b in batches}
+        if not capabilities(made[1]).confidences:
+            continue
+        if spec == "measure":
+            draft_ms = {}
+            for b, proposer in made.items():  # a short generation leaves the proposer's state to draft from
+                generate(rt, prompts[:b], 2, proposer=proposer, eos_ids=eos, max_len=max_len)
+                draft_ms[b] = measure_draft_ms(proposer)
+            costs = measure_step_costs(rt, batches, k + 1, capabilities(made[1]).aux_layers, target=target,
+                                       draft_ms=draft_ms)
+        else:
+            costs = resolve_costs(spec, None)
+        for b, proposer in made.items():
+            costs.row(b, k)  # a table too short for k: refused before any row runs
+            name = f"runtime {_drafter_name(module)} (k={k}), adaptive" + (f", batch {b}" if b > 1 else "")
+            rows[name] = lambda p=proposer, b=b, c=costs: runtime(p, b, adaptive_setting=AdaptiveVerification(c))
+            chosen[name] = costs
+    if spec == "measure" and chosen:  # (the first such drafter's: bench.json holds every row's)
+        from export.io import atomic_write_json
+
+        atomic_write_json(out_dir / "step_costs.json", next(iter(chosen.values())).to_dict())
+    return chosen
 
 
 def _chart(summary: dict, path: Path):
@@ -387,6 +443,10 @@ def main(argv=None) -> int:
                          "(said on stderr); without it that is refused")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     add_kernel_flags(ap, tuning=True)
+    ap.add_argument("--adaptive-verification", default=None, metavar="COSTS.json|measure",
+                    help="also time each DSpark drafter with adaptive verification (the verify width chosen per step "
+                         "from its confidences and a step-cost table: a JSON file, or measure it here); recorded in "
+                         "bench.json")
     ap.add_argument("--out", default="bench", help="folder for bench.json and bench.png")
     args = ap.parse_args(argv)
     try:
@@ -401,6 +461,13 @@ def main(argv=None) -> int:
         kernels = kernel_settings(args, device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
+        if args.adaptive_verification not in (None, "measure"):
+            from inference.runtime.adaptive import StepCosts
+
+            try:
+                StepCosts.load(args.adaptive_verification)
+            except ValueError as e:
+                raise CliError(f"--adaptive-verification: {e}") from None
     except CliError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -415,7 +482,8 @@ def main(argv=None) -> int:
     try:
         run_bench(args.target, args.dataset, args.num_prompts, args.max_new_tokens, sorted(set(args.k)), args.drafter,
                   device, Path(args.out), hf_static=args.hf_static, batch_size=args.batch_size, hf_prompts=args.hf_prompts,
-                  trees=trees, repeats=args.repeats, kernels=kernels, accept_other_target=args.accept_other_target)
+                  trees=trees, repeats=args.repeats, kernels=kernels, accept_other_target=args.accept_other_target,
+                  adaptive=args.adaptive_verification)
     except (ValueError, KeyError, OSError, DataError, AssetError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

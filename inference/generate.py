@@ -43,6 +43,9 @@ def main(argv=None) -> int:
                     help="how drafts are verified when sampling (both keep the target's distribution)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: sampling, drafts verified by rejection sampling (same distribution)")
+    ap.add_argument("--adaptive-verification", default=None, metavar="COSTS.json",
+                    help="verify per step the number of drafts the drafter's confidences make fastest, priced by this "
+                         "step-cost table (bench --adaptive-verification measure writes one); DSpark drafters only")
     ap.add_argument("--accept-other-target", action="store_true",
                     help="serve --drafter with a target whose weights differ from the one it was trained against "
                          "(said on stderr); without it that is refused")
@@ -60,6 +63,16 @@ def main(argv=None) -> int:
         kernels = kernel_settings(args, device)
         if args.prometheus:  # a metrics file of ours is rewritten; any other file is the user's
             check_output_file(args.prometheus, "# HELP draftsmith_spec_decode", "--prometheus")
+        adaptive = None
+        if args.adaptive_verification is not None:
+            from inference.runtime.adaptive import AdaptiveVerification, StepCosts
+
+            try:
+                adaptive = AdaptiveVerification(StepCosts.load(args.adaptive_verification))
+            except ValueError as e:
+                raise CliError(f"--adaptive-verification: {e}") from None
+            if tree is not None:
+                raise CliError("--adaptive-verification: trees verify their nodes, not a chain's width (drop --tree)")
     except CliError as e:
         return _fail(e)
     if tree is not None:  # validate's rules (inference/validate.py): a drafter's greedy tree, its depth the k
@@ -170,12 +183,23 @@ def main(argv=None) -> int:
                 proposer = tree_proposers(drafter, tree, model.config)([prompt], max_len)
         except (ValueError, KeyError, FileNotFoundError) as e:
             return _fail(f"--drafter: {e}")
+    if adaptive is not None:
+        from inference.proposers import capabilities
+
+        if not capabilities(proposer).confidences:
+            return _fail(f"--adaptive-verification: the {args.proposer} proposer estimates no acceptance of its drafts "
+                         "(a DSpark drafter's confidence head does)")
+        try:
+            adaptive.costs.row(1, k)
+        except ValueError as e:
+            return _fail(f"--adaptive-verification: {e}")
     outputs, stats = generate(model, [prompt], args.max_new_tokens, proposer=proposer,
                               eos_ids=(tokenizer.eos_token_id,), max_len=max_len, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, verification=args.verification)
+                              top_k=args.top_k, top_p=args.top_p, verification=args.verification, adaptive=adaptive)
     print(tokenizer.decode(outputs[0], skip_special_tokens=True))
     if args.stats:
-        print(json.dumps({**stats.summary(), "kernels": kernels.mode}), file=sys.stderr)
+        record = adaptive.record() if adaptive is not None else {"adaptive_verification": False}
+        print(json.dumps({**stats.summary(), "kernels": kernels.mode, **record}), file=sys.stderr)
     if args.prometheus:
         Path(args.prometheus).write_text(stats.prometheus())
     return 0

@@ -190,3 +190,54 @@ def test_greedy_dspark_equals_plain_on_zoo_prompts(tokenizer):
             widths.append(stats.verified_drafts)
         assert got == plain, adaptive
     assert widths[:2] == [None] * 2 and all(w is not None for w in widths[2:])
+
+
+def test_bench_and_generate_run_dspark_with_adaptive_verification(tmp_path, capsys):
+    """bench --adaptive-verification measure: a DSpark export gets adaptive rows beside its fixed-k
+    ones (batch 1 and 2), still equal to plain; bench.json records the table each used, which is
+    also saved as a step_costs.json that generate's flag reads back (its --stats record it). A bad
+    table, a proposer without confidences: one error line, exit 2."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    from export.dspark import export_dspark
+    from inference.bench import main
+    from models.zoo import resolve_target
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_target("tiny-random-llama"), dtype=torch.float32)
+    drafter = _dspark(hf, list(range(hf.config.vocab_size)), std=0.02, layers=1, rank=4)
+    export_dspark(drafter, tmp_path / "dspark", target_name="tiny-random-llama", dtype=torch.float32)
+    out = tmp_path / "bench"
+    args = ["--target", "tiny-random-llama", "--num-prompts", "2", "--max-new-tokens", "4", "--device", "cpu", "-k", "2",
+            "--drafter", str(tmp_path / "dspark"), "--batch-size", "2", "--hf-prompts", "1"]
+    assert main([*args, "--adaptive-verification", "measure", "--out", str(out)]) == 0
+    summary = json.loads((out / "bench.json").read_text())
+    rows = summary["rows"]
+    adaptive = ["runtime DSpark (k=2), adaptive", "runtime DSpark (k=2), adaptive, batch 2"]
+    assert {"runtime DSpark (k=2)", "runtime DSpark (k=2), batch 2", *adaptive} <= set(rows), sorted(rows)
+    for name in adaptive:
+        assert rows[name]["adaptive_verification"] and rows[name]["outputs_equal_runtime_plain"] == rows[name]["prompts"]
+        assert 1 <= rows[name]["verified_drafts_per_row_step"] <= 2
+        table = StepCosts.from_dict(summary["step_costs"][name])
+        assert sorted(table.verify_ms) == ["1", "2"] and len(table.verify_ms["2"]) == 3 and table.draft_ms["1"] > 0
+    assert StepCosts.load(out / "step_costs.json") == StepCosts.from_dict(summary["step_costs"][adaptive[0]])
+    (tmp_path / "bad.json").write_text("{}")
+    capsys.readouterr()
+    assert main([*args, "--adaptive-verification", str(tmp_path / "bad.json"), "--out", str(tmp_path / "b2")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --adaptive-verification:") and "Traceback" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "b2").exists()
+    # generate reads the saved table: the stats record it; a proposer without confidences is refused
+    from inference.generate import main as generate_main
+
+    costs = str(out / "step_costs.json")
+    assert generate_main(["--target", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu",
+                          "-k", "2", "--drafter", str(tmp_path / "dspark"), "--adaptive-verification", costs, "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["adaptive_verification"] and StepCosts.from_dict(stats["step_costs"]) == StepCosts.load(costs)
+    assert 1 <= stats["verified_drafts_per_row_step"] <= 2
+    assert generate_main(["--target", "tiny-random-llama", "--prompt", "hi", "--max-new-tokens", "4", "--device", "cpu",
+                          "--proposer", "ngram", "--adaptive-verification", costs]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --adaptive-verification: the ngram proposer estimates no acceptance"), err
