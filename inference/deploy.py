@@ -381,7 +381,7 @@ def _main(argv=None) -> int:
             raise CliError(f"--drafter: {args.drafter} is not an export folder (no config.json)")
         check_output_folder(args.out, tool="deploy", keep=(args.drafter,))
         if args.write_table_to:
-            _check_new_folder(args.write_table_to, args.drafter)
+            _check_new_folder(args.write_table_to, args.drafter, args.out)
         from inference.validate import _export_target
 
         check_new_tokens_fit(args.target or _export_target(args.drafter), args.max_new_tokens)
@@ -405,11 +405,14 @@ def _main(argv=None) -> int:
     return 0
 
 
-def _check_new_folder(folder: str, drafter: str) -> None:
-    """--write-table-to: a new (or empty) folder, never the export itself nor inside it."""
+def _check_new_folder(folder: str, drafter: str, out: str) -> None:
+    """--write-table-to: a new (or empty) folder, never the export itself nor inside it, and apart
+    from --out (which is replaced whole)."""
     from inference.cli import CliError
 
     dest = Path(folder)
+    if dest.resolve().is_relative_to(Path(out).resolve()) or Path(out).resolve().is_relative_to(dest.resolve()):
+        raise CliError(f"--write-table-to: {folder} and --out {out} must be apart (--out is replaced whole)")
     if dest.resolve() == Path(drafter).resolve() or dest.resolve().is_relative_to(Path(drafter).resolve()):
         raise CliError(f"--write-table-to: {folder} is the export (or inside it); the table goes into a copy, never "
                        "into the export itself")

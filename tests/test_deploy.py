@@ -174,6 +174,8 @@ def test_deploy_writes_every_section_and_the_table_into_a_copy(world):
     # run again into its own folder: replaced; the export itself is never a destination
     again = run_module("inference.deploy", "--drafter", str(export), "--write-table-to", str(export), "--out", str(out))
     assert again.returncode == 2 and again.stderr.startswith("error: --write-table-to") and "copy" in again.stderr
+    inside = run_module("inference.deploy", "--drafter", str(export), "--write-table-to", str(out / "t"), "--out", str(out))
+    assert inside.returncode == 2 and "must be apart" in inside.stderr and not (out / "t").exists()
 
 
 @pytest.mark.parametrize("args, message", [
