@@ -53,6 +53,7 @@ def small_target(tmp_path_factory):
     hf = LlamaForCausalLM(cfg).eval()
     folder = tmp_path_factory.mktemp("target12")
     hf.save_pretrained(folder)
+    hf.saved_to = folder  # (the GPU case loads it on CUDA)
     rt = RuntimeModel.from_pretrained(folder)
     torch.manual_seed(1)
     prompts = [torch.randint(0, 12, (n,)).tolist() for n in (3, 11, 6, 1, 8)]
@@ -241,3 +242,29 @@ def test_bench_and_generate_run_dspark_with_adaptive_verification(tmp_path, caps
                           "--proposer", "ngram", "--adaptive-verification", costs]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --adaptive-verification: the ngram proposer estimates no acceptance"), err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="graph capture needs a GPU (the CPU cases run the same loop)")
+def test_graphed_adaptive_loop_equals_the_eager_one_on_a_gpu(small_target):
+    """float32 on CUDA: the DSpark proposer's steps and one verify graph per width, replayed, emit
+    what the same loop emits eagerly (the same widths: both read the width chosen one step
+    earlier, after the first draft's), equal to plain greedy; sampling runs inside the graphs."""
+    hf, _, prompts, _ = small_target
+    rt = RuntimeModel.from_pretrained(hf.saved_to, device="cuda")
+    k, eos, new = 3, (4, 6), 24
+    n = cache_size(prompts, new, k)
+    plain, _ = generate(rt, prompts, new, eos_ids=eos, max_len=n)
+    frequent = collections.Counter(t for o in plain for t in o).most_common(3)
+    drafter = _dspark(hf, [t for t, _ in frequent]).cuda()
+    adaptive = AdaptiveVerification(_costs(len(prompts), k))
+    for setting in (None, adaptive):
+        eager, eager_stats = generate(rt, prompts, new, proposer=DSparkCachedProposer(drafter, k, len(prompts), n, rt.config),
+                                      eos_ids=eos, max_len=n, cuda_graphs=False, adaptive=setting)
+        proposer = DSparkCachedProposer(drafter, k, len(prompts), n, rt.config)
+        for call in range(2):  # the second call replays the graphs captured by the first
+            graphed, stats = generate(rt, prompts, new, proposer=proposer, eos_ids=eos, max_len=n, adaptive=setting)
+            assert stats.graphed and graphed == eager == plain, (setting, call)
+        assert stats.row_histograms == eager_stats.row_histograms and stats.verified_drafts == eager_stats.verified_drafts
+    outs, stats = generate(rt, prompts, new, proposer=proposer, temperature=1.0, max_len=n, adaptive=adaptive)
+    assert stats.device_loop and stats.graphed and all(0 <= t < 12 for o in outs for t in o)
