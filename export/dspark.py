@@ -121,7 +121,8 @@ def _native_served(config: dict, folder):
     ids = d.get("target_layer_ids", config.get("target_layer_ids"))  # vllm eagle3_utils.py:121-140, sglang dflash_utils.py:657-660
     mask = d.get("mask_token_id", config.get("mask_token_id"))
     for key, value in (("block_size", config.get("block_size")), ("target_layer_ids", ids), ("mask_token_id", mask),
-                       ("markov_rank", config.get("markov_rank"))):
+                       ("markov_rank", config.get("markov_rank")),
+                       ("markov_head_type (SGLang refuses a rank without it)", config.get("markov_head_type"))):
         if value is None:
             raise KeyError(f"{folder}/config.json: {key} is missing")
     from transformers import AutoConfig
