@@ -103,12 +103,12 @@ def encode(x: torch.Tensor, dtype: str, groups: int) -> dict:
 
 def decode(values: np.ndarray, scale: np.ndarray | None, dtype: str) -> torch.Tensor:
     """The inverse of `encode`: float32 for float32 and FP8 stores, bfloat16 for a bf16 store."""
-    t = torch.from_numpy(np.ascontiguousarray(values))
+    t = torch.from_numpy(np.array(values))  # (a copy: arrow's buffers are read-only)
     if dtype == "float32":
         return t
     if dtype == "bf16":
         return t.view(torch.int16).view(torch.bfloat16)
-    return fp8_dequantise(t, torch.from_numpy(np.ascontiguousarray(scale)))
+    return fp8_dequantise(t, torch.from_numpy(np.array(scale)))
 
 
 # ------------------------------------------------------------------------ fingerprints
