@@ -178,3 +178,43 @@ def test_fp8_round_trip_bound_on_a_wide_range():
     rel = ((y - x).abs() / x.abs().clamp_min(1e-30))[x.abs() > scale.repeat_interleave(32, -1) * 2**-6]
     assert 0.01 < rel.max() <= 2**-4  # e4m3: 3 mantissa bits
 
+
+
+@pytest.mark.parametrize("name", ["eagle3", "medusa"])
+def test_a_stored_batch_gives_the_training_step_what_the_target_pass_gives(name, tmp_path):
+    """Per field kind (EAGLE-3 reads the aux layers, Medusa the final hidden state): rows written
+    as data.extract writes them and read back through the store's collate give `_stored_pass`
+    the features, teacher and greedy tokens `_target_pass` computes online, at every real position."""
+    from tqdm import tqdm
+
+    from data.extract import _shard_rows
+    from data.features import StoreDataset, needed_fields, write_shard
+    from models.draft_vocab import draft_ids
+    from tests.test_fsdp import _drafter_and_target
+    from train.config import EvalConfig, ObjectiveConfig, OptimConfig
+    from train.module import DrafterModule
+
+    drafter, target = _drafter_and_target(name)
+    fields = needed_fields(drafter, feature_regression=False)
+    assert fields == (["aux"] if name == "eagle3" else ["last_hidden"])
+    g = torch.Generator().manual_seed(1)
+    lengths = [9, 23, 17, 30, 5]
+    convs = [{"input_ids": torch.randint(3, 900, (n,), generator=g).tolist(), "loss_mask": [0] * 2 + [1] * (n - 2)}
+             for n in lengths]
+    vd = drafter.d2t.numel()
+    rows = _shard_rows(target, convs, range(len(convs)), lengths, 0, draft_ids(drafter.d2t), vd, fields, "float32", 2,
+                       torch.device("cpu"), tqdm(disable=True))
+    write_shard(tmp_path / "shard-00000.parquet", rows, fields, "float32", "zstd")
+    manifest = {"fields": fields, "dtype": "float32", "shards": [{"file": "shard-00000.parquet", "rows": len(convs)}]}
+    store = StoreDataset(str(tmp_path), manifest, lengths, pad_id=0)
+    batch = store.collate([store[i] for i in (3, 0, 4)])
+    module = DrafterModule(target, drafter, ObjectiveConfig(), OptimConfig(), EvalConfig(), 10,
+                           stored_features_dtype=torch.float32)
+    assert "target" not in dict(module.named_children())  # Lightning never moves it to the device
+    stored, teacher, greedy = module._stored_pass(batch)
+    online, teacher_online, greedy_online = module._target_pass(batch["input_ids"])
+    field = fields[0]
+    for b, n in enumerate(batch["lengths"].tolist()):
+        torch.testing.assert_close(getattr(stored, field)[b, :n], getattr(online, field)[b, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(teacher[b, :n], teacher_online[b, :n], rtol=1e-5, atol=1e-6)
+        assert torch.equal(greedy[b, :n], greedy_online[b, :n])
