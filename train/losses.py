@@ -53,8 +53,9 @@ def acceptance_targets(student_logits, teacher_probs, choice, draft_ids, kind: s
     """What a confidence head learns of each drafted position (DSpark): the probability that
     its draft is accepted given the drafts before it were, under teacher forcing (the text
     before it). student_logits [N,Vd] (the draft's logits, bias applied), teacher_probs [N,Vd]
-    (the target's distribution over the draft vocabulary), choice [N] (the target's full-vocab
-    argmax), draft_ids [Vd] → [N] float32 in [0, 1], no gradient.
+    (the target's distribution over the draft vocabulary: training's teacher, renormalised there,
+    so with Vd < V the overlap is read a little high; exact with the full vocabulary), choice [N]
+    (the target's full-vocab argmax), draft_ids [Vd] → [N] float32 in [0, 1], no gradient.
 
     kind "overlap": sum_x min(p(x), q(x)), acceptance under standard verification at T = 1 (the
     sampled walk's alpha; the reference trainer's target); "greedy": 1 where the draft's argmax
