@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 CHARTS = ("speedup_vs_batch.png", "acceptance_vs_context.png", "acceptance_vs_precision.png")
+SECTION_KEYS = ("speed", "context", "precision")  # the report.json section each chart draws
 
 
 def write_table_copy(export: Path, final: Path, table: dict, inside: Path | None) -> tuple[Path, list[str], list[str]]:
@@ -124,7 +125,7 @@ def markdown(r: dict) -> str:
                "answers equal to as loaded |", "|---|---|---|---|---|"]
         md += [f"| {name} | {s['tau']:.3f} | {s['tau_vs_loaded']:.3f}x | " + ", ".join(f"{a:.2f}" for a in s["a"])
                + f" | {s['answers_equal_loaded']}/{s['answers']} |" for name, s in p["schemes"].items()] + [""]
-    md.append("Charts: " + ", ".join(CHARTS) + ".")
+    md.append("Charts: " + ", ".join(name for name, key in zip(CHARTS, SECTION_KEYS) if key in r) + ".")
     return "\n".join(md) + "\n"
 
 
@@ -134,6 +135,15 @@ def charts(r: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if "speed" in r:
+        _speed_chart(plt, r, out / CHARTS[0])
+    if "context" in r:
+        _context_chart(plt, r, out / CHARTS[1])
+    if "precision" in r:
+        _precision_chart(plt, r, out / CHARTS[2])
+
+
+def _speed_chart(plt, r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     speed = {int(b): s["options"] for b, s in r.get("speed", {}).items() if s.get("options", {}).get("off")}
     names = list(dict.fromkeys(n for o in speed.values() for n in o if n != "off"))
@@ -148,8 +158,10 @@ def charts(r: dict, out: Path) -> None:
     ax.set_ylabel("tok/s / plain tok/s")
     ax.legend(fontsize=8)
     ax.set_title(f"speedup by batch size ({r['device']})", fontsize=9)
-    _save(fig, out / CHARTS[0])
+    _save(fig, path)
 
+
+def _context_chart(plt, r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     buckets = r.get("context", {}).get("buckets", [])
     xs = range(len(buckets))
@@ -160,8 +172,10 @@ def charts(r: dict, out: Path) -> None:
     ax.set_xlabel("preceding context (tokens)")
     ax.set_ylabel("tau")
     ax.legend(fontsize=8)
-    _save(fig, out / CHARTS[1])
+    _save(fig, path)
 
+
+def _precision_chart(plt, r: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for name, s in r.get("precision", {}).get("schemes", {}).items():
         ax.plot(range(1, len(s["a"]) + 1), s["a"], "o-", label=f"{name} (tau {s['tau']:.2f})")
@@ -169,7 +183,7 @@ def charts(r: dict, out: Path) -> None:
     ax.set_ylabel("a_i (conditional acceptance)")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
-    _save(fig, out / CHARTS[2])
+    _save(fig, path)
 
 
 def _save(fig, path: Path) -> None:
