@@ -134,12 +134,17 @@ class Throughput(L.Callback):
 
     def on_train_end(self, trainer, module):
         self._close()
+        # the peak of fit alone: the final validation after it may move a target that training
+        # from a feature store (data.features) never put on the device
+        self.fit_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 
     def summary(self) -> dict:
         out = {"tokens_per_s": round(self.tokens / self.seconds, 1) if self.seconds else None,
                "timed_tokens": self.tokens, "timed_seconds": round(self.seconds, 2)}
         if torch.cuda.is_available():
             out["peak_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if getattr(self, "fit_peak", None) is not None:
+                out["peak_gpu_memory_gib_fit"] = round(self.fit_peak / 2**30, 2)
             out["gpu"] = torch.cuda.get_device_name()
         return out
 
