@@ -98,3 +98,21 @@ def test_measured_costs_cover_every_width_and_batch(tiny_target):
     assert sorted(costs.verify_ms) == ["1", "2"] and all(len(v) == 3 and min(v) > 0 for v in costs.verify_ms.values())
     assert costs.draft_ms == {"1": 0.25} and costs.device == "cpu" and costs.dtype == "float32"
     assert StepCosts.from_dict(costs.to_dict()) == costs
+
+
+def test_adaptive_verification_is_refused_where_no_confidences_come(tiny_target):
+    """A proposer without a confidence head, or the host loop: a ValueError saying why, before any step."""
+    from inference.proposers import GpuNgramProposer, NgramProposer
+    from inference.runtime.engine import cache_size, generate
+    from inference.runtime.model import RuntimeModel
+
+    model = RuntimeModel.from_pretrained(tiny_target, dtype=torch.float32)
+    prompts = [[5, 6, 7, 5, 6]]
+    setting = AdaptiveVerification(_costs(1, 2, draft=0.1, per_token=0.1, fixed=1.0))
+    n = cache_size(prompts, 4, 2)
+    with pytest.raises(ValueError, match="confidence head"):
+        generate(model, prompts, 4, proposer=GpuNgramProposer(2, 1, n), max_len=n, adaptive=setting)
+    with pytest.raises(ValueError, match="runs in the device loop"):
+        generate(model, prompts, 4, proposer=NgramProposer(2), max_len=n, adaptive=setting)
+    with pytest.raises(ValueError, match="runs in the device loop"):
+        generate(model, prompts, 4, max_len=n, adaptive=setting)

@@ -345,7 +345,7 @@ def device_speculation(model, cache, proposer, prompts, aux, first, max_new_toke
             torch.cuda.synchronize(device)
     setup_end = time.perf_counter()
     with record_function("draftsmith.loop_run"):
-        warmup = k if adaptive is not None else 2  # (the steps a first capture runs: SpecLoop._warmup_widths)
+        warmup = max(2, k) if adaptive is not None else 2  # (the steps a first capture runs: SpecLoop._warmup_widths)
         timing = loop.run(max_steps=max_new_tokens + warmup, check_every=SPEC_CHECK_EVERY if device.type == "cuda" else 1)
     with record_function("draftsmith.read_outputs"):
         n_out, rows = loop.n_out.tolist(), loop.tokens.tolist()
