@@ -64,7 +64,9 @@ class SpecLoop:
         self.step_ms = None if adaptive is None else step_ms_tensor(adaptive.costs, batch, k, dev)
         self.chosen = torch.full((), k, dtype=torch.long, device=dev)
         self.width = k  # the width the host launches (read from `chosen`)
-        self.aux_full = None  # [B,k+1,W]: a narrower step's aux, padded for the proposer's advance
+        self.aux_full = None  # [B,k+1,W]: a step's aux, padded for the proposer's advance (adaptive)
+        self.accepted_out = torch.zeros(batch, dtype=torch.long, device=dev)  # a step's accepted [B] (adaptive)
+        self.bonus_out = torch.zeros(batch, dtype=torch.long, device=dev)  # and its bonus tokens [B]
         self.graphs = None
         self.state_ids = None  # the proposer's state tensors the graphs were captured with
 
@@ -98,14 +100,18 @@ class SpecLoop:
             accepted, bonus = greedy_verify(drafts, logits)
         self.verified.add_(self.active.long(), alpha=w)  # (before emit updates `active`)
         self.emit(drafts, accepted, bonus)
-        if w < self.k:  # the proposer's advance reads k+1 columns; those past w are masked (j > accepted)
-            self.fed_ids[:, : w + 1].copy_(fed)
-            fed = self.fed_ids
+        if self.adaptive is not None:
+            # every width's graph hands the proposer's graph (captured once, after them all) the same
+            # static buffers, k+1 columns wide: the advance masks the columns past w (j > accepted)
+            if w < self.k:
+                self.fed_ids[:, : w + 1].copy_(fed)
+                fed = self.fed_ids
             if aux is not None:
                 if self.aux_full is None or self.aux_full.shape[-1] != aux.shape[-1]:
                     self.aux_full = aux.new_zeros(aux.shape[0], self.k + 1, aux.shape[-1])
                 self.aux_full[:, : w + 1].copy_(aux)
                 aux = self.aux_full
+            accepted, bonus = self.accepted_out.copy_(accepted), self.bonus_out.copy_(bonus)
         self.fed, self.aux, self.accepted, self.bonus = fed, aux, accepted, bonus
 
     def _narrow_inputs(self, w: int):
