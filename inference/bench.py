@@ -246,8 +246,8 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
             rows[f"runtime {_drafter_name(module)} (k={k}), batch {batch_size}"] = lambda p=proposer: runtime(p, batch_size)
     step_costs = {}  # row name → the step-cost table its adaptive verification priced steps with
     if adaptive is not None:
-        step_costs = _adaptive_rows(rows, modules, ks, batch_size, adaptive, rt, prompts, eos, max_len, target, runtime,
-                                    out_dir)
+        step_costs = _adaptive_rows(rows, modules, ks, batch_size, adaptive, rt, prompts, new_tokens, max_len, target,
+                                    runtime, out_dir)
 
     from inference.walks.greedy import acceptance_from_histogram
 
@@ -351,7 +351,7 @@ def run_bench(target: str, prompts_spec: str, num_prompts: int, max_new: int, ks
     return summary
 
 
-def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, eos, max_len, target, runtime, out_dir) -> dict:
+def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, new_tokens, max_len, target, runtime, out_dir) -> dict:
     """Rows with adaptive verification for each drafter with a confidence head, at batch 1 and
     `batch_size`, beside its fixed-k rows; returns {row name: StepCosts}. `spec` "measure": the
     target's verify steps timed here (k + 1 tokens per row at most, inference/runtime/adaptive.py)
@@ -359,7 +359,7 @@ def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, eos, max_le
     import dataclasses
 
     from inference.proposers import capabilities, drafter_proposer
-    from inference.runtime.adaptive import AdaptiveVerification, measure_draft_ms, measure_step_costs, resolve_costs
+    from inference.runtime.adaptive import AdaptiveVerification, measure_step_costs, resolve_costs
     from inference.runtime.engine import generate
 
     batches = sorted({1, batch_size or 1})
@@ -371,9 +371,11 @@ def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, eos, max_le
             continue
         if spec == "measure":
             draft_ms = {}
-            for b, proposer in made.items():  # a short generation leaves the proposer's state to draft from
-                generate(rt, prompts[:b], 2, proposer=proposer, eos_ids=eos, max_len=max_len)
-                draft_ms[b] = measure_draft_ms(proposer)
+            for b, proposer in made.items():  # the proposer's phase (advance and draft) per step, as the loop times it
+                for _ in range(2):  # the second call replays the graphs the first captured
+                    _, stats = generate(rt, prompts[:b], min(8, new_tokens[0]), proposer=proposer, eos_ids=(),
+                                        max_len=max_len)
+                draft_ms[b] = 1e3 * stats.draft_seconds / max(stats.launched_steps, 1)
             costs = measure_step_costs(rt, batches, k + 1, capabilities(made[1]).aux_layers, target=target,
                                        draft_ms=draft_ms)
         else:

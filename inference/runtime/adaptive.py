@@ -182,8 +182,8 @@ def measure_step_costs(model, batches: list[int], max_tokens: int, aux_layers: t
     for each B in `batches` and n = 1 .. max_tokens, as the device loop runs it (the forward that
     also returns the `aux_layers` features the proposer reads): on a GPU one CUDA graph per shape,
     replayed `repeats` times between CUDA events (median); on a CPU eager calls on the host clock
-    (median). `draft_ms` {B: ms} comes from the proposer's measured drafting (the loop's
-    draft_ms_per_step at a fixed k), else 0."""
+    (median). `draft_ms` {B: ms}: the proposer's part of a step, advance and draft (the device
+    loop's draft_ms_per_step at a fixed k: bench measures it so), else 0."""
     from inference.runtime.graphs import capture_graph
 
     if max_tokens < 1 or not batches or min(batches) < 1 or repeats < 1:
@@ -223,32 +223,6 @@ def measure_step_costs(model, batches: list[int], max_tokens: int, aux_layers: t
     return StepCosts(target=target, device=torch.cuda.get_device_name(p.device) if cuda else "cpu",
                      dtype=str(p.dtype).removeprefix("torch."), verify_ms=verify_ms,
                      draft_ms={str(b): float(v) for b, v in (draft_ms or {}).items()}, context=context)
-
-
-@torch.no_grad()
-def measure_draft_ms(proposer, repeats: int = 5) -> float:
-    """Milliseconds of one `proposer.draft()` as the device loop runs it (a CUDA-graph replay
-    between CUDA events on a GPU, the host clock on a CPU; median of `repeats`), from the state the
-    last generation left (drafting reads it and writes only its drafts and stale cache slots)."""
-    from inference.runtime.graphs import capture_graph
-
-    times = []
-    if proposer.drafts.device.type == "cuda":
-        graph = capture_graph(proposer.draft)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        proposer.draft()
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            proposer.draft()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return float(statistics.median(times))
 
 
 def resolve_costs(spec: str, measure) -> StepCosts:
