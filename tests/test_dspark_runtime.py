@@ -141,18 +141,18 @@ def test_draft_and_confidence_equal_the_walk_greedy_and_sampled(small_target):
     assert not torch.equal(sampled, drafts), "sampling should draft something else than the argmax somewhere"
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_sampled_dspark_keeps_the_target_distribution_at_t1(tmp_path, adaptive):
-    """T = 1, standard verification through the device loop, drafts sampled from the Markov walk:
-    the first two emitted tokens follow the target (8-token vocabulary, N rows), with drafts
-    accepted; adaptive verification truncates some steps and stays exact."""
+@pytest.mark.parametrize("adaptive,verification", [(False, "standard"), (True, "standard"), (True, "block")])
+def test_sampled_dspark_keeps_the_target_distribution_at_t1(tmp_path, adaptive, verification):
+    """T = 1 through the device loop, drafts sampled from the Markov walk: the first two emitted
+    tokens follow the target (8-token vocabulary, N rows), with drafts accepted; adaptive
+    verification truncates some steps and stays exact (standard and block verification)."""
     hf, rt = eight_token_target(tmp_path)
     prompt, N, k = [1, 2, 3, 4], 6000, 2
     drafter = _dspark(hf, list(range(8)), std=0.5, layers=1)
     proposer = DSparkCachedProposer(drafter, k, N, cache_size([prompt], 2, k), rt.config)
     costs = AdaptiveVerification(_costs(N, k)) if adaptive else None
     outs, stats = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=1.0,
-                           generator=torch.Generator().manual_seed(1), adaptive=costs)
+                           generator=torch.Generator().manual_seed(1), adaptive=costs, verification=verification)
     assert sum(n * c for n, c in enumerate(stats.histogram)) > 500  # drafts were accepted
     if adaptive:
         assert stats.verified_drafts is not None and stats.verified_drafts < k * sum(stats.histogram)
