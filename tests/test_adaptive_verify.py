@@ -116,3 +116,34 @@ def test_adaptive_verification_is_refused_where_no_confidences_come(tiny_target)
         generate(model, prompts, 4, proposer=NgramProposer(2), max_len=n, adaptive=setting)
     with pytest.raises(ValueError, match="runs in the device loop"):
         generate(model, prompts, 4, max_len=n, adaptive=setting)
+
+
+def test_the_causal_width_never_looks_at_the_draft_it_gates():
+    """Sampled drafts: whether draft j is verified (w > j) may depend on confidences 0..j (the
+    head computes c_j from the drafts before j) and never on those after, or the verified drafts
+    would not be q's draws. The causal rule keeps that under any change of the later confidences;
+    with costs linear in the width it picks the best width, while under costs that jump (a padded
+    graph's step) the best-rate rule is seen to depend on later confidences."""
+    g = torch.Generator().manual_seed(2)
+    B, k = 3, 5
+    best_rule_peeks = False
+    for trial in range(200):
+        if trial % 2:  # linear in the width
+            costs = _costs(B, k, draft=float(torch.rand(1, generator=g)) * 2,
+                           per_token=0.05 + float(torch.rand(1, generator=g)), fixed=1.0)
+        else:  # a jump past width 1, flat after it
+            costs = StepCosts(target="t", device="cpu", dtype="float32",
+                              verify_ms={str(B): [1.0, 1.2, 2.0 + float(torch.rand(1, generator=g)), 2.6, 2.65, 2.7]})
+        step_ms = step_ms_tensor(costs, B, k, "cpu")
+        c, active = torch.rand(B, k, generator=g) ** 0.3, torch.rand(B, generator=g) < 0.8
+        active[0] = True
+        w, w_best = (int(choose_width(c, active, step_ms, causal)) for causal in (True, False))
+        if trial % 2:
+            assert objective(choose_lengths(c, active, costs, causal=True), c, active, costs) == pytest.approx(
+                objective(choose_lengths(c, active, costs), c, active, costs), rel=1e-6)
+        for j in range(k):
+            later = c.clone()
+            later[:, j + 1 :] = torch.rand(B, k - j - 1, generator=g) ** 0.3
+            assert (int(choose_width(later, active, step_ms, True)) > j) == (w > j), (trial, j)
+            best_rule_peeks |= (int(choose_width(later, active, step_ms, False)) > j) != (w_best > j)
+    assert best_rule_peeks, "the best-rate rule should be seen to depend on later confidences"

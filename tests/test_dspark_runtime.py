@@ -17,7 +17,7 @@ from inference.runtime.engine import cache_size, generate
 from inference.runtime.model import RuntimeModel
 from models.dspark import DSparkConfig, DSparkDrafter
 from tests.test_eagle3_runtime import Recording
-from tests.test_sampling import assert_first_two_tokens_follow, eight_token_target
+from tests.test_sampling import assert_first_two_tokens_follow, chi_square_p, eight_token_target
 
 
 def _dspark(hf, vocab_tokens, std=0.3, layers=2, block_size=4, rank=8, seed=0):
@@ -149,14 +149,21 @@ def test_sampled_dspark_keeps_the_target_distribution_at_t1(tmp_path, adaptive, 
     hf, rt = eight_token_target(tmp_path)
     prompt, N, k = [1, 2, 3, 4], 6000, 2
     drafter = _dspark(hf, list(range(8)), std=0.5, layers=1)
-    proposer = DSparkCachedProposer(drafter, k, N, cache_size([prompt], 2, k), rt.config)
+    proposer = DSparkCachedProposer(drafter, k, N, cache_size([prompt], 3, k), rt.config)
     costs = AdaptiveVerification(_costs(N, k)) if adaptive else None
-    outs, stats = generate(rt, [prompt] * N, 2, proposer=proposer, temperature=1.0,
+    outs, stats = generate(rt, [prompt] * N, 3, proposer=proposer, temperature=1.0,
                            generator=torch.Generator().manual_seed(1), adaptive=costs, verification=verification)
     assert sum(n * c for n, c in enumerate(stats.histogram)) > 500  # drafts were accepted
     if adaptive:
         assert stats.verified_drafts is not None and stats.verified_drafts < k * sum(stats.histogram)
     assert_first_two_tokens_follow(hf, prompt, outs, 1.0)
+    # the third token, after the most frequent first two: from the first step's second draft or
+    # from the second step, as the width chose
+    pair = collections.Counter(tuple(o[:2]) for o in outs if len(o) == 3).most_common(1)[0][0]
+    third = torch.tensor([o[2] for o in outs if len(o) == 3 and tuple(o[:2]) == pair])
+    with torch.no_grad():
+        p3 = torch.softmax(hf(torch.tensor([prompt + list(pair)])).logits[0, -1], -1)
+    assert third.numel() > 300 and chi_square_p(torch.bincount(third, minlength=8), p3) > 0.01
 
 
 @pytest.mark.slow

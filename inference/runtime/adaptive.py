@@ -6,9 +6,11 @@ j of row b is accepted given drafts 0..j-1 were; the survival s[b, j] = prod_{i<
 probability that the first j + 1 drafts are all accepted. Verifying the first L_b drafts of row b
 emits 1 + sum_{j<L_b} s[b, j] tokens on average (the bonus token, or the target's token at the
 first rejection, is always emitted), whatever the temperature: greedy and rejection sampling both
-accept draft j only after drafts 0..j-1, and truncating a row's drafts changes which positions are
-verified, never what an emitted token is (greedy output stays the target's argmax; at T > 0 the
-token after the last verified draft is drawn from the target, as after a full block).
+accept draft j only after drafts 0..j-1. Truncating a row's drafts changes which positions are
+verified, never what an emitted token is at T = 0 (greedy output stays the target's argmax); at
+T > 0 the token after the last verified draft is drawn from the target, as after a full block, and
+the output keeps the target's distribution as long as whether draft j is verified does not depend
+on draft j (nor on the drafts after it): the causal rule below.
 
 A step costs draft_ms (the proposer's work, paid whatever is verified: drafts come before their
 confidences) plus the target's verify forward. The runtime's verify step is padded: B rows of
@@ -19,7 +21,9 @@ width w is therefore every running row verifying w drafts, and the step picks
     w* = argmax_w  sum_{b running} (1 + sum_{j<w} s[b, j])  /  (draft_ms(B) + verify_ms(B, w + 1))
 
 over w = 1..k: exact (the few widths are all tried), global across the batch (one width for all
-rows, set by their summed survivals). The width stays >= 1: the verification kernels take at least
+rows, set by their summed survivals). When drafts are sampled (T > 0) the width grows instead while
+one more draft raises the rate (`choose_width(causal=True)`): whether draft j is verified must not
+depend on draft j itself, or the verified drafts would no longer be q's draws. The width stays >= 1: the verification kernels take at least
 one draft per row, and a drafter whose first draft is not worth verifying is not worth running. `choose_width` computes it from tensors without a host sync,
 so the device loop can run it inside its captured graphs; `choose_lengths` gives the per-row
 lengths (w* for running rows, 0 for finished ones).
@@ -142,13 +146,27 @@ def expected_tokens(survivals: torch.Tensor, active: torch.Tensor) -> torch.Tens
     return torch.cat([n_active, n_active + per_width.cumsum(0)])
 
 
-def choose_width(confidence: torch.Tensor, active: torch.Tensor, step_ms: torch.Tensor) -> torch.Tensor:
-    """The width w* in 1..k (a 0-dim long tensor, on confidence's device, no host sync) that
-    maximises expected tokens per millisecond; confidence [B,k], active [B] bool, step_ms [k+1] the
-    cost of a step verifying w drafts per row (draft_ms + verify_ms(B, w + 1)), w = 0..k. Ties go to
-    the smaller width (argmax keeps the first)."""
-    rate = expected_tokens(survival(confidence), active)[1:] / step_ms[1:]
-    return rate.argmax() + 1
+def choose_width(confidence: torch.Tensor, active: torch.Tensor, step_ms: torch.Tensor,
+                 causal: bool = False) -> torch.Tensor:
+    """The width w in 1..k (a 0-dim long tensor, on confidence's device, no host sync) for
+    confidence [B,k], active [B] bool, step_ms [k+1] the cost of a step verifying w drafts per row
+    (draft_ms + verify_ms(B, w + 1)), w = 0..k.
+
+    causal=False: the width maximising expected tokens per millisecond (ties: the smaller). For
+    greedy decoding: any width is lossless there.
+    causal=True: widen while one more draft raises the rate, stop at the first width that it does
+    not. For sampled drafts: the decision to verify draft j then depends on the survivals up to
+    j only, which a confidence head computes from the drafts before j (DSpark: the Markov
+    embedding of draft j-1), never on draft j itself. A width chosen after seeing the drafts it
+    gates would skew them (drafts verified only where the later ones look good are not q's draws),
+    and rejection sampling's output would no longer follow the target. With concave expected tokens
+    (survivals fall along a row) and costs convex in the width, the first local maximum is the
+    global one."""
+    rate = expected_tokens(survival(confidence), active)[1:] / step_ms[1:]  # [k]: widths 1..k
+    if not causal:
+        return rate.argmax() + 1
+    wider = rate[1:] > rate[:-1]  # [k-1]: width w+1 beats w
+    return 1 + wider.long().cumprod(0).sum()
 
 
 def step_ms_tensor(costs: StepCosts, batch: int, k: int, device) -> torch.Tensor:
@@ -157,11 +175,11 @@ def step_ms_tensor(costs: StepCosts, batch: int, k: int, device) -> torch.Tensor
     return torch.tensor([draft + v for v in verify], dtype=torch.float32, device=device)
 
 
-def choose_lengths(confidence: torch.Tensor, active: torch.Tensor, costs: StepCosts) -> list[int]:
-    """Per-row draft lengths to verify (host form, for tests and offline predictions): w* for the
-    running rows, 0 for the finished ones."""
+def choose_lengths(confidence: torch.Tensor, active: torch.Tensor, costs: StepCosts, causal: bool = False) -> list[int]:
+    """Per-row draft lengths to verify (host form, for tests and offline predictions): the chosen
+    width for the running rows, 0 for the finished ones."""
     B, k = confidence.shape
-    w = int(choose_width(confidence.cpu(), active.cpu(), step_ms_tensor(costs, B, k, "cpu")))
+    w = int(choose_width(confidence.cpu(), active.cpu(), step_ms_tensor(costs, B, k, "cpu"), causal))
     return [w if bool(a) else 0 for a in active.cpu()]
 
 

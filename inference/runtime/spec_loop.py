@@ -16,8 +16,8 @@ also chooses, on the device, the width w in 1..k its drafts are worth verifying;
 then feeds w + 1 tokens per row (one verify graph per width). The host launches the width it last
 read: on a CPU the current one (it reads every step), on a GPU the one chosen at the last step of
 the previous group, copied with the rows' remaining budget (no extra sync). Any width is
-lossless: verification accepts a prefix of the drafts it sees and the next token comes from the
-target.
+lossless at T = 0; sampled drafts take a width whose choice to verify draft j never reads draft j
+(adaptive.choose_width, causal), so verification still reproduces the target's distribution.
 """
 from __future__ import annotations
 
@@ -77,7 +77,8 @@ class SpecLoop:
         else:
             self.drafts, self.q = self.proposer.draft(), None
         if self.adaptive is not None:  # the width worth verifying, from the drafts' confidences [B,k]
-            self.chosen.copy_(choose_width(self.proposer.confidence, self.active, self.step_ms))
+            # sampled drafts: the causal rule (verifying draft j never depends on draft j itself)
+            self.chosen.copy_(choose_width(self.proposer.confidence, self.active, self.step_ms, causal=self.temperature > 0))
 
     def verify_phase(self, width: int | None = None):
         """One verify step of `width` drafts per row (default k): the first `width` drafts of
