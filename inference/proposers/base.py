@@ -91,7 +91,9 @@ class ConfidentProposer(Protocol):
     """A device proposer whose draft also estimates each draft's acceptance (DSpark's confidence
     head): what adaptive verification (inference/runtime/adaptive.py) chooses the verify width from."""
 
-    confidence: torch.Tensor  # [B,k] float32, written by draft / draft_sampled: P(draft j accepted | drafts < j were)
+    # [B,k] float32, written by draft / draft_sampled: P(draft j accepted | drafts < j were); c[b, j]
+    # reads row b's drafts before j only, never draft j or later (sampled steps stay exact)
+    confidence: torch.Tensor
 
 
 @runtime_checkable
