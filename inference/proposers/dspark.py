@@ -40,6 +40,6 @@ class DSparkCachedProposer(DFlashCachedProposer):
             self._pick(j, logits, temperature, generator)
             return self.drafts[:, j]
 
-        tokens, confidence = self.drafter.markov_walk(hidden, self.bonus, pick)  # [B,k] target ids, [B,k] or None
+        _, confidence = self.drafter.markov_walk(hidden, self.bonus, pick)  # (drafts: written by pick) [B,k] or None
         if confidence is not None:
             self.confidence.copy_(confidence)
