@@ -28,9 +28,11 @@ from draftsmith_kernels.silu_mul import silu_mul
 from draftsmith_kernels.tree_attention import tree_attention, tree_attention_reference, tree_cache_bias, with_root_row
 from inference.runtime.gemma import (GEMMA_KINDS, embed_scale, gemma_fields, gemma_norm_weights, layer_rope,
                                      prefill_window_mask, sliding_layers, tree_window_bias)
+from inference.runtime.hybrid import (HYBRID_KINDS, HybridCache, MambaBlock, hybrid_fields, hybrid_state,
+                                      partial_inv_freq)
 from models.layers import RMSNorm, rope_config, rope_inv_freq
 
-SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"} | GEMMA_KINDS
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"} | GEMMA_KINDS | HYBRID_KINDS
 
 
 @dataclass
@@ -57,6 +59,11 @@ class RuntimeConfig:
     gemma: bool = False  # Gemma-3's layer (inference/runtime/gemma.py)
     query_scale: float | None = None  # query_pre_attn_scalar ** -0.5 where it is not head_dim ** -0.5
     final_logit_softcapping: float | None = None
+    # hybrid targets (inference/runtime/hybrid.py): each layer's mixer, "attention" or "mamba"
+    # (empty: every layer attends), the Mamba2 mixers' MambaShape, and a partial RoPE's rotated dims
+    layer_kinds: tuple = ()
+    mamba: object = None
+    rotary_dim: int | None = None
 
     @classmethod
     def from_hf(cls, hf_config) -> "RuntimeConfig":
@@ -85,7 +92,14 @@ class RuntimeConfig:
             sliding_window=window,
             local_layers=local,
             **(gemma_fields(hf_config, head_dim) if gemma else {}),
+            **(hybrid_fields(hf_config) if kind in HYBRID_KINDS else {}),
         )
+
+    def inv_freq(self, theta: float, scaling: dict | None) -> torch.Tensor:
+        """RoPE inverse frequencies [head_dim/2]; a partial RoPE's padded with zeros (hybrid.py)."""
+        if self.rotary_dim is None:
+            return rope_inv_freq(self.head_dim, theta, scaling)
+        return partial_inv_freq(rope_inv_freq(self.rotary_dim, theta, scaling), self.head_dim)
 
     def local_rope(self) -> tuple[float, dict | None]:
         """RoPE base and scaling of the windowed layers."""
@@ -247,10 +261,14 @@ def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
         p = f"layers.{i}."
         shapes.update({
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (cfg.num_heads * d, H), p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, H),
-            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, H), p + "self_attn.o_proj.weight": (H, cfg.num_heads * d),
             p + "mlp.gate_proj.weight": (cfg.intermediate_size, H), p + "mlp.up_proj.weight": (cfg.intermediate_size, H),
             p + "mlp.down_proj.weight": (H, cfg.intermediate_size),
+        })
+        if cfg.layer_kinds and cfg.layer_kinds[i] != "attention":
+            continue  # a recurrent layer's mixer: hybrid_state checks it
+        shapes.update({
+            p + "self_attn.q_proj.weight": (cfg.num_heads * d, H), p + "self_attn.k_proj.weight": (cfg.num_kv_heads * d, H),
+            p + "self_attn.v_proj.weight": (cfg.num_kv_heads * d, H), p + "self_attn.o_proj.weight": (H, cfg.num_heads * d),
         })
         if cfg.gemma:
             shapes.update({p + "pre_feedforward_layernorm.weight": (H,), p + "post_feedforward_layernorm.weight": (H,)})
@@ -271,9 +289,11 @@ def hf_to_runtime_state(state: dict, cfg: RuntimeConfig, source: str) -> dict:
     out = {k: state[k] for k in shapes}
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
+        if cfg.layer_kinds and cfg.layer_kinds[i] != "attention":
+            continue
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             out[p + f"self_attn.qkv_proj.{kind}"] = torch.cat([out.pop(p + f"self_attn.{x}_proj.{kind}") for x in "qkv"])
-        out[p + "mlp.gate_up_proj.weight"] = torch.cat([out.pop(p + "mlp.gate_proj.weight"), out.pop(p + "mlp.up_proj.weight")])
     return gemma_norm_weights(out, cfg) if cfg.gemma else out
 
 
@@ -287,15 +307,19 @@ class RuntimeModel(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         block = GemmaBlock if cfg.gemma else Block
-        self.layers = nn.ModuleList([block(cfg, cfg.sliding_window if i in cfg.local_layers else None)
-                                     for i in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([
+            MambaBlock(cfg, FusedMLP(cfg.hidden_size, cfg.intermediate_size))
+            if cfg.layer_kinds and cfg.layer_kinds[i] == "mamba" else
+            block(cfg, cfg.sliding_window if i in cfg.local_layers else None) for i in range(cfg.num_layers)])
+        if cfg.layer_kinds:
+            self.graphable = False  # hybrid steps are not captured yet (hybrid.py)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling), persistent=False)
+        self.register_buffer("inv_freq", cfg.inv_freq(cfg.rope_theta, cfg.rope_scaling), persistent=False)
         # the windowed layers' RoPE frequencies (Gemma-3's local base; the same as inv_freq otherwise)
-        self.register_buffer("inv_freq_local", rope_inv_freq(cfg.head_dim, *cfg.local_rope()), persistent=False)
+        self.register_buffer("inv_freq_local", cfg.inv_freq(*cfg.local_rope()), persistent=False)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, dtype=torch.float32, device="cpu") -> "RuntimeModel":
@@ -314,24 +338,27 @@ class RuntimeModel(nn.Module):
         for f in files:
             for name, t in load_file(str(f)).items():
                 state[name.removeprefix("model.")] = t
-        state = hf_to_runtime_state(state, cfg, str(folder))
+        mixers = {}
+        if cfg.layer_kinds:
+            state, mixers = hybrid_state(state, cfg, str(folder))
+        state = hf_to_runtime_state(state, cfg, str(folder)) | mixers
         expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
         assert set(state) == expected, sorted(set(state) ^ expected)[:5]  # the mapping covers every tensor
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # off the meta device
-        model.inv_freq_local = rope_inv_freq(cfg.head_dim, *cfg.local_rope())
+        model.inv_freq = cfg.inv_freq(cfg.rope_theta, cfg.rope_scaling)  # off the meta device
+        model.inv_freq_local = cfg.inv_freq(*cfg.local_rope())
         model = model.to(device=device, dtype=dtype).eval()
         # RoPE frequencies stay float32 whatever the weights' dtype: bf16-rounded frequencies
         # drift the rotation at large positions (and the kernel would cast them every layer)
-        model.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
-        model.inv_freq_local = rope_inv_freq(cfg.head_dim, *cfg.local_rope()).to(device)
+        model.inv_freq = cfg.inv_freq(cfg.rope_theta, cfg.rope_scaling).to(device)
+        model.inv_freq_local = cfg.inv_freq(*cfg.local_rope()).to(device)
         return model
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.config, batch, max_len, p.dtype, p.device)
+        return (HybridCache if self.config.layer_kinds else KVCache)(self.config, batch, max_len, p.dtype, p.device)
 
     def forward(self, input_ids, positions, cache: KVCache, aux_layers: tuple = (), logits_at=None,
                 causal_prefill: bool = False, tree_mask=None):
@@ -352,6 +379,11 @@ class RuntimeModel(nn.Module):
         """
         B, q = input_ids.shape
         cfg = self.config
+        if cfg.layer_kinds:  # a hybrid target: each row's recurrent state rolled back to positions[:, 0] - 1
+            if tree_mask is not None:
+                raise ValueError(f"a hybrid target ({', '.join(sorted(HYBRID_KINDS))}: Mamba2 layers) cannot verify "
+                                 f"draft trees: the recurrent state along each path is not implemented")
+            cache.begin(positions, logits_at if causal_prefill else None, prefill=causal_prefill)
         x = self.embed_tokens(input_ids)
         if cfg.gemma:
             x = x * embed_scale(cfg.hidden_size, x.dtype)

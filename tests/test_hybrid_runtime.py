@@ -1,0 +1,154 @@
+"""A hybrid target (transformers' Bamba: Mamba2 layers beside attention) in the runtime
+(inference/runtime/hybrid.py): logits equal transformers' in float32, the recurrent state rolled
+back per row after a partly accepted verify, and greedy speculative decoding equal to plain greedy
+on a ragged batch with every chain proposer."""
+import pytest
+import torch
+
+from inference.runtime.engine import generate
+from inference.runtime.model import RuntimeModel
+
+V = 96
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    """A tiny random Bamba (layers mamba, attention, mamba, mamba; 2 SSM groups, partial RoPE),
+    its A_log, dt_bias, D and norms moved off their initial values so each one counts."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    cfg = BambaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_state=8, mamba_d_conv=4,
+                      mamba_expand=2, mamba_chunk_size=8, mamba_n_groups=2, max_position_embeddings=256,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.5  # bamba's default: a partial RoPE
+    torch.manual_seed(0)
+    hf = BambaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")) or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    folder = tmp_path_factory.mktemp("bamba")
+    hf.save_pretrained(folder)
+    return hf, RuntimeModel.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_hybrid_logits_equal_transformers_through_prefill_verify_and_rollback(bamba):
+    """Ragged right-padded prefill (rows of 5 and 9 tokens), then a verify of 4 tokens per row, then
+    the next step from where each row's acceptance left it (row 0 kept 1 of 3 drafts, row 1 all 3):
+    every logit equal to transformers' forward over the same tokens within 1e-4."""
+    hf, rt = bamba
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(3, V, (2, 20), generator=g)
+    lengths = [5, 9]
+    with torch.no_grad():
+        want = hf(seq).logits
+        assert (rt(seq, torch.arange(20).expand(2, 20), rt.new_cache(2, 64))[0] - want).abs().max() < 1e-4
+        cache = rt.new_cache(2, 64)
+        padded = seq[:, :9].clone()
+        padded[0, 5:] = 0
+        last = torch.tensor(lengths) - 1
+        logits, _ = rt(padded, torch.arange(9).expand(2, 9), cache, logits_at=last, causal_prefill=True)
+        for b, n in enumerate(lengths):
+            assert (logits[b, 0] - want[b, n - 1]).abs().max() < 1e-4
+        start = torch.tensor(lengths)
+        fed = torch.stack([seq[b, n: n + 4] for b, n in enumerate(lengths)])
+        logits, _ = rt(fed, start[:, None] + torch.arange(4), cache)
+        for b, n in enumerate(lengths):
+            assert (logits[b] - want[b, n: n + 4]).abs().max() < 1e-4
+        accepted = torch.tensor([1, 3])
+        start = start + accepted + 1  # the bonus's position: the state must be the one after start - 1
+        fed = torch.stack([seq[b, int(s): int(s) + 4] for b, s in enumerate(start)])
+        logits, _ = rt(fed, start[:, None] + torch.arange(4), cache)
+        for b, s in enumerate(start.tolist()):
+            assert (logits[b] - want[b, s: s + 4]).abs().max() < 1e-4
+        with pytest.raises(ValueError, match="hybrid target .*bamba.* draft trees"):
+            rt(fed, start[:, None] + torch.arange(4), cache, tree_mask=torch.ones(2, 3, 3, dtype=torch.bool))
+
+
+def _prompts():
+    """Ragged prompts that repeat themselves, so n-gram drafts are partly accepted (a rollback
+    of some but not all drafts in most steps)."""
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for n in (7, 12, 4):
+        motif = torch.randint(3, V, (n,), generator=g).tolist()
+        out.append((motif * 3)[: 2 * n + 3])
+    return out
+
+
+class Spoiling:
+    """A host proposer that knows plain greedy's output and drafts it with one token spoiled,
+    at draft index (row + step) % (k + 1) (k + 1: none spoiled): every row of a ragged batch
+    accepts 0..k drafts in turn, each in a different step from the others."""
+
+    aux_layers = ()
+
+    def __init__(self, prompts, outputs, k):
+        self.truth = [p + o for p, o in zip(prompts, outputs)]
+        self.k, self.step = k, 0
+
+    def begin(self, prompts, aux, first):
+        self.step = 0
+
+    def propose(self, tokens):
+        drafts = []
+        for b, t in enumerate(tokens):
+            d = self.truth[b][len(t): len(t) + self.k]
+            spoil = (b + self.step) % (self.k + 1)
+            if spoil < len(d):
+                d[spoil] = (d[spoil] + 1) % V
+            drafts.append(d)
+        self.step += 1
+        return drafts
+
+    def accepted(self, fed, aux, counts, active):
+        pass
+
+
+def _drafters(hf_cfg):
+    from models.dflash import DFlashConfig, DFlashDrafter
+    from models.eagle3 import Eagle3Config, Eagle3Drafter
+    from models.medusa import MedusaConfig, MedusaDrafter
+    from models.mtp import MTPConfig, MTPDrafter
+
+    torch.manual_seed(0)
+    drafters = {
+        "eagle3": Eagle3Drafter(Eagle3Config.from_target(hf_cfg, V)),
+        "medusa": MedusaDrafter(MedusaConfig.from_target(hf_cfg, V, 3)),
+        "mtp": MTPDrafter(MTPConfig.from_target(hf_cfg, V, 3)),
+        "dflash": DFlashDrafter(DFlashConfig.from_target(hf_cfg, V, 0, num_layers=1, block_size=4)),
+    }
+    for d in drafters.values():
+        for _, p in d.named_parameters():
+            if p.dim() > 1:
+                torch.nn.init.normal_(p, std=0.1)
+        d.eval()
+    return drafters
+
+
+def test_hybrid_greedy_speculative_equals_plain_greedy(bamba):
+    """float32, 3 ragged prompts in one batch, 14 new tokens: the n-gram proposer and a proposer
+    spoiling one draft of plain greedy's continuation (host loop: rows roll back by 0..k drafts,
+    each row by a different count in a step) and the random EAGLE-3, Medusa, MTP and DFlash
+    drafters (the device loop) give plain greedy's tokens."""
+    from inference.proposers import NgramProposer, drafter_proposer
+
+    hf, rt = bamba
+    prompts = _prompts()
+    plain, _ = generate(rt, prompts, 14)
+    with torch.no_grad():  # the runtime's plain greedy is transformers' greedy (whole prefix each step)
+        for p, o in zip(prompts, plain):
+            ids = torch.tensor([p])
+            for _ in range(14):
+                ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], 1)
+            assert ids[0, len(p):].tolist() == o
+    assert generate(rt, prompts, 14, proposer=NgramProposer(k=3, max_n=3))[0] == plain
+    out, stats = generate(rt, prompts, 14, proposer=Spoiling(prompts, plain, k=3))
+    assert out == plain
+    for hist in stats.row_histograms:  # every row rolled back by 0, 1, 2 drafts and kept all 3
+        assert all(hist), stats.row_histograms
+    n = max(len(p) for p in prompts) + 14 + 4
+    for name, d in _drafters(hf.config).items():
+        got, _ = generate(rt, prompts, 14, proposer=drafter_proposer(d, 3, len(prompts), n, rt.config), max_len=n)
+        assert got == plain, name
