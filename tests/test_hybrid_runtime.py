@@ -152,3 +152,22 @@ def test_hybrid_greedy_speculative_equals_plain_greedy(bamba):
     for name, d in _drafters(hf.config).items():
         got, _ = generate(rt, prompts, 14, proposer=drafter_proposer(d, 3, len(prompts), n, rt.config), max_len=n)
         assert got == plain, name
+
+
+def test_hybrid_speculation_through_the_kernels_equals_plain_greedy(bamba):
+    """The same with every kernel forced (the rollback's Triton kernel among them; on a CPU through
+    TRITON_INTERPRET=1): the partly-accepting proposer's output equals plain greedy's."""
+    from draftsmith_kernels.settings import KernelSettings
+    from tests.conftest import kernel_device
+
+    kernel_device()  # skips without CUDA or the interpreter
+    _, rt = bamba
+    prompts = _prompts()
+    plain, _ = generate(rt, prompts, 8)
+    rt.kernels = KernelSettings(mode="force")
+    try:
+        out, stats = generate(rt, prompts, 8, proposer=Spoiling(prompts, plain, k=3))
+    finally:
+        rt.kernels = KernelSettings()
+    assert out == plain
+    assert sum(sum(h[1:3]) for h in stats.row_histograms) > 0  # partial acceptances rolled back
