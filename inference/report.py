@@ -89,6 +89,7 @@ class ValidationReport:
     tree: dict | None  # {depth, top_k, total_tokens[, children], verify_tokens_per_step} when trees were served
     diagnosis: tuple[str, ...] = ()
     kernels: dict | None = None  # the runtime's kernel settings (KernelSettings.record; None: a report from before them)
+    adaptive: dict | None = None  # adaptive verification served (inference.validate_adaptive): its step-cost table
 
     def to_dict(self) -> dict:
         return {**{name: getattr(self, name) for name in SETTINGS},
@@ -98,7 +99,7 @@ class ValidationReport:
                 "per_turn": {t: s.to_dict() for t, s in self.per_turn.items()}, "turns": self.turns,
                 "relative_gap": self.relative_gap, "tolerance": self.tolerance, "pass": self.passed,
                 "references": {name: r.to_dict() for name, r in self.references.items()}, "tree": self.tree,
-                "diagnosis": list(self.diagnosis), "kernels": self.kernels}
+                "diagnosis": list(self.diagnosis), "kernels": self.kernels, "adaptive_verification": self.adaptive}
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "report.json") -> ValidationReport:
@@ -112,7 +113,8 @@ class ValidationReport:
                    per_turn={int(t): Acceptance.from_dict(s, f"{where}: per_turn {t}") for t, s in d["per_turn"].items()},
                    turns=d["turns"], relative_gap=d["relative_gap"], tolerance=d["tolerance"], passed=d["pass"],
                    references={n: Measured.from_dict(r, f"{where}: references {n}") for n, r in d["references"].items()},
-                   tree=d["tree"], diagnosis=tuple(d["diagnosis"]), kernels=d.get("kernels"))
+                   tree=d["tree"], diagnosis=tuple(d["diagnosis"]), kernels=d.get("kernels"),
+                   adaptive=d.get("adaptive_verification"))
 
 
 # the served setting and counts, written as they are
@@ -160,11 +162,22 @@ def _write_markdown(report: ValidationReport, out: Path):
           + (f" ± {p.tau_se:.3f}" if p.tau_se is not None else ""),
           f"- measured tau (runtime): **{m.acceptance.tau:.3f}** ({report.relative_gap:+.1%}; tolerance ±{report.tolerance:.0%})",
           f"- replayed tau (training's predictor on the served answers): {r.tau:.3f}", "",
+          *_adaptive_lines(report),
           "## Why", "", *[f"- {line}" for line in report.diagnosis], "",
           "## Per position", "", *rows, "", "## Per category and turn", "", *cats, *turns, "",
           *_reference_rows(report),
           "Charts: acceptance_per_position.png, tau_per_category.png, accepted_lengths.png.", ""]
     (out / "report.md").write_text("\n".join(md))
+
+
+def _adaptive_lines(report: ValidationReport) -> list[str]:
+    if not report.adaptive:
+        return []
+    costs = report.adaptive["step_costs"]
+    return [f"Adaptive verification: each step verified the width its drafts' confidences and the step-cost table "
+            f"(target {costs['target']}, {costs['device']}, {costs['dtype']}; in report.json) make fastest, at batch "
+            f"{report.batch_size}: the promise's choice per chain. Mean verified drafts per row step: "
+            f"{report.adaptive['verified_drafts_per_row_step']:.2f} of k = {report.k}.", ""]
 
 
 def _reference_rows(report: ValidationReport) -> list[str]:

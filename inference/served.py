@@ -58,13 +58,15 @@ def spread_over_categories(rows: list[dict], limit: int) -> list[dict]:
 
 def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_tokens: int, temperature: float,
             seed: int = 0, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
-            make_proposer=None, deadline: float | None = None, batch_size: int = 1, verify_tokens: int | None = None):
+            make_proposer=None, deadline: float | None = None, batch_size: int = 1, verify_tokens: int | None = None,
+            adaptive=None):
     """Serve the questions turn by turn, `batch_size` questions at a time (turn r of each, then
     turn r+1 after those answers); returns per-answer records with their own histograms.
 
     make_proposer(prompts, max_len) → proposer replaces the drafter (the reference rows: n-gram,
     suffix; draft trees), built for that cache length; verify_tokens: drafts verified per step
     when not k (a tree's nodes), which the cache must hold room for.
+    adaptive: inference.runtime.adaptive's AdaptiveVerification, passed to generate (None: k drafts verified every step).
     deadline (time.time()): no batch after the first is started after it. A record's seconds are
     its share (by new tokens) of its batch's time, so sums give the throughput."""
     import time
@@ -104,7 +106,8 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
                     proposer = proposers.get(key) or proposers.setdefault(
                         key, drafter_proposer(drafter, k, len(prompts), max_len, rt.config))
                 outs, stats = generate(rt, prompts, max_new_tokens, proposer=proposer, eos_ids=(eos,), max_len=max_len,
-                                       temperature=temperature, generator=generator, verification=verification)
+                                       temperature=temperature, generator=generator, verification=verification,
+                                       adaptive=adaptive)
                 new_tokens = max(sum(len(o) for o in outs), 1)
                 for i, prompt, answer, hist in zip(rows, prompts, outs, stats.row_histograms):
                     text = tokenizer.decode(answer[:-1] if answer and answer[-1] == eos else answer, skip_special_tokens=True)
@@ -112,16 +115,19 @@ def measure(rt, tokenizer, drafter, questions: list[dict], k: int, max_new_token
                     records.append({"id": batch[i]["id"], "category": batch[i]["category"], "turn": turn + 1,
                                     "prompt": prompt, "answer": answer, "histogram": hist, "new_tokens": len(answer),
                                     "seconds": stats.total_seconds * len(answer) / new_tokens})
+                    if stats.verified_drafts is not None and len(rows) == 1:  # adaptive verification, one row: its own
+                        records[-1]["verified_drafts"] = stats.verified_drafts
             bar.update(len(batch))
     return records
 
 
 def replay(target, drafter, records: list[dict], k: int, anchors: int | None, part: str, temperature: float = 0.0,
-           verification: str = "standard", seed: int = 0, tree: tuple[int, int, int] | None = None):
+           verification: str = "standard", seed: int = 0, tree: tuple[int, int, int] | None = None, verify_width=None):
     """Training's predictor on the served text (at most `anchors` chains per text, None: all), walking the
     answers as serving did (greedy: the very chains the runtime drafted) or the prompts. At T > 0 the
     sampled predictor (inference/walks/sampled.py) at that temperature and verification. tree
-    (depth, top_k, total_tokens; k = depth): the tree walk instead (inference/walks/tree.py)."""
+    (depth, top_k, total_tokens; k = depth): the tree walk instead (inference/walks/tree.py). verify_width
+    (confidence [m,k] → [m]): adaptive verification's width per chain (inference.walks.greedy.chain_widths)."""
     import torch
 
     from inference.walks.greedy import predicted_histogram
@@ -141,6 +147,7 @@ def replay(target, drafter, records: list[dict], k: int, anchors: int | None, pa
 
             hist += predicted_tree_histograms(target, drafter, t, mask, length, [tree], anchors)[tree]
         else:
-            hist += predicted_histogram(target, drafter, t, mask, length, k, anchors) if temperature == 0 else \
-                sampled_histogram(target, drafter, t, mask, length, k, anchors, temperature, verification, generator)
+            hist += predicted_histogram(target, drafter, t, mask, length, k, anchors, verify_width=verify_width) \
+                if temperature == 0 else sampled_histogram(target, drafter, t, mask, length, k, anchors, temperature,
+                                                           verification, generator, verify_width=verify_width)
     return hist

@@ -2,7 +2,7 @@
 
     python -m inference.validate --drafter runs/eagle3/export --dataset mt-bench [-k 7] \
         [--target T] [--temperature 0] [--tolerance 0.1] [--num-prompts N] [--tree D,K,N] [--out DIR]
-        [--promise-set NAME]
+        [--promise-set NAME] [--adaptive-verification COSTS.json]
 
 Runs the runtime on real prompts with the exported drafter (mt-bench: both turns, the second
 after the target's own first answer), measures per-position acceptance a_i and tau overall,
@@ -11,7 +11,9 @@ per category and per turn, and compares them with the prediction stored in the e
 at T > 0 the sampled one, inference/walks/sampled.py; with --tree, EAGLE-2 trees of that depth,
 top-k and node count served and held to the export's promise for that tree,
 inference/walks/tree.py; with --promise-set, the promise on that held-out set of
-eval.datasets, such as HumanEval's answered half, serving only questions that set does not hold). Exit 1 when
+eval.datasets, such as HumanEval's answered half, serving only questions that set does not hold; with
+--adaptive-verification, served with that step-cost table at batch 1 and held to the adaptive promise,
+inference/validate_adaptive.py). Exit 1 when
 |tau_measured - tau_predicted| / tau_predicted > tolerance.
 
 Why a gap: the served answers are replayed through the training-time predictor (same
@@ -142,13 +144,16 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
              anchors: int = 64, max_turns: int | None = None, progress: bool = True, verification: str = "standard",
              references_to_run: tuple[str, ...] = (), max_minutes: float | None = None,
              batch_size: int | None = None, tree: tuple[int, ...] | None = None,
-             promise_set: str | None = None, kernels=None, accept_other_target: bool = False) -> dict:
+             promise_set: str | None = None, kernels=None, accept_other_target: bool = False,
+             adaptive_costs: str | None = None) -> dict:
     """Serve, measure, replay and compare (the module's docstring). tree (depth, top_k,
     total_tokens[, children]): serve EAGLE-2 trees instead of chains (k = depth), held to the export's tree
     promise (`trees` in its predicted acceptance, inference/walks/tree.py). promise_set: the
     held-out set (of eval.datasets) whose promise the served acceptance is held to, instead of
     the first; the questions that set holds are left out of serving. kernels: the runtime's
-    kernel settings (kernels/settings.py KernelSettings; default: the defaults), in report.json."""
+    kernel settings (kernels/settings.py KernelSettings; default: the defaults), in report.json.
+    adaptive_costs: a step-cost table to serve with adaptive verification, held to the adaptive
+    promise (inference/validate_adaptive.py; batch 1)."""
     import time
 
     import torch
@@ -161,6 +166,11 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     from models.zoo import resolve_target
 
     folder = Path(drafter_dir)
+    adaptive = costs = None
+    if adaptive_costs is not None:
+        from inference import validate_adaptive
+
+        costs = validate_adaptive.check_request(adaptive_costs, tree, batch_size)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"--drafter: {folder} is not an export folder (no config.json)")
     prov_path = folder / "draftsmith.json"
@@ -176,7 +186,7 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         from inference.served import first_questions
 
         predicted = predicted.for_set(promise_set)
-        if temperature > 0 and tree is None and predicted.promise_at(temperature, verification) is None:
+        if temperature > 0 and tree is None and costs is None and predicted.promise_at(temperature, verification) is None:
             raise ValueError(f"--promise-set {promise_set}: no promise at T = {temperature:g} ({verification}) on that set "
                              "(with eval.sampled_answers only the first set is walked at T > 0)")
         walked = first_questions(promise_set)  # served questions must be ones the promise did not see
@@ -194,12 +204,17 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
         # predictor replayed on the served answers (the runtime gap alone)
         if not k:
             raise ValueError(f"-k: {folder} carries no predicted acceptance (no draftsmith.json); pass -k")
+    if costs is not None:
+        adaptive = validate_adaptive.check_promise(costs, predicted, provenance, _promise_eval(provenance), k,
+                                                   temperature, verification)
     target = target or provenance.get("target") or _target_named_in(read_json(folder / "config.json"))
     if not target:
         raise ValueError("--target: the export does not name its target; pass --target")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     drafter = load_export(folder, dtype=dtype).to(device)
+    if adaptive is not None:
+        validate_adaptive.check_drafter(drafter)
     tree_promised = make_tree = None
     if tree is not None:
         from inference.walks.tree import tree_promise
@@ -225,11 +240,12 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     left_out = len(not_served)
 
     planned = len(questions)
-    batch_size = batch_size or (16 if device == "cuda" else 1)
+    batch_size = batch_size or (16 if device == "cuda" and adaptive is None else 1)  # adaptive: batch 1's promise
     deadline = time.time() + 60 * max_minutes if max_minutes else None
     records = measure(rt, tokenizer, drafter, questions, k, max_new_tokens, temperature, max_turns=max_turns,
                       progress=progress, verification=verification, deadline=deadline, batch_size=batch_size,
-                      make_proposer=make_tree, verify_tokens=tree[2] if tree else None)
+                      make_proposer=make_tree, verify_tokens=tree[2] if tree else None,
+                      adaptive=adaptive.runtime if adaptive else None)
     served = {r["id"] for r in records}
     questions = [q for q in questions if q["id"] in served]  # served before the deadline
     total = torch.zeros(k + 1, dtype=torch.long)
@@ -258,12 +274,14 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
     rt_kernels = rt.kernels.record()
     del rt
     tgt = Target.load(target, drafter.aux_layer_ids, dtype=dtype, device=device)
-    # every served chain: the walk then is the runtime's own
+    # every served chain: the walk then is the runtime's own (adaptive: verifying the width it chose)
+    width = adaptive.widths(k, device) if adaptive else None
     replay_answers = Acceptance.from_histogram(replay(tgt, drafter, records, k, None, "answer", temperature, verification,
-                                                      tree=tree), with_error=sampled)
+                                                      tree=tree, verify_width=width), with_error=sampled)
     replay_prompts = Acceptance.from_histogram(replay(tgt, drafter, records, k, anchors, "prompt", temperature, verification,
-                                                      tree=tree), with_error=sampled)
-    pred = promised(predicted, k, temperature, verification, replay_answers, tree_promised)
+                                                      tree=tree, verify_width=width), with_error=sampled)
+    pred = promised(predicted, k, temperature, verification, replay_answers, tree_promised, adaptive is not None)
+    adaptive_record = adaptive.record(records) if adaptive else None
     per_category = {c: Acceptance.from_histogram(h) for c, h in by_cat.items()}
     per_turn = {t: Acceptance.from_histogram(h) for t, h in by_turn.items()}
     turns = turn_mix(pred.per_turn or {}, {t: s.to_dict() for t, s in per_turn.items()})
@@ -282,8 +300,9 @@ def validate(drafter_dir: str, dataset: str, target: str | None = None, k: int |
                                  {c: s.to_dict() for c, s in per_category.items()}, tolerance, temperature, turns,
                                  (promised_budget(provenance), max_new_tokens) if predicted is not None else None,
                                  str(folder), promised_on_samples(provenance, temperature), promise_set, left_out)
-                        + ([f"Other target: {other_target}."] if other_target else [])),
-        kernels=rt_kernels)
+                        + ([f"Other target: {other_target}."] if other_target else [])
+                        + ([validate_adaptive.diagnosis_line(adaptive, adaptive_record, k)] if adaptive else [])),
+        kernels=rt_kernels, adaptive=adaptive_record)
     write_report(report, Path(out))
     return report.to_dict()
 
@@ -314,11 +333,13 @@ def _tokens_per_s(records: list[dict]) -> float:
 
 
 def promised(predicted: Prediction | None, k: int, temperature: float, verification: str, replay_answers: Acceptance,
-             tree: TreePromise | None = None) -> Promised:
+             tree: TreePromise | None = None, adaptive: bool = False) -> Promised:
     """What the served acceptance is held to: the tree promise when trees were served; else the
     export's promise at the served temperature and verification, cut to k (without one at
     T > 0, the greedy promise stands as a reference: exports from before sampled promises);
-    else, from an export that promises nothing, training's predictor on the served answers."""
+    else, from an export that promises nothing, training's predictor on the served answers.
+    adaptive: the promise made with adaptive verification at that setting (there is one: checked
+    before serving, inference/validate_adaptive.py)."""
     dataset = (predicted.dataset if predicted else None) or "training data"
     if tree is not None:
         acc = tree.acceptance
@@ -328,12 +349,18 @@ def promised(predicted: Prediction | None, k: int, temperature: float, verificat
     if predicted is None:
         return Promised(replay_answers.a[:k], replay_answers.tau, replay_answers.histogram,
                         "no promise in the export: training's predictor on the served answers")
-    promise = predicted.promise_at(temperature, verification) or predicted.promise_at(0.0, verification)
+    if adaptive:
+        promise = predicted.promise_at(temperature, verification, adaptive=True)
+    else:
+        promise = predicted.promise_at(temperature, verification) or predicted.promise_at(0.0, verification)
     acc, at = promise.acceptance, float(promise.temperature)
     whole = k == len(acc.a)  # the histogram and tau_se are the promise's own k's
-    return Promised(acc.a[:k], tau_at(acc.a, k), acc.histogram if whole else None,
-                    f"held-out {dataset}" + (f", T = {at:g}, {promise.verification} verification" if at else ", greedy (T = 0)"),
-                    at, promise.verification if at else "greedy", acc.tau_se if whole else None, _turn_taus(acc, k))
+    label = f", T = {at:g}, {promise.verification} verification" if at else ", greedy (T = 0)"
+    if adaptive and not at:
+        label = ", greedy (T = 0), adaptive verification"
+    return Promised(acc.a[:k], tau_at(acc.a, k), acc.histogram if whole else None, f"held-out {dataset}" + label,
+                    at, promise.verification if at or adaptive else "greedy", acc.tau_se if whole else None,
+                    _turn_taus(acc, k))
 
 
 def _turn_taus(acc: Acceptance, k: int | None) -> dict | None:
@@ -401,6 +428,10 @@ def _main(argv=None) -> int:
                     help="hold the served acceptance to the promise on this held-out set of eval.datasets (e.g. "
                          "HumanEval's answered half, from `inference.regenerate --dataset humaneval --heldout-only "
                          "0.5`); the questions that set holds are not served (unset: the first set's promise)")
+    ap.add_argument("--adaptive-verification", default=None, metavar="COSTS.json",
+                    help="serve with adaptive verification priced by this step-cost table (the one the export's "
+                         "adaptive promise used: eval.step_costs) and hold it to that promise; batch 1 (the promise "
+                         "is each chain's own width; a larger --batch-size is refused); a DSpark drafter")
     ap.add_argument("--accept-other-target", action="store_true",
                     help="serve with a target whose weights differ from the one the drafter was trained against "
                          "(said in the report); without it that is refused")
@@ -428,7 +459,8 @@ def _main(argv=None) -> int:
                           args.num_prompts, args.max_new_tokens, args.out, args.device, max_turns=args.max_turns,
                           verification=args.verification, references_to_run=tuple(args.reference),
                           max_minutes=args.max_minutes, batch_size=args.batch_size, tree=tree,
-                          promise_set=args.promise_set, kernels=kernels, accept_other_target=args.accept_other_target)
+                          promise_set=args.promise_set, kernels=kernels, accept_other_target=args.accept_other_target,
+                          adaptive_costs=args.adaptive_verification)
     except (DataError, AssetError, ValueError, KeyError, OSError) as e:
         print(f"error: {str(e).strip(chr(39))}", file=sys.stderr)
         return 2

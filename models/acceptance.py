@@ -179,7 +179,9 @@ class Prediction:
     """What training promises (`predicted_acceptance` in draftsmith.json, `predicted` in
     predicted.json and in checkpoints): the first held-out set's figures at the top level of
     the JSON, with its name, the chain length k and the training step; `also`: the other
-    held-out sets (eval.datasets), by name. dataset, k and step are None in a file that lacks them."""
+    held-out sets (eval.datasets), by name. dataset, k and step are None in a file that lacks them.
+    step_costs: the step-cost table (inference.runtime.adaptive StepCosts.to_dict) the adaptive
+    promises were priced with (eval.step_costs), None where none was made or the file predates it."""
 
     heldout: HeldoutPrediction
     dataset: str | None = None
@@ -187,19 +189,23 @@ class Prediction:
     step: int | None = None
     temperature: float = 0.0  # the top-level figures are greedy chains'
     also: dict[str, HeldoutPrediction] = field(default_factory=dict)
+    step_costs: dict | None = None
 
     @property
     def greedy(self) -> Acceptance:
         return self.heldout.greedy
 
-    def promise_at(self, temperature: float, verification: str) -> Promise | None:
+    def promise_at(self, temperature: float, verification: str, adaptive: bool = False) -> Promise | None:
         """The promise for serving at this temperature and verification: the greedy one at T = 0,
         else the matching sampled one; None where the file holds none (files written before
-        sampled promises hold the greedy one alone)."""
-        if temperature == 0:
+        sampled promises hold the greedy one alone). adaptive: the promise made with adaptive
+        verification (eval.step_costs; stored in `sampled` as verification "adaptive" at T = 0,
+        "adaptive-standard" / "adaptive-block" at T > 0), None where none was made."""
+        if temperature == 0 and not adaptive:
             return Promise(0.0, "greedy", self.greedy)
+        name = ("adaptive" if temperature == 0 else f"adaptive-{verification}") if adaptive else verification
         return next((p for p in self.heldout.sampled
-                     if float(p.temperature) == float(temperature) and p.verification == verification), None)
+                     if float(p.temperature) == float(temperature) and p.verification == name), None)
 
     def for_set(self, name: str) -> Prediction:
         """The promise made on held-out set `name` (the first set or one of `also`) as a
@@ -210,7 +216,7 @@ class Prediction:
             held = [n for n in (self.dataset, *self.also) if n]
             raise ValueError(f"--promise-set {name}: the export promises on {', '.join(held) or 'no named set'} "
                              "(train or `python -m train.promise` with that set in eval.datasets)")
-        return Prediction(self.also[name], name, self.k, self.step, self.temperature)
+        return Prediction(self.also[name], name, self.k, self.step, self.temperature, step_costs=self.step_costs)
 
     def to_dict(self) -> dict:
         out = self.heldout.to_dict()
@@ -220,10 +226,15 @@ class Prediction:
             out["step"] = self.step
         if self.also:
             out["also"] = {name: held.to_dict() for name, held in self.also.items()}
+        if self.step_costs is not None:
+            out["step_costs"] = self.step_costs
         return out
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "predicted acceptance") -> Prediction:
         heldout = HeldoutPrediction.from_dict(d, where)
         also = {name: HeldoutPrediction.from_dict(h, f"{where}: also {name}") for name, h in (d.get("also") or {}).items()}
-        return cls(heldout, d.get("dataset"), d.get("k"), d.get("step"), d.get("temperature", 0.0), also)
+        costs = d.get("step_costs")
+        if costs is not None and not isinstance(costs, dict):
+            raise ValueError(f"{where}: step_costs must be a step-cost table (a JSON object), got {type(costs).__name__}")
+        return cls(heldout, d.get("dataset"), d.get("k"), d.get("step"), d.get("temperature", 0.0), also, costs)

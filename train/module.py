@@ -66,7 +66,9 @@ class DrafterModule(L.LightningModule):
         self.sampled_text = [float(t) for t in sorted(evaluation.sampled_answers)]
         self._val_hist = None
         self._tree_hist = {}  # eval.trees' histograms, from each validation's start
-        self._adaptive = None  # eval.step_costs: the chains' verify widths (on_validation_epoch_start)
+        # eval.step_costs: the chains' verify widths, greedy and sampled, and the table they were
+        # priced with (on_validation_epoch_start)
+        self._adaptive = self._adaptive_sampled = self._step_costs = None
         # what every checkpoint says about itself (models/checkpoint.py): method, target, run config
         self.description = description
 
@@ -276,13 +278,17 @@ class DrafterModule(L.LightningModule):
                               for s in self._sampled_settings}
         # eval.step_costs: every promise again with adaptive verification, each chain verifying the
         # width the runtime picks for it at batch 1 (inference.walks.greedy.chain_widths)
-        self._adaptive = None
+        self._adaptive = self._step_costs = None
         if self.evaluation.step_costs is not None:
             from inference.runtime.adaptive import StepCosts, step_ms_tensor
             from inference.walks.greedy import chain_widths
 
             costs = StepCosts.load(self.evaluation.step_costs)
-            self._adaptive = chain_widths(step_ms_tensor(costs, 1, self.evaluation.k, self.device))
+            step_ms = step_ms_tensor(costs, 1, self.evaluation.k, self.device)
+            # greedy chains take the best-rate width, sampled ones the causal rule (as the runtime)
+            self._adaptive = chain_widths(step_ms)
+            self._adaptive_sampled = chain_widths(step_ms, causal=True)
+            self._step_costs = costs.to_dict()  # recorded with the promise: validate checks it is the one served
             for setting in [(0.0, "adaptive")] + [(t, f"adaptive-{v}") for t, v in self._sampled_settings]:
                 self._sampled_hist[setting] = torch.zeros(len(self.eval_names), 2, self.evaluation.k + 1, dtype=torch.float64)
         # drawn chains are seeded by the step: a validation repeats exactly (resume, split runs)
@@ -363,7 +369,7 @@ class DrafterModule(L.LightningModule):
     def _verify_widths(self) -> list:
         """(verify_width, verification prefix) of each promise a sampled walk makes: fixed k, and
         adaptive verification's where eval.step_costs is set."""
-        return [(None, "")] + ([(self._adaptive, "adaptive-")] if self._adaptive is not None else [])
+        return [(None, "")] + ([(self._adaptive_sampled, "adaptive-")] if self._adaptive is not None else [])
 
     def predicted_histogram(self, ids, loss_mask, lengths, features, greedy, per_turn: bool = False) -> torch.Tensor:
         """Greedy k-chains drafted as the runtime drafts (inference.walks.greedy)."""
@@ -379,7 +385,7 @@ class DrafterModule(L.LightningModule):
         per_set = [self._heldout(hist[j], {s: h[j] for s, h in sampled.items()}, {t: h[j] for t, h in trees.items()})
                    for j in range(len(self.eval_names))]
         self.predicted = Prediction(per_set[0], dataset=self.eval_names[0], k=self.evaluation.k, step=int(self.global_step),
-                                    also=dict(zip(self.eval_names[1:], per_set[1:])))
+                                    also=dict(zip(self.eval_names[1:], per_set[1:])), step_costs=self._step_costs)
         for j, held in enumerate(per_set):
             suffix = "" if j == 0 else f"_set{j}"  # set j = eval.datasets[j]
             self.log(f"val/tau{suffix}", held.greedy.tau, prog_bar=j == 0, sync_dist=False)

@@ -199,14 +199,18 @@ def chain_lengths(ids: torch.Tensor, greedy: torch.Tensor, anchors: torch.Tensor
     return torch.where(judged, length, torch.full_like(length, -1))
 
 
-def chain_widths(step_ms: torch.Tensor):
+def chain_widths(step_ms: torch.Tensor, causal: bool = False):
     """Adaptive verification of one chain at a time (batch 1), as a walk's verify_width: each
     chain verifies the w in 1..k that maximises its expected tokens per millisecond,
     (1 + sum_{j<w} s_j) / step_ms[w], s the survival (cumulative product) of its confidences
     [m,k]; step_ms [k+1] the cost of a step verifying w drafts (inference.runtime.adaptive's
-    step_ms_tensor at batch 1; its choose_width for one row). Ties go to the smaller width."""
+    step_ms_tensor at batch 1; its choose_width for one row). Ties go to the smaller width.
+    causal: the rule the runtime follows for sampled drafts (choose_width(causal=True)): widen
+    while one more draft raises the rate, stop at the first width where it does not."""
     def widths(confidence: torch.Tensor) -> torch.Tensor:
         s = confidence.float().clamp(0, 1).cumprod(-1)  # [m,k]
         rate = (1 + s.cumsum(-1)) / step_ms[1 : confidence.shape[1] + 1].to(s.device)  # [m,k]: w = 1..k
+        if causal:
+            return 1 + (rate[:, 1:] > rate[:, :-1]).long().cumprod(-1).sum(-1)  # [m]
         return rate.argmax(-1) + 1
     return widths
