@@ -42,8 +42,13 @@ def test_hybrid_logits_equal_transformers_through_prefill_verify_and_rollback(ba
     seq = torch.randint(3, V, (2, 20), generator=g)
     lengths = [5, 9]
     with torch.no_grad():
-        want = hf(seq).logits
-        assert (rt(seq, torch.arange(20).expand(2, 20), rt.new_cache(2, 64))[0] - want).abs().max() < 1e-4
+        out = hf(seq, output_hidden_states=True)
+        want = out.logits
+        logits, aux = rt(seq, torch.arange(20).expand(2, 20), rt.new_cache(2, 64), aux_layers=(0, 2))
+        assert (logits - want).abs().max() < 1e-4
+        # EAGLE-3's aux features: the hidden states after a mamba layer and after the attention one
+        ref = torch.cat([out.hidden_states[1], out.hidden_states[3]], -1)
+        assert (aux - ref).abs().max() < 1e-4
         cache = rt.new_cache(2, 64)
         padded = seq[:, :9].clone()
         padded[0, 5:] = 0
@@ -131,26 +136,27 @@ def test_hybrid_greedy_speculative_equals_plain_greedy(bamba):
     """float32, 3 ragged prompts in one batch, 14 new tokens: the n-gram proposer and a proposer
     spoiling one draft of plain greedy's continuation (host loop: rows roll back by 0..k drafts,
     each row by a different count in a step) and the random EAGLE-3, Medusa, MTP and DFlash
-    drafters (the device loop) give plain greedy's tokens."""
-    from inference.proposers import NgramProposer, drafter_proposer
+    drafters and the device n-gram proposer (the device loop) give plain greedy's tokens."""
+    from inference.proposers import GpuNgramProposer, NgramProposer, drafter_proposer
 
     hf, rt = bamba
     prompts = _prompts()
     plain, _ = generate(rt, prompts, 14)
-    with torch.no_grad():  # the runtime's plain greedy is transformers' greedy (whole prefix each step)
+    with torch.no_grad():  # the runtime's plain greedy is transformers' greedy: each token its argmax
         for p, o in zip(prompts, plain):
-            ids = torch.tensor([p])
-            for _ in range(14):
-                ids = torch.cat([ids, hf(ids).logits[:, -1:].argmax(-1)], 1)
-            assert ids[0, len(p):].tolist() == o
+            logits = hf(torch.tensor([p + o])).logits[0, len(p) - 1: -1]
+            assert logits.argmax(-1).tolist() == o
     assert generate(rt, prompts, 14, proposer=NgramProposer(k=3, max_n=3))[0] == plain
     out, stats = generate(rt, prompts, 14, proposer=Spoiling(prompts, plain, k=3))
     assert out == plain
     for hist in stats.row_histograms:  # every row rolled back by 0, 1, 2 drafts and kept all 3
         assert all(hist), stats.row_histograms
     n = max(len(p) for p in prompts) + 14 + 4
-    for name, d in _drafters(hf.config).items():
-        got, _ = generate(rt, prompts, 14, proposer=drafter_proposer(d, 3, len(prompts), n, rt.config), max_len=n)
+    makers = {name: (lambda d=d: drafter_proposer(d, 3, len(prompts), n, rt.config))
+              for name, d in _drafters(hf.config).items()}
+    makers["ngram-gpu"] = lambda: GpuNgramProposer(3, len(prompts), n, max_n=3)
+    for name, make in makers.items():
+        got, _ = generate(rt, prompts, 14, proposer=make(), max_len=n)
         assert got == plain, name
 
 
