@@ -7,6 +7,7 @@ A Bamba layer is Llama's (input norm, mixer, pre-FFN norm, SwiGLU MLP), its mixe
     xBC → causal depthwise conv (kernel K, over the last K-1 inputs kept as the conv state) → silu
     x [B,q,nh,hd], B/C [B,q,G,N]; dt = clamp(softplus(dt + dt_bias)); A = -exp(A_log)
     per token: h = h * exp(dt A) + dt x Bᵀ (the SSM state h [B,nh,hd,N]); y = h C + D x
+      (computed for up to SCAN_CHUNK positions at once in closed form: `chunk_states`)
     y → gated RMSNorm (y * silu(z), groups of I/G) → out_proj
 
 Recurrent state and its rollback (kernels/state_rollback.py). Every recurrent layer's conv state
@@ -154,6 +155,25 @@ class GatedRMSNorm(nn.Module):
         return self.weight * g.view(y.shape).to(dtype)
 
 
+# positions whose states a scan step materialises at once ([B,chunk,nh,hd,N]): a verify's k + 1
+# in one, a prefill in slices (its memory bounded, the carried state exact)
+SCAN_CHUNK = 16
+
+
+def chunk_states(h0, dt, log_decay, x, Bm):
+    """The SSM states after each of n positions, in closed form (no loop over positions):
+    h_j = exp(c_j) h0 + sum_{i<=j} exp(c_j - c_i) dt_i x_i B_iᵀ, c the cumulative log decay.
+    h0 [B,nh,hd,N]; dt, log_decay [B,n,nh]; x [B,n,nh,hd]; Bm [B,n,nh,N] → [B,n,nh,hd,N] float32."""
+    n = dt.shape[1]
+    c = torch.cumsum(log_decay, 1)  # [B,n,nh]
+    lower = torch.ones(n, n, dtype=torch.bool, device=dt.device).tril()
+    # exp(c_j - c_i) for i <= j, 0 above the diagonal (the difference is <= 0: no overflow)
+    weights = torch.exp((c[:, :, None] - c[:, None, :]).masked_fill(~lower[None, :, :, None], float("-inf")))
+    inputs = (dt[..., None] * x)  # [B,n,nh,hd]
+    states = torch.einsum("bjih,bihp,bihn->bjhpn", weights, inputs, Bm)
+    return states + torch.exp(c)[..., None, None] * h0[:, None]
+
+
 class MambaMixer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -184,12 +204,14 @@ class MambaMixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(m.dt_min, m.dt_max)  # [B,q,nh]
         decay = torch.exp(dt * -torch.exp(self.A_log.float()))  # [B,q,nh]
         ys = []
-        for t in range(q):  # the recurrence, one position at a time (q is a verify's k + 1)
-            h = h * decay[:, t, :, None, None] + (dt[:, t, :, None] * xs[:, t])[..., None] * Bm[:, t, :, None, :]
-            ys.append(torch.einsum("bhpn,bhn->bhp", h, Cm[:, t]))
-            slot.keep_ssm(t, h)
+        for t0 in range(0, q, SCAN_CHUNK):
+            t1 = min(q, t0 + SCAN_CHUNK)
+            states = chunk_states(h, dt[:, t0:t1], torch.log(decay[:, t0:t1]), xs[:, t0:t1], Bm[:, t0:t1])
+            ys.append(torch.einsum("bthpn,bthn->bthp", states, Cm[:, t0:t1]))
+            slot.keep_ssm(t0, states)
+            h = states[:, -1]
         slot.keep_conv(window)
-        y = torch.stack(ys, 1) + self.D.float()[:, None] * xs  # [B,q,nh,hd]
+        y = torch.cat(ys, 1) + self.D.float()[:, None] * xs  # [B,q,nh,hd]
         y = self.norm(y.reshape(B, q, m.intermediate).to(x.dtype), z)
         return self.out_proj(y)
 
@@ -233,18 +255,15 @@ class RecurrentSlot:
         o = self.offset + self.n_conv
         return s[:, o: o + self.n_ssm].view(s.shape[0], self.m.heads, self.m.head_dim, self.m.state)
 
-    def keep_ssm(self, t: int, h):
-        """h [B,nh,hd,N]: the SSM state after position t of this forward."""
-        o = self.offset + self.n_conv
-        self.cache.keep(t, o, h.reshape(h.shape[0], -1))
+    def keep_ssm(self, t0: int, states):
+        """states [B,n,nh,hd,N]: the SSM states after positions t0.. t0+n-1 of this forward."""
+        self.cache.keep(t0, self.offset + self.n_conv, states.reshape(*states.shape[:2], -1))
 
     def keep_conv(self, window):
         """window [B,C,K-1+q]: the conv state after position t is window[:, :, t+1 : t+K]."""
         K = self.m.conv
         states = window.unfold(2, K - 1, 1)[:, :, 1:]  # [B,C,q,K-1]
-        states = states.permute(0, 2, 1, 3).reshape(window.shape[0], states.shape[2], -1)  # [B,q,C(K-1)]
-        for t in range(states.shape[1]):
-            self.cache.keep(t, self.offset, states[:, t])
+        self.cache.keep(0, self.offset, states.permute(0, 2, 1, 3).reshape(window.shape[0], states.shape[2], -1))
 
 
 class HybridCache(nn.Module):
@@ -286,11 +305,15 @@ class HybridCache(nn.Module):
         self.history = self.state.new_empty(B, 1 if keep_at is not None else q, self.size)
         self.history_base = positions[:, 0] + (keep_at if keep_at is not None else 0)
 
-    def keep(self, t: int, offset: int, values):
-        """values [B,n]: numbers [offset, offset + n) of the state after position t of this forward."""
-        part = self.history[:, :, offset: offset + values.shape[1]]
+    def keep(self, t0: int, offset: int, values):
+        """values [B,n,m]: numbers [offset, offset + m) of the states after positions t0..t0+n-1 of
+        this forward (a prefill: only each row's keep_at position, where it falls in them)."""
+        n = values.shape[1]
+        part = self.history[:, :, offset: offset + values.shape[2]]
         if self.keep_at is None:
-            part[:, t].copy_(values)
-        else:
-            hit = (self.keep_at == t)[:, None]
-            part[:, 0].copy_(torch.where(hit, values.to(part.dtype), part[:, 0]))
+            part[:, t0: t0 + n].copy_(values)
+            return
+        inside = (self.keep_at >= t0) & (self.keep_at < t0 + n)  # [B]
+        pick = (self.keep_at - t0).clamp(0, n - 1)
+        chosen = values.gather(1, pick[:, None, None].expand(-1, 1, values.shape[2]))  # [B,1,m]
+        part.copy_(torch.where(inside[:, None, None], chosen.to(part.dtype), part))
