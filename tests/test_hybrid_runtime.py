@@ -71,6 +71,23 @@ def test_hybrid_logits_equal_transformers_through_prefill_verify_and_rollback(ba
             rt(fed, start[:, None] + torch.arange(4), cache, tree_mask=torch.ones(2, 3, 3, dtype=torch.bool))
 
 
+def test_training_reads_a_hybrid_targets_aux_features_as_the_runtime_serves_them(bamba):
+    """EAGLE-3 training's Target (models/target.py, transformers' model with hooks) gives a hybrid
+    target's aux features (a mamba layer's, an attention layer's) equal to the runtime's."""
+    from models.target import Target
+
+    hf, rt = bamba
+    ids = torch.randint(3, V, (2, 11), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        target = Target(hf, [0, 1]).eval()
+        trained = target(ids).aux
+        trained_with_mask = target(ids, attention_mask=torch.ones_like(ids)).aux
+        served = rt(ids, torch.arange(11).expand(2, 11), rt.new_cache(2, 32), aux_layers=(0, 1))[1]
+    assert trained.shape == served.shape == (2, 11, 64)
+    assert (trained - served).abs().max() < 1e-4
+    assert (trained_with_mask - served).abs().max() < 1e-4
+
+
 def _prompts():
     """Ragged prompts that repeat themselves, so n-gram drafts are partly accepted (a rollback
     of some but not all drafts in most steps)."""
