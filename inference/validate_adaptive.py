@@ -53,7 +53,7 @@ class AdaptiveServing:
         verified = sum(r.get("verified_drafts", 0) for r in records)
         row_steps = sum(sum(r["histogram"]) for r in records)
         return {"step_costs": self.costs.to_dict(), "promise_table": self.promise_table,
-                "width_rule": "causal (widen while one more draft raises the rate)" if self.temperature > 0
+                "width_rule": "causal: widen while one more draft raises the rate" if self.temperature > 0
                 else "best rate", "choice": "per step at batch 1 = per chain, as the promise chooses",
                 "verified_drafts_per_row_step": verified / row_steps if row_steps else 0.0}
 
@@ -121,5 +121,5 @@ def check_drafter(drafter) -> None:
 def diagnosis_line(serving: AdaptiveServing, record: dict, k: int) -> str:
     return (f"Adaptive verification: served one question at a time with the promise's step-cost table "
             f"({serving.promise_table}), so each step verified the width the promise chooses for that chain "
-            f"({record['width_rule']}); the runtime verified {record['verified_drafts_per_row_step']:.2f} drafts per "
+            f"(rule: {record['width_rule']}); the runtime verified {record['verified_drafts_per_row_step']:.2f} drafts per "
             f"row step of k = {k}. At a larger batch it would choose one width for all rows (not this promise).")
