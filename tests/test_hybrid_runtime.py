@@ -71,6 +71,59 @@ def test_hybrid_logits_equal_transformers_through_prefill_verify_and_rollback(ba
             rt(fed, start[:, None] + torch.arange(4), cache, tree_mask=torch.ones(2, 3, 3, dtype=torch.bool))
 
 
+def test_hybrid_cache_keeps_the_last_slots_and_restores_for_a_capture(bamba):
+    """A forward longer than the history's slots keeps its last ones (a later step rolls back into
+    them exactly); the clone / copy_ a graph capture's restore calls puts the recurrent state,
+    history and K/V back, so a step rerun after it computes what it computed the first time."""
+    from inference.runtime.hybrid import HybridCache
+
+    hf, rt = bamba
+    seq = torch.randint(3, V, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = hf(seq).logits
+        cache = HybridCache(rt.config, 2, 32, torch.float32, "cpu", slots=3)
+        rt(seq[:, :10], torch.arange(10).expand(2, 10), cache)  # keeps the states after positions 7, 8, 9
+        start = torch.tensor([8, 10])  # row 0 rolls back to after position 7, row 1 continues after 9
+        fed = torch.stack([seq[b, s: s + 4] for b, s in enumerate(start.tolist())])
+        saved_k, saved_v = cache.k.clone(), cache.v.clone()
+        first, _ = rt(fed, start[:, None] + torch.arange(4), cache)
+        for b, s in enumerate(start.tolist()):
+            assert (first[b] - want[b, s: s + 4]).abs().max() < 1e-4
+        cache.k.copy_(saved_k)
+        cache.v.copy_(saved_v)
+        again, _ = rt(fed, start[:, None] + torch.arange(4), cache)
+    assert torch.equal(first, again)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_hybrid_graphed_steps_equal_eager(bamba):
+    """On a GPU: a hybrid target's captured steps (prefill, plain decoding, the host loop's verify,
+    the device loop with EAGLE-3) give the eager steps' tokens. graphable is turned on for this
+    model only: hybrid.py keeps it off until this passes."""
+    from inference.proposers import drafter_proposer
+
+    hf, rt = bamba
+    prompts = _prompts()
+    n = max(len(p) for p in prompts) + 14 + 4
+    eagle3 = _drafters(hf.config)["eagle3"].cuda()
+    runs = []
+    rt.cuda()  # (the fixture's model: moved back below)
+    try:
+        for graphable in (False, True):
+            rt.graphable = graphable
+            plain, _ = generate(rt, prompts, 14)
+            spoiled, _ = generate(rt, prompts, 14, proposer=Spoiling(prompts, plain, k=3))
+            device, _ = generate(rt, prompts, 14, proposer=drafter_proposer(eagle3, 3, len(prompts), n, rt.config),
+                                 max_len=n)
+            runs.append((plain, spoiled, device))
+    finally:
+        rt.graphable = False
+        rt.cpu()
+    assert runs[0] == runs[1]
+    assert runs[0][1] == runs[0][0] and runs[0][2] == runs[0][0]
+
+
 def test_training_reads_a_hybrid_targets_aux_features_as_the_runtime_serves_them(bamba):
     """EAGLE-3 training's Target (models/target.py, transformers' model with hooks) gives a hybrid
     target's aux features (a mamba layer's, an attention layer's) equal to the runtime's."""

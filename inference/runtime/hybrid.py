@@ -13,8 +13,8 @@ A Bamba layer is Llama's (input norm, mixer, pre-FFN norm, SwiGLU MLP), its mixe
 Recurrent state and its rollback (kernels/state_rollback.py). Every recurrent layer's conv state
 [C,K-1] and SSM state [nh,hd,N] of a row sit side by side in one flat vector of S numbers:
 `HybridCache.state` [B,S]. A forward of q tokens at positions [B,q] keeps the state after EACH
-of its positions, `history` [B,q,S] (history[b, j]: after the token at positions[b, 0] + j;
-`history_base` [B] = positions[:, 0]). The next forward starts at positions[b, 0], having consumed
+of its positions, `history` [B,slots,S] (history[b, j]: after the token at positions[b, 0] + j;
+`history_base` [B] = positions[:, 0]; a forward of more than `slots` tokens keeps its last ones). The next forward starts at positions[b, 0], having consumed
 everything before it; so its first launch sets each row's state to the one after position
 positions[b, 0] - 1, i.e. history[b, positions[b, 0] - 1 - history_base[b]], for all layers at
 once: `state_rollback` with n_acc = that index. After a verify of k + 1 tokens with a accepted
@@ -23,8 +23,10 @@ the last accepted token, picked on the device from the positions, with no host s
 (host, device, adaptive widths, plain decoding) gets the rollback so, in the target's forward.
 A prefill (right-padded rows) keeps only each row's state at its last prompt token (logits_at).
 
-Not implemented (refused with an error naming the target): draft trees (states along each path),
-CUDA graphs of hybrid steps (the cache's history is reallocated per width).
+Not implemented: draft trees (refused with an error naming the target: states along each path).
+CUDA graphs: the cache's buffers are static and restorable (`_Layers`), but hybrid steps are not
+captured until a GPU run has checked them (`RuntimeModel.graphable` is off for hybrid targets;
+tests/test_hybrid_runtime.py's gpu test turns it on for one model and compares with eager).
 """
 from __future__ import annotations
 
@@ -266,44 +268,74 @@ class RecurrentSlot:
         self.cache.keep(0, self.offset, states.permute(0, 2, 1, 3).reshape(window.shape[0], states.shape[2], -1))
 
 
+HISTORY_SLOTS = 8  # positions whose states a forward keeps: a verify of up to 8 tokens (k <= 7) keeps all
+
+
+class _Layers(list):
+    """HybridCache.k / .v: one entry per layer (a K or V tensor, a RecurrentSlot, or None), with
+    the clone / copy_ that a graph capture's `restore` calls (inference/runtime/graphs.py): the
+    K (or V) tensors and, for k, the recurrent state, its history and base, put back alike."""
+
+    def __init__(self, entries, cache=None):
+        super().__init__(entries)
+        self.cache = cache
+
+    def _tensors(self):
+        own = [t for t in self if isinstance(t, torch.Tensor)]
+        c = self.cache
+        return own + ([c.state, c.history, c.history_base] if c is not None else [])
+
+    def clone(self):
+        return [t.clone() for t in self._tensors()]
+
+    def copy_(self, saved):
+        for t, s in zip(self._tensors(), saved):
+            t.copy_(s)
+        return self
+
+
 class HybridCache(nn.Module):
     """A hybrid target's cache: K/V [B,nkv,S,d] for the attention layers (k[i], v[i] by layer, as
     KVCache's), a RecurrentSlot in k[i] for each mamba layer (v[i] None); the flat recurrent
-    state [B,S_rec] and the history of the last forward (module docstring)."""
+    state [B,S_rec] and the history of the last forward (module docstring): the states after its
+    last `slots` positions [B,slots,S_rec], history_base [B] the position of the first kept. Every
+    buffer is allocated once and written in place, so a captured step reads the ones the next
+    step writes."""
 
-    def __init__(self, cfg, batch: int, max_len: int, dtype, device):
+    def __init__(self, cfg, batch: int, max_len: int, dtype, device, slots: int = HISTORY_SLOTS):
         super().__init__()
         kv = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
-        self.k, self.v, offset = [], [], 0
+        k, v, offset = [], [], 0
         for kind in cfg.layer_kinds:
             if kind == "attention":
-                self.k.append(torch.zeros(kv, dtype=dtype, device=device))
-                self.v.append(torch.zeros(kv, dtype=dtype, device=device))
+                k.append(torch.zeros(kv, dtype=dtype, device=device))
+                v.append(torch.zeros(kv, dtype=dtype, device=device))
             else:
-                self.k.append(RecurrentSlot(self, offset, cfg.mamba))
-                self.v.append(None)
+                k.append(RecurrentSlot(self, offset, cfg.mamba))
+                v.append(None)
                 offset += sum(cfg.mamba.sizes)
         self.size, self.max_len = offset, max_len
         self.state = torch.zeros(batch, offset, dtype=dtype, device=device)
         # before the first forward: the empty state "after position -1"
-        self.history = torch.zeros(batch, 1, offset, dtype=dtype, device=device)
+        self.history = torch.zeros(batch, slots, offset, dtype=dtype, device=device)
         self.history_base = torch.full((batch,), -1, dtype=torch.long, device=device)
-        self.keep_at = None
+        self.k, self.v = _Layers(k, self), _Layers(v)
+        self.keep_at, self.kept_from = None, 0
 
     def begin(self, positions, keep_at=None, prefill: bool = False):
         """At the start of a forward at positions [B,q]: every row's state set to the one after
         positions[:, 0] - 1 (one rollback launch for all layers), or to the empty state for a
         prefill (every row from position 0; the engine reuses caches across generations); then
-        a fresh history: q positions, or one per row (after position keep_at [B], a prefill's
-        last prompt token)."""
+        the history is this forward's: its last `slots` positions, or one per row (after
+        position keep_at [B], a prefill's last prompt token, in slot 0)."""
         if prefill:
             self.state.zero_()
         else:
             state_rollback(self.history, positions[:, 0] - 1 - self.history_base, self.state)
-        B, q = positions.shape
+        q = positions.shape[1]
         self.keep_at = keep_at
-        self.history = self.state.new_empty(B, 1 if keep_at is not None else q, self.size)
-        self.history_base = positions[:, 0] + (keep_at if keep_at is not None else 0)
+        self.kept_from = 0 if keep_at is not None else max(0, q - self.history.shape[1])
+        self.history_base.copy_(positions[:, 0] + (keep_at if keep_at is not None else self.kept_from))
 
     def keep(self, t0: int, offset: int, values):
         """values [B,n,m]: numbers [offset, offset + m) of the states after positions t0..t0+n-1 of
@@ -311,9 +343,11 @@ class HybridCache(nn.Module):
         n = values.shape[1]
         part = self.history[:, :, offset: offset + values.shape[2]]
         if self.keep_at is None:
-            part[:, t0: t0 + n].copy_(values)
+            skip = max(0, self.kept_from - t0)  # positions before the kept ones
+            if skip < n:
+                part[:, t0 + skip - self.kept_from: t0 + n - self.kept_from].copy_(values[:, skip:])
             return
         inside = (self.keep_at >= t0) & (self.keep_at < t0 + n)  # [B]
         pick = (self.keep_at - t0).clamp(0, n - 1)
         chosen = values.gather(1, pick[:, None, None].expand(-1, 1, values.shape[2]))  # [B,1,m]
-        part.copy_(torch.where(inside[:, None, None], chosen.to(part.dtype), part))
+        part[:, :1].copy_(torch.where(inside[:, None, None], chosen.to(part.dtype), part[:, :1]))

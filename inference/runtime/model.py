@@ -312,7 +312,7 @@ class RuntimeModel(nn.Module):
             if cfg.layer_kinds and cfg.layer_kinds[i] == "mamba" else
             block(cfg, cfg.sliding_window if i in cfg.local_layers else None) for i in range(cfg.num_layers)])
         if cfg.layer_kinds:
-            self.graphable = False  # hybrid steps are not captured yet (hybrid.py)
+            self.graphable = False  # hybrid steps are not captured until checked on a GPU (hybrid.py)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
