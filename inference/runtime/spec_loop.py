@@ -10,6 +10,9 @@ Shapes: B rows, S token/cache slots per row, k drafts per step, V vocabulary, W 
 Row b holds tokens[b, :length[b]] (prompt + emitted); the verify step feeds its last token and
 k drafts at positions length-1 .. length-1+k. Finished rows keep their length, so their later
 (ignored) steps write only at positions the row owns, inside its cache.
+A hybrid target's recurrent layers follow the same positions: the verify forward's first launch
+sets each row's state to the one after position length-2, kept by the previous forward
+(kernels/state_rollback.py; inference/runtime/hybrid.py), so rejected drafts leave no trace.
 
 Adaptive verification (inference/runtime/adaptive.py; a proposer with confidences): each draft
 also chooses, on the device, the width w in 1..k its drafts are worth verifying; the verify step
