@@ -1,5 +1,5 @@
 """The feature store: the target's outputs over a training set, written once by
-`python -m data.extract` and read by training (`data.features=DIR`) instead of running the target.
+`python -m train.extract` and read by training (`data.features=DIR`) instead of running the target.
 
 A store is a folder:
   manifest.json       what it was made from (target weights hash, layers, data fingerprint, draft
@@ -208,16 +208,16 @@ def check_store(folder: str, expected: Expected) -> dict:
     """The store's manifest when it fits the run; else StoreError, one line naming the mismatch."""
     where = f"data.features: {folder}"
     if not Path(folder).is_dir():
-        raise StoreError(f"{where} does not exist (write it with python -m data.extract)")
+        raise StoreError(f"{where} does not exist (write it with python -m train.extract)")
     m = read_manifest(Path(folder))
     if m is None:
-        raise StoreError(f"{where} is not a feature store (no {MANIFEST} written by python -m data.extract)")
+        raise StoreError(f"{where} is not a feature store (no {MANIFEST} written by python -m train.extract)")
     if m.get("version") != VERSION:
         raise StoreError(f"{where} is a version {m.get('version')} store; this draftsmith reads version {VERSION}")
     if not m.get("complete"):
         done, total = len(m.get("shards", [])), m.get("num_shards", "?")
         raise StoreError(f"{where} is an unfinished extraction ({done} of {total} shards); run the same "
-                         "python -m data.extract again to finish it")
+                         "python -m train.extract again to finish it")
     t = m["target"]
     # (a target without safetensors files has no weights hash: its name is compared instead)
     if t.get("weights_sha256") != expected.weights_sha256 or (expected.weights_sha256 is None and t.get("name") != expected.target):
@@ -245,7 +245,7 @@ def check_store(folder: str, expected: Expected) -> dict:
 class StoreDataset:
     """The training split read from a store, indexable as the tokenized split is (row i = its
     row i): what ChatDataModule's sampler and loader use (`num_tokens`, len, items, collate).
-    Each conversation is read alone (a row group of its shard: data.extract writes one per
+    Each conversation is read alone (a row group of its shard: train.extract writes one per
     conversation), so a shuffled order reads no more than it uses."""
 
     def __init__(self, folder: str, manifest: dict, num_tokens: list[int], pad_id: int):

@@ -1,4 +1,4 @@
-"""The feature store (data/extract.py, data/features.py): extract once, train from disk.
+"""The feature store (train/extract.py, data/features.py): extract once, train from disk.
 
 One module fixture extracts the tiny recipe's training data into a float32 store with the exact
 teacher (top-k = the whole draft vocabulary); the tests train from it and compare with online
@@ -24,7 +24,7 @@ SHORT = {"trainer.max_steps": 3, "checkpoint_every_n_steps": 3, "eval.every_n_st
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
     """(overrides(out_dir, **extra), the run config, a float32 store of its training split in 2+ shards)."""
-    from data.extract import extract
+    from train.extract import extract
     from train.config import load_config
 
     root = tmp_path_factory.mktemp("extract")
@@ -68,7 +68,7 @@ def test_training_from_a_float32_store_equals_online_training(recipe, tmp_path):
 
 
 def test_a_killed_extraction_resumes_to_the_same_store_and_training_refuses_it_until_then(recipe, tmp_path):
-    from data.extract import extract
+    from train.extract import extract
     from data.features import StoreError, check_store, read_manifest
 
     _, cfg, store = recipe
@@ -125,7 +125,7 @@ def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe)
 def test_fp8_and_bf16_stores_stay_within_their_rounding_and_load_with_datasets(recipe, tmp_path):
     import datasets
 
-    from data.extract import extract
+    from train.extract import extract
     from data.features import decode, fp8_error_bound
 
     _, cfg, store = recipe
@@ -183,11 +183,11 @@ def test_fp8_round_trip_bound_on_a_wide_range():
 @pytest.mark.parametrize("name", ["eagle3", "medusa"])
 def test_a_stored_batch_gives_the_training_step_what_the_target_pass_gives(name, tmp_path):
     """Per field kind (EAGLE-3 reads the aux layers, Medusa the final hidden state): rows written
-    as data.extract writes them and read back through the store's collate give `_stored_pass`
+    as train.extract writes them and read back through the store's collate give `_stored_pass`
     the features, teacher and greedy tokens `_target_pass` computes online, at every real position."""
     from tqdm import tqdm
 
-    from data.extract import _shard_rows
+    from train.extract import _shard_rows
     from data.features import StoreDataset, needed_fields, write_shard
     from models.draft_vocab import draft_ids
     from tests.test_fsdp import _drafter_and_target

@@ -70,7 +70,7 @@ class DataConfig:
     """Base models: no chat template; each row's `text` (or a conversation's contents joined by
     blank lines) is tokenized as it is, and the loss covers every token."""
     features: str | None = None
-    """A feature store written by `python -m data.extract` for this recipe: training steps read
+    """A feature store written by `python -m train.extract` for this recipe: training steps read
     the target's features and teacher signal from it instead of running the target (the
     held-out promise still runs the target). A store of another target, layers or data is refused."""
 
