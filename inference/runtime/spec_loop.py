@@ -102,7 +102,8 @@ class SpecLoop:
             accepted, bonus = verify(drafts, q, probs, self.generator)
         else:
             accepted, bonus = greedy_verify(drafts, logits)
-        self.verified.add_(self.active.long(), alpha=w)  # (before emit updates `active`)
+        if self.adaptive is not None:  # the widths it chose (fixed k: k per row-step, no launch spent)
+            self.verified.add_(self.active.long(), alpha=w)  # (before emit updates `active`)
         self.emit(drafts, accepted, bonus)
         if self.adaptive is not None:
             # every width's graph hands the proposer's graph (captured once, after them all) the same
