@@ -16,6 +16,11 @@ try:
 
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    # pytest-xdist workers (`-n N`) share the cores: each takes its share of torch's threads
+    # rather than all of them (N workers x all cores oversubscribes a 2-core CI machine)
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if _workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 except ImportError:
     pass
 warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
