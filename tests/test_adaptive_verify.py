@@ -88,6 +88,13 @@ def test_step_costs_round_trip_and_refusals(tmp_path):
         StepCosts(target="t", device="cpu", dtype="float32", verify_ms={"1": [1.0, -2.0]})
     with pytest.raises(ValueError, match="no such"):
         StepCosts.load(tmp_path / "absent.json")
+    with pytest.raises(ValueError, match="cannot read the step-cost table"):  # a folder: an error, not an OSError
+        StepCosts.load(tmp_path)
+    for field, value, phrase in (("verify_ms", {"1": [True, True]}, "positive numbers"),
+                                 ("verify_ms", {"1": [1.0, float("inf")]}, "positive numbers"),
+                                 ("context", "abc", "is not a cache position")):
+        with pytest.raises(ValueError, match=phrase):
+            StepCosts.from_dict({**costs.to_dict(), field: value})
 
 
 def test_measured_costs_cover_every_width_and_batch(tiny_target):

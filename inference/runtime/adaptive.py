@@ -45,6 +45,14 @@ import torch
 FORMAT = "draftsmith-step-costs/1"
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)  # (JSON's true would read as 1)
+
+
+def _positive_finite(v) -> bool:
+    return _number(v) and 0 < v < float("inf")
+
+
 @dataclass(frozen=True)
 class StepCosts:
     """Measured step costs of one target on one device.
@@ -67,10 +75,10 @@ class StepCosts:
         for b, row in self.verify_ms.items():
             if not str(b).isdigit() or int(b) < 1:
                 raise ValueError(f"step costs: batch size {b!r} is not a positive integer")
-            if not row or any(not (isinstance(v, (int, float)) and v > 0) for v in row):
+            if not row or any(not _positive_finite(v) for v in row):
                 raise ValueError(f"step costs at batch {b}: verify times must be positive numbers, got {row}")
         for b, v in self.draft_ms.items():
-            if not str(b).isdigit() or not (isinstance(v, (int, float)) and v >= 0):
+            if not str(b).isdigit() or not (_positive_finite(v) or (_number(v) and v == 0)):
                 raise ValueError(f"step costs: draft time at batch {b!r} must be a number >= 0, got {v!r}")
 
     def batch_key(self, batch: int) -> str:
@@ -95,10 +103,13 @@ class StepCosts:
     def from_dict(cls, d: dict) -> "StepCosts":
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"not a step-cost table (format {FORMAT!r} expected)")
+        context = d.get("context", 0)
+        if not (isinstance(context, int) and not isinstance(context, bool) and context >= 0):
+            raise ValueError(f"step-cost table: context {context!r} is not a cache position (a whole number >= 0)")
         try:
             return cls(target=str(d["target"]), device=str(d["device"]), dtype=str(d["dtype"]),
                        verify_ms={str(b): list(v) for b, v in d["verify_ms"].items()},
-                       draft_ms={str(b): v for b, v in d.get("draft_ms", {}).items()}, context=int(d.get("context", 0)))
+                       draft_ms={str(b): v for b, v in d.get("draft_ms", {}).items()}, context=context)
         except (KeyError, AttributeError, TypeError) as e:
             raise ValueError(f"step-cost table: missing or malformed field ({e})") from None
 
@@ -114,6 +125,8 @@ class StepCosts:
             d = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ValueError(f"{path}: no such step-cost table") from None
+        except OSError as e:  # a folder, an unreadable file
+            raise ValueError(f"{path}: cannot read the step-cost table ({e.strerror or e})") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{path}: not a JSON step-cost table ({e})") from None
         try:
