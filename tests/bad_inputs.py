@@ -58,6 +58,7 @@ def cli(name):
 
 export, check, generate, validate, bench, regenerate, promise = (
     cli(n) for n in ("export", "export.check", "generate", "validate", "bench", "regenerate", "promise"))
+extract = cli("extract")
 G = ("--target", "tiny-random-llama", "--device", "cpu")  # generate: the tiny target, on the CPU
 V = ("--drafter", "{export}", "--dataset", "mt-bench", "--device", "cpu", "--out", "{fresh}")
 B = ("--target", "tiny-random-llama", "--device", "cpu", "--out", "{fresh}")
@@ -341,5 +342,11 @@ ISSUE_52 = {
                                         "--out", "{fresh}", phrase="a folder; prompts come from a JSON or JSONL file"),
     "promise-without-arguments": promise(phrase="the following arguments are required: export"),
     "promise-unknown-flag": promise("{export}", "eval.k=2", "--frobnicate", phrase="unrecognized arguments: --frobnicate"),
+    # ---- train.extract (the feature store's writer)
+    "extract-out-under-a-file": extract("--out", "{userfile}/store", phrase="is a file, not a folder"),
+    "extract-out-user-folder": extract("--out", "{userdir}", phrase="is not a feature store python -m train.extract wrote"),
+    "extract-out-is-a-file": extract("--out", "{userfile}", phrase="is not a feature store python -m train.extract wrote"),
+    "extract-bad-dtype": extract("--out", "{fresh}", "--dtype", "fp16", phrase="invalid choice: 'fp16'"),
+    "extract-unknown-flag": extract("--out", "{fresh}", "--frobnicate", phrase="unrecognized arguments: --frobnicate"),
 }
 CASES.update(ISSUE_52)

@@ -18,7 +18,8 @@ from tests.conftest import make_conversations, tiny_overrides
 
 MAINS = {"train": "train.__main__", "export": "export.__main__", "export.check": "export.check",
          "generate": "inference.generate", "validate": "inference.validate", "bench": "inference.bench",
-         "regenerate": "inference.regenerate", "promise": "train.promise"}
+         "regenerate": "inference.regenerate", "promise": "train.promise",
+         "extract": "train.extract"}
 
 
 class _RunsCode:

@@ -116,7 +116,7 @@ def extract(cfg, out: str, dtype: str = "bf16", topk: int = 64, compression: str
 
     from data.templates import apply_template_choice
     from export.io import atomic_write_json, output_lock, release_output_lock
-    from export.paths import read_marker, write_marker
+    from export.paths import check_writable, read_marker, write_marker
     from models.checkpoint import target_weights_hash
     from models.draft_vocab import draft_ids as draft_ids_of
     from models.zoo import resolve_target
@@ -132,6 +132,7 @@ def extract(cfg, out: str, dtype: str = "bf16", topk: int = 64, compression: str
                                                        != "extract")):
         raise ConfigError(f"--out: {out_dir} exists and is not a feature store python -m train.extract wrote; "
                           "refusing to write into it (choose a new folder)")
+    check_writable(out_dir, "--out")  # (under a file, or in a folder we cannot write in: one line, before any work)
     try:
         run_device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                                   ("cpu" if device == "auto" else device))
