@@ -381,11 +381,17 @@ def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, new_tokens,
         else:
             costs = resolve_costs(spec, None)
         for b, proposer in made.items():
-            costs.row(b, k)  # a table too short for k: refused before any row runs
+            try:  # a table too short for k: refused before any row runs
+                costs.row(b, k)
+            except ValueError as e:
+                raise ValueError(f"--adaptive-verification: {e}") from None
             name = f"runtime {_drafter_name(module)} (k={k}), adaptive" + (f", batch {b}" if b > 1 else "")
             rows[name] = lambda p=proposer, b=b, c=costs: runtime(p, b, adaptive_setting=AdaptiveVerification(c))
             chosen[name] = costs
-    if spec == "measure" and chosen:  # (the first such drafter's: bench.json holds every row's)
+    if not chosen:  # the flag would time nothing: said, not skipped
+        raise ValueError("--adaptive-verification: no --drafter has a confidence head, which adaptive verification "
+                         "reads (a DSpark drafter trained with drafter.dspark.confidence_head=true)")
+    if spec == "measure":  # (the first such drafter's: bench.json holds every row's)
         from export.io import atomic_write_json
 
         atomic_write_json(out_dir / "step_costs.json", next(iter(chosen.values())).to_dict())
@@ -463,6 +469,8 @@ def main(argv=None) -> int:
         kernels = kernel_settings(args, device)
         check_output_folder(args.out, "bench.json")
         check_new_tokens_fit(args.target, args.max_new_tokens)
+        if args.adaptive_verification is not None and not args.drafter:
+            raise CliError("--adaptive-verification: it times drafters with a confidence head (DSpark); pass --drafter")
         if args.adaptive_verification not in (None, "measure"):
             from inference.runtime.adaptive import StepCosts
 
