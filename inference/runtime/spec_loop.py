@@ -240,7 +240,8 @@ class SpecLoop:
         if cuda:  # two sets, used in turn: a group's events are read while the next group runs
             events = [[[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(check_every)]
                       for _ in range(2)]
-            left_host = torch.zeros(2, dtype=torch.long, pin_memory=True)  # [tokens left, chosen width]
+            # [tokens left] or, adaptive, [tokens left, chosen width]
+            left_host = torch.zeros(1 if self.adaptive is None else 2, dtype=torch.long, pin_memory=True)
             left_copied = torch.cuda.Event()
 
         def phases():  # the verify step of the width last read, then the proposer's step
@@ -261,7 +262,7 @@ class SpecLoop:
 
         while timing["launched"] < max_steps:
             if left is None:  # (the first group, and every group on a CPU) read with the GPU drained
-                left, self.width = self._readout().tolist()
+                left = self._take(self._readout().tolist())
                 timing["syncs"] += 1
             if left <= 0:  # every row is done
                 break
@@ -291,7 +292,7 @@ class SpecLoop:
                 unread = (group, steps)
                 left_copied.synchronize()  # the GPU is running the last step's proposer phase meanwhile
                 timing["syncs"] += 1
-                left, self.width = left_host.tolist()  # (the width: chosen by that step's drafts, one step stale)
+                left = self._take(left_host.tolist())  # (the width: chosen by that step's drafts, one step stale)
         if unread is not None:
             read(unread)
         timing["syncs"] += 1  # the read of the outputs
@@ -302,8 +303,17 @@ class SpecLoop:
         return torch.where(self.done, 0, self.budget - self.n_out).max()
 
     def _readout(self) -> torch.Tensor:
-        """What the host reads between groups: [tokens left (`_left`), the width the drafts chose]."""
+        """What the host reads between groups: [tokens left (`_left`)], and with adaptive verification
+        the width the drafts chose after it ([2]); a fixed k launches nothing more than `_left`."""
+        if self.adaptive is None:
+            return self._left()[None]  # [1] (a view)
         return torch.stack([self._left(), self.chosen])
+
+    def _take(self, read: list[int]) -> int:
+        """The host's side of `_readout`: the width to launch next (adaptive), and tokens left."""
+        if len(read) > 1:
+            self.width = read[1]
+        return read[0]
 
     def _phase(self, i, fn):
         if self.graphs is not None:
