@@ -92,6 +92,27 @@ def test_runtime_drafts_equal_the_walk_and_stay_lossless(small_target):
     assert 1 < width < k, width  # the widths varied: some steps verified fewer than k drafts
 
 
+def test_a_dspark_drafter_without_confidence_head_is_refused_adaptive_verification(small_target):
+    """No confidence head: the proposer estimates nothing (no `confidence`), so adaptive
+    verification refuses it rather than choose widths from constant confidences; fixed k serves."""
+    from inference.proposers.base import capabilities
+
+    hf, rt, prompts, plain = small_target
+    torch.manual_seed(0)
+    V = hf.config.vocab_size
+    drafter = DSparkDrafter(DSparkConfig.from_target(hf.config, V, mask_token_id=0, num_layers=1, block_size=4,
+                                                     markov_rank=4, confidence_head=False))
+    drafter.init_from_target(hf, torch.zeros(V, dtype=torch.long), torch.ones(V, dtype=torch.bool))
+    size = cache_size(prompts, 8, 3)
+    proposer = DSparkCachedProposer(drafter.eval(), 3, len(prompts), size, rt.config)
+    assert not capabilities(proposer).confidences
+    with pytest.raises(ValueError, match="estimates its drafts' acceptance"):
+        generate(rt, prompts, 8, proposer=proposer, eos_ids=(4, 6), max_len=size,
+                 adaptive=AdaptiveVerification(_costs(len(prompts), 3)))
+    out, _ = generate(rt, prompts, 8, proposer=proposer, eos_ids=(4, 6), max_len=size)
+    assert out == [o[:8] for o in plain]
+
+
 def test_draft_and_confidence_equal_the_walk_greedy_and_sampled(small_target):
     """After begin: draft() and the confidences equal `draft_block` at each row's anchor (target
     features from the runtime's prefill); draft_sampled(T, generator) equals the walk driven by the

@@ -24,13 +24,16 @@ class DSparkCachedProposer(DFlashCachedProposer):
     """DFlashCachedProposer's context cache and block forward; DSpark's Markov walk on top.
 
     `confidence` [B,k] float32: P(draft j accepted | drafts < j were) as the confidence head
-    estimates it (1 where the drafter has no confidence head: every draft is worth verifying)."""
+    estimates it; absent where the drafter has no confidence head, so that the proposer is no
+    ConfidentProposer and adaptive verification refuses it (constant confidences would choose the
+    width from the costs alone)."""
 
     def __init__(self, drafter, k: int, batch: int, max_len: int, target_config):
         if not hasattr(drafter, "markov_walk"):
             raise ValueError(f"{type(drafter).__name__} is not a DSpark drafter (no Markov head)")
         super().__init__(drafter, k, batch, max_len, target_config)
-        self.confidence = torch.ones(batch, k, dtype=torch.float32, device=self.device)
+        if getattr(drafter, "confidence_head", None) is not None:
+            self.confidence = torch.ones(batch, k, dtype=torch.float32, device=self.device)
 
     @torch.no_grad()
     def _draft(self, temperature, generator):
