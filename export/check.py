@@ -58,6 +58,11 @@ def _method_and_config(folder: Path):
     meta = read_json(meta_path)
     if not isinstance(meta, dict):
         raise ValueError(f"{meta_path}: not a draftsmith.json (a JSON object is expected)")
+    config_class = _method(meta.get("method")).config
+    try:  # as draftsmith's loader reads it: an unknown key or bad value is refused, an absent key takes its default
+        meta["drafter_config"] = config_class.from_dict(meta.get("drafter_config")).to_dict()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{meta_path}: drafter_config is not a {config_class.__name__} ({e})") from None
     return meta.get("method"), meta
 
 
@@ -88,7 +93,7 @@ def check_keys(folder: Path, meta: dict):
         c.problems.append(f"mixed floating dtypes {sorted(dtypes)}")
     try:
         drafter = load_export(folder, dtype=torch.float32, served=True, check_hash=False)  # as a server builds it
-    except (KeyError, ValueError, FileNotFoundError) as e:
+    except (KeyError, ValueError, TypeError, FileNotFoundError) as e:
         c.problems.append(str(e).strip("'\""))
         return c, None
     from export.load import weights_hash_problem
@@ -319,6 +324,8 @@ def run_checks(folder: str | Path, target: str | None = None, checkpoint: str | 
             checks.append(skipped)
         return checks
     target = target or meta.get("target")
+    if not isinstance(target, str):
+        raise ValueError(f"{folder / 'draftsmith.json'} records no target; name it with --target")
     target_path = resolve_target(target)
     target_config = AutoConfig.from_pretrained(target_path)
     checks.append(check_semantics(folder, meta, drafter, target_config))

@@ -220,7 +220,7 @@ def served_facts(config: dict) -> dict:
                   "vllm.enable_confidence_head": config.get("enable_confidence_head", False),  # qwen3_dspark.py:220
                   "vllm.confidence_head_with_markov": config.get("confidence_head_with_markov", False),  # :221
                   "sglang.enable_confidence_head": config.get("enable_confidence_head", True),  # dspark.py:490-495
-                  "sglang.confidence_head_with_markov": config.get("confidence_head_with_markov", (rank or 0) > 0),  # :497
+                  "sglang.confidence_head_with_markov": config.get("confidence_head_with_markov", isinstance(rank, int) and rank > 0),  # :497
                   "sglang.sample_from_anchor": config.get("sample_from_anchor", True)})  # dspark_config.py:29-31
     if config.get("speculators_model_type"):
         layer = config.get("transformer_layer_config") or {}

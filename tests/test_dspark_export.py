@@ -422,3 +422,37 @@ def test_export_check_passes_both_layouts_and_names_an_edit(hf, target, tmp_path
     assert "sample_from_anchor" in " ".join(failing(_drop("sample_from_anchor")).values())
     bad = failing(_edit_tensors(lambda s: s["confidence_head.proj.bias"].add_(1)))
     assert "max abs diff" in bad.get("c", "") and "sha256" in bad.get("a", ""), bad
+
+
+@pytest.mark.parametrize("edit,phrase", [
+    ({"markov_rnk": 3}, "drafter_config is not a DSparkConfig (unknown DSparkConfig keys: ['markov_rnk'])"),
+    ({"markov_rank": -1}, "drafter_config is not a DSparkConfig (markov_rank -1 must be a positive integer)")])
+def test_export_check_refuses_a_drafter_config_draftsmith_would_refuse(exports, tmp_path, capsys, edit, phrase):
+    """draftsmith.json's drafter_config is what draftsmith's own loader builds the drafter from: a
+    key it does not know or a value it refuses is one error line (exit 2), not a passing check."""
+    from export.check import main
+
+    folder = tmp_path / "edited"
+    shutil.copytree(exports["dspark"][0], folder)
+    meta = json.loads((folder / "draftsmith.json").read_text())
+    meta["drafter_config"].update(edit)
+    (folder / "draftsmith.json").write_text(json.dumps(meta))
+    assert main([str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines() == [f"error: {folder / 'draftsmith.json'}: {phrase}"], err
+
+
+def test_export_check_names_a_markov_rank_that_is_no_integer(exports, tmp_path, capsys):
+    """config.json's markov_rank as a string ("16"): a failed check naming it, not a TypeError."""
+    from export.check import main
+
+    folder = tmp_path / "edited"
+    shutil.copytree(exports["dspark"][0], folder)
+    _set("markov_rank", str(exports["dspark"][1].config.markov_rank))(folder)
+    # (this export records no target: one line asking for it, not an AttributeError)
+    assert main([str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"error: {folder / 'draftsmith.json'} records no target; name it with --target"], err
+    assert main([str(folder), "--target", TARGET]) == 1
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "markov_rank: config.json says" in out, out + err
