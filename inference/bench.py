@@ -359,7 +359,7 @@ def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, new_tokens,
     import dataclasses
 
     from inference.proposers import capabilities, drafter_proposer
-    from inference.runtime.adaptive import AdaptiveVerification, measure_step_costs, resolve_costs
+    from inference.runtime.adaptive import AdaptiveVerification, StepCosts, measure_step_costs
     from inference.runtime.engine import generate
 
     batches = sorted({1, batch_size or 1})
@@ -379,7 +379,7 @@ def _adaptive_rows(rows, modules, ks, batch_size, spec, rt, prompts, new_tokens,
             costs = measure_step_costs(rt, batches, k + 1, capabilities(made[1]).aux_layers, target=target,
                                        draft_ms=draft_ms)
         else:
-            costs = resolve_costs(spec, None)
+            costs = StepCosts.load(spec)
         for b, proposer in made.items():
             try:  # a table too short for k: refused before any row runs
                 costs.row(b, k)

@@ -254,9 +254,3 @@ def measure_step_costs(model, batches: list[int], max_tokens: int, aux_layers: t
     return StepCosts(target=target, device=torch.cuda.get_device_name(p.device) if cuda else "cpu",
                      dtype=str(p.dtype).removeprefix("torch."), verify_ms=verify_ms,
                      draft_ms={str(b): float(v) for b, v in (draft_ms or {}).items()}, context=context)
-
-
-def resolve_costs(spec: str, measure) -> StepCosts:
-    """A CLI's --adaptive-verification: a step-cost table's JSON file, or "measure" (then
-    `measure()` returns the table)."""
-    return measure() if spec == "measure" else StepCosts.load(spec)
