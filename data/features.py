@@ -207,6 +207,13 @@ class Expected:
 def check_store(folder: str, expected: Expected) -> dict:
     """The store's manifest when it fits the run; else StoreError, one line naming the mismatch."""
     where = f"data.features: {folder}"
+    try:
+        return _check_store(folder, expected, where)
+    except (KeyError, TypeError) as e:  # a manifest edited or written by something else
+        raise StoreError(f"{where}: {MANIFEST} is malformed (no {e} where a store has one); extract it again") from None
+
+
+def _check_store(folder: str, expected: Expected, where: str) -> dict:
     if not Path(folder).is_dir():
         raise StoreError(f"{where} does not exist (write it with python -m train.extract)")
     m = read_manifest(Path(folder))
@@ -238,6 +245,15 @@ def check_store(folder: str, expected: Expected) -> dict:
     if m["draft_vocab"]["fingerprint"] != expected.vocab_fingerprint:
         raise StoreError(f"{where} was extracted for another draft vocabulary ({m['draft_vocab']['size']} tokens) than "
                          f"this run's ({expected.draft_vocab_size}): same drafter.draft_vocab_size needed")
+    # every shard the manifest lists, whole (its size as written), before a run folder is made
+    if len(m["shards"]) != m["num_shards"]:
+        raise StoreError(f"{where} lists {len(m['shards'])} shards of {m['num_shards']}; extract it again")
+    for shard in m["shards"]:
+        path = Path(folder) / shard["file"]
+        size = path.stat().st_size if path.is_file() else None
+        if size != shard["bytes"]:
+            raise StoreError(f"{where}: {shard['file']} is " + ("missing" if size is None else
+                             f"{size} bytes, not the {shard['bytes']} written") + "; extract the store again")
     return m
 
 

@@ -6,6 +6,7 @@ training, kill and resume an extraction, refuse stores of other settings, and bo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -120,6 +121,39 @@ def test_a_store_of_another_target_layers_or_data_is_refused_in_one_line(recipe)
         with pytest.raises(StoreError, match=words) as e:
             check_store(str(store), expected)
         assert "\n" not in str(e.value) and str(e.value).startswith(f"data.features: {store}")
+
+
+def test_a_store_with_a_shard_missing_or_cut_or_a_manifest_without_a_key_is_refused_in_one_line(recipe, tmp_path):
+    """Damage found before any run folder is made, not a FileNotFoundError / KeyError mid-training."""
+    import shutil
+
+    from data.features import Expected, StoreError, check_store, read_manifest
+
+    _, cfg, store = recipe
+    m = read_manifest(store)
+    fits = Expected(target=cfg.target, weights_sha256=m["target"]["weights_sha256"], layers=m["layers"], fields=["aux"],
+                    data_fingerprint=m["data"]["fingerprint"], dataset=cfg.data.dataset,
+                    vocab_fingerprint=m["draft_vocab"]["fingerprint"], draft_vocab_size=m["draft_vocab"]["size"])
+
+    def damaged(name, edit):
+        copy = tmp_path / name
+        shutil.copytree(store, copy)
+        edit(copy)
+        with pytest.raises(StoreError) as e:
+            check_store(str(copy), fits)
+        assert "\n" not in str(e.value) and str(e.value).startswith(f"data.features: {copy}")
+        return str(e.value)
+
+    def without_target(copy):
+        manifest = json.loads((copy / "manifest.json").read_text())
+        del manifest["target"]
+        (copy / "manifest.json").write_text(json.dumps(manifest))
+
+    assert "shard-00001.parquet is missing" in damaged("missing", lambda c: (c / "shard-00001.parquet").unlink())
+    size = m["shards"][1]["bytes"]
+    assert f"shard-00001.parquet is 100 bytes, not the {size} written" in damaged(
+        "cut", lambda c: os.truncate(c / "shard-00001.parquet", 100))
+    assert "manifest.json is malformed (no 'target'" in damaged("no-target", without_target)
 
 
 def test_fp8_and_bf16_stores_stay_within_their_rounding_and_load_with_datasets(recipe, tmp_path):
