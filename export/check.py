@@ -101,6 +101,12 @@ def check_keys(folder: Path, meta: dict):
     changed = weights_hash_problem(folder, meta)  # (the levels below still say what the change does)
     if changed:
         c.problems.append(changed)
+    from export.io import read_k_table
+
+    try:  # the per-batch draft lengths the launch lines print (inference.deploy writes them)
+        read_k_table(folder)
+    except ValueError as e:
+        c.problems.append(str(e))
     c.notes.append(f"{sum(1 for _ in drafter.state_dict())} tensors, dtype {next(iter(dtypes), '?')}")
     return c, drafter
 

@@ -243,3 +243,21 @@ def test_generate_takes_its_k_from_the_exports_table(world, tmp_path):
                      "--max-new-tokens", "6", "--device", "cpu", "--stats")
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stderr.strip().splitlines()[-1])["k"] == 2
+
+
+def test_export_check_names_a_malformed_table(world, tmp_path):
+    """export.check reads the table as the runtime and the launch lines do: a copy with a valid
+    table passes level (a); rows that do not start at batch 1, or no rows at all, are a problem
+    naming the table."""
+    from export.check import run_checks
+    from inference.deploy_report import write_table_copy
+
+    copy, _, _ = write_table_copy(world / "export", tmp_path / "copy", TABLE, None)
+    assert next(c for c in run_checks(copy, target=str(world / "target")) if c.level == "a").ok
+    meta_path = copy / "draftsmith.json"
+    meta = json.loads(meta_path.read_text())
+    for bad in ({"rows": [[2, 4, 3]]}, [[1, 4, 3]]):
+        meta["k_table"] = bad
+        meta_path.write_text(json.dumps(meta))
+        keys = next(c for c in run_checks(copy, target=str(world / "target")) if c.level == "a")
+        assert not keys.ok and any("k_table" in p for p in keys.problems), keys.problems
